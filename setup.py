@@ -1,0 +1,23 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="kyu_transformer",
+    version="0.1.0",
+    description="A readable Transformer for Keras 3 / TensorFlow 2, ported from Kyubyong Park's modules.py.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["kyu_transformer", "kyu_transformer.*"]),
+    python_requires=">=3.9",
+    install_requires=[
+        "tensorflow>=2.16",
+        "keras>=3",
+        "numpy",
+        "sentencepiece",
+        "sacrebleu>=2",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest"],
+        "bench": ["keras-hub"],
+    },
+)

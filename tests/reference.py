@@ -1,0 +1,52 @@
+"""Numpy references of the layers' formulas, written from the paper and the original."""
+
+import numpy as np
+
+
+def layer_norm(x, gamma, beta, epsilon):
+    mean = x.mean(-1, keepdims=True)
+    variance = ((x - mean) ** 2).mean(-1, keepdims=True)  # biased
+    return gamma * (x - mean) / np.sqrt(variance + epsilon) + beta
+
+
+def softmax(x):
+    shifted = np.exp(x - x.max(-1, keepdims=True))
+    return shifted / shifted.sum(-1, keepdims=True)
+
+
+def dense(layer, x, activation=None):
+    y = x @ np.asarray(layer.kernel) + np.asarray(layer.bias)
+    return np.maximum(y, 0) if activation == "relu" else y
+
+
+def multihead_attention(layer, queries, keys, query_mask=None, key_mask=None,
+                        causality=False, activation=None):
+    """Post-norm attention computed element by element from the layer's weights."""
+    n, t_q, _ = queries.shape
+    t_k = keys.shape[1]
+    h = layer.num_heads
+    q = dense(layer.query_dense, queries, activation)
+    k = dense(layer.key_dense, keys, activation)
+    v = dense(layer.value_dense, keys, activation)
+    d = q.shape[-1] // h
+    heads = np.zeros((n, t_q, h * d))
+    weights = np.zeros((n, h, t_q, t_k))
+    for b in range(n):
+        for head in range(h):
+            cols = slice(head * d, (head + 1) * d)
+            scores = q[b, :, cols] @ k[b, :, cols].T / np.sqrt(d)  # (T_q, T_k)
+            allowed = np.ones((t_q, t_k), bool)
+            if key_mask is not None:
+                allowed &= key_mask[b][None, :]
+            if causality:
+                allowed &= np.tril(np.ones((t_q, t_k), bool))
+            if query_mask is not None:
+                allowed &= query_mask[b][:, None]
+            w = np.where(allowed, softmax(np.where(allowed, scores, -1e30)), 0.0)
+            weights[b, head] = w
+            heads[b, :, cols] = w @ v[b, :, cols]
+    if getattr(layer, "output_projection", False):
+        heads = dense(layer.output_dense, heads)
+    outputs = layer_norm(queries + heads, np.asarray(layer.norm.gamma),
+                         np.asarray(layer.norm.beta), layer.epsilon)
+    return outputs, weights

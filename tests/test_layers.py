@@ -1,0 +1,425 @@
+"""Each layer's formula against numpy, and what its masks hide."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from kyu_transformer.layers import (
+    DecoderBlock, Embedding, EncoderBlock, FeedForward, MultiHeadAttention, Normalize,
+    PositionalEncoding, label_smoothing)
+from tests import reference
+
+
+def padded_ids(rng, batch=3, length=7, vocab=50, lengths=(7, 4, 2)):
+    ids = rng.integers(1, vocab, size=(batch, length))
+    for row, keep in enumerate(lengths):
+        ids[row, keep:] = 0
+    return ids
+
+
+# ---------------------------------------------------------------- Normalize
+
+def test_normalize_matches_numpy(rng):
+    x = rng.normal(size=(2, 5, 8)).astype("float32") * 3 + 1
+    layer = Normalize()
+    layer.build(x.shape)
+    layer.gamma.assign(rng.normal(size=8))
+    layer.beta.assign(rng.normal(size=8))
+    expected = reference.layer_norm(x, np.asarray(layer.gamma), np.asarray(layer.beta), 1e-8)
+    np.testing.assert_allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_normalize_weights_are_named_gamma_beta_and_start_at_one_zero():
+    layer = Normalize()
+    layer.build((None, 6))
+    assert sorted(w.path.split("/")[-1] for w in layer.weights) == ["beta", "gamma"]
+    np.testing.assert_array_equal(layer.gamma, np.ones(6))
+    np.testing.assert_array_equal(layer.beta, np.zeros(6))
+    assert layer.epsilon == 1e-8
+
+
+# ---------------------------------------------------------------- Embedding
+
+def test_embedding_scale_zero_row_and_mask(rng):
+    ids = padded_ids(rng)
+    layer = Embedding(50, 8)
+    outputs = np.asarray(layer(ids))
+    table = np.asarray(layer.embeddings)
+    assert table.shape == (50, 8)
+    np.testing.assert_array_equal(table[0], 0.0)
+    expected = table[ids] * math.sqrt(8)
+    np.testing.assert_allclose(outputs, expected, rtol=1e-6)
+    assert np.all(outputs[ids == 0] == 0.0)
+    np.testing.assert_array_equal(layer.compute_mask(ids), ids != 0)
+
+
+def test_embedding_without_scale_or_zero_pad(rng):
+    layer = Embedding(10, 4, zero_pad=False, scale=False)
+    ids = np.array([[0, 1, 2]])
+    outputs = np.asarray(layer(ids))
+    np.testing.assert_allclose(outputs[0], np.asarray(layer.embeddings)[[0, 1, 2]])
+    assert np.any(outputs[0, 0] != 0.0)
+
+
+def test_embedding_glorot_uniform_range():
+    layer = Embedding(1000, 64, zero_pad=False)
+    layer.build(None)
+    limit = math.sqrt(6.0 / (1000 + 64))
+    table = np.asarray(layer.embeddings)
+    assert np.abs(table).max() <= limit
+    assert np.abs(table).max() > 0.9 * limit
+
+
+def test_embedding_attend_is_matmul_with_table(rng):
+    layer = Embedding(20, 6)
+    layer.build(None)
+    x = rng.normal(size=(2, 3, 6)).astype("float32")
+    np.testing.assert_allclose(layer.attend(x), x @ np.asarray(layer.embeddings).T,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_embedding_pad_row_stays_zero_after_optimizer_steps(rng):
+    layer = Embedding(12, 4)
+    layer.build(None)
+    optimizer = keras.optimizers.AdamW(learning_rate=0.1, weight_decay=0.1)
+    ids = np.array([[0, 3, 0, 5], [1, 0, 2, 0]])
+    for _ in range(5):
+        with tf.GradientTape() as tape:
+            loss = keras.ops.sum(layer(ids) ** 2) + keras.ops.sum(layer.attend(np.ones((1, 4), "float32")))
+        grads = tape.gradient(loss, layer.trainable_variables)
+        optimizer.apply(grads, layer.trainable_variables)
+    assert np.all(np.asarray(layer(ids))[ids == 0] == 0.0)
+    np.testing.assert_array_equal(np.asarray(layer.embeddings)[0], 0.0)
+    # and the other rows did move
+    assert np.abs(np.asarray(layer.embeddings)[3]).sum() > 0
+
+
+# ------------------------------------------------------- PositionalEncoding
+
+def sinusoid_value(pos, i, d):
+    angle = pos / 10000 ** (2 * (i // 2) / d)
+    return math.sin(angle) if i % 2 == 0 else math.cos(angle)
+
+
+def test_interleaved_sinusoid_at_several_positions():
+    d = 16
+    layer = PositionalEncoding(maxlen=60, num_units=d, masking=False)
+    ids = np.ones((1, 60), dtype="int32")
+    table = np.asarray(layer(ids))[0]
+    for pos in (0, 1, 7, 33, 59):
+        for i in (0, 1, 2, 3, 10, 11, 14, 15):
+            assert table[pos, i] == pytest.approx(sinusoid_value(pos, i, d), abs=1e-6)
+
+
+def test_concat_sinusoid_is_tensor2tensor_layout():
+    d = 8
+    layer = PositionalEncoding(maxlen=30, num_units=d, style="concat", masking=False)
+    table = np.asarray(layer(np.ones((1, 30), "int32")))[0]
+    timescales = d // 2
+    increment = math.log(10000) / (timescales - 1)
+    for pos in (0, 3, 29):
+        for j in range(timescales):
+            scaled = pos * math.exp(-j * increment)
+            assert table[pos, j] == pytest.approx(math.sin(scaled), abs=1e-6)
+            assert table[pos, timescales + j] == pytest.approx(math.cos(scaled), abs=1e-6)
+
+
+def test_sinusoid_is_not_trainable_and_learned_table_is():
+    fixed = PositionalEncoding(maxlen=10, num_units=4)
+    fixed(np.ones((1, 3), "int32"))
+    assert fixed.trainable_weights == []
+    learned = PositionalEncoding(maxlen=10, num_units=4, sinusoid=False, masking=False)
+    outputs = np.asarray(learned(np.ones((2, 3), "int32")))
+    assert [w.shape for w in learned.trainable_weights] == [(10, 4)]
+    np.testing.assert_allclose(outputs[1], np.asarray(learned.position_embeddings)[:3])
+
+
+def test_encoding_masks_padding_from_ids_and_from_keras_mask(rng):
+    ids = padded_ids(rng)
+    from_ids = np.asarray(PositionalEncoding(maxlen=10, num_units=8)(ids))
+    assert np.all(from_ids[ids == 0] == 0.0)
+    assert np.all(np.abs(from_ids[ids != 0]).sum(-1) > 0)
+    embedded = Embedding(50, 8)(ids)  # carries the Keras mask ids != 0
+    from_mask = np.asarray(PositionalEncoding(maxlen=10)(embedded))
+    np.testing.assert_array_equal(from_mask, from_ids)
+
+
+def test_encoding_zero_pad_and_scale_keep_the_original_meaning():
+    ids = np.ones((1, 5), "int32")
+    plain = np.asarray(PositionalEncoding(maxlen=5, num_units=6)(ids))
+    zeroed = np.asarray(PositionalEncoding(maxlen=5, num_units=6, zero_pad=True)(ids))
+    scaled = np.asarray(PositionalEncoding(maxlen=5, num_units=6, scale=True)(ids))
+    np.testing.assert_array_equal(zeroed[0, 0], 0.0)
+    np.testing.assert_allclose(zeroed[0, 1:], plain[0, 1:])
+    np.testing.assert_allclose(scaled, plain * math.sqrt(6), rtol=1e-6)
+
+
+def test_encoding_longer_than_maxlen_names_both_numbers():
+    layer = PositionalEncoding(maxlen=4, num_units=6)
+    with pytest.raises(ValueError, match=r"length 5.*maxlen=4"):
+        layer(np.ones((1, 5), "int32"))
+
+
+# ------------------------------------------------------- MultiHeadAttention
+
+def attention_inputs(rng, n=3, t_q=5, t_k=6, c=8):
+    queries = rng.normal(size=(n, t_q, c)).astype("float32")
+    keys = rng.normal(size=(n, t_k, c)).astype("float32")
+    query_mask = np.ones((n, t_q), bool)
+    query_mask[1, 3:] = False
+    key_mask = np.ones((n, t_k), bool)
+    key_mask[0, 4:] = False
+    key_mask[2, 1:] = False
+    return queries, keys, query_mask, key_mask
+
+
+@pytest.mark.parametrize("causality", [False, True])
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_attention_matches_numpy_from_its_own_kernels(rng, causality, activation):
+    queries, keys, query_mask, key_mask = attention_inputs(rng, t_k=5)
+    layer = MultiHeadAttention(num_heads=2, causality=causality,
+                               projection_activation=activation)
+    outputs, weights = layer(queries, keys, query_mask=query_mask, key_mask=key_mask,
+                             return_attention_scores=True)
+    expected, expected_weights = reference.multihead_attention(
+        layer, queries, keys, query_mask, key_mask, causality, activation)
+    assert weights.shape == (3, 2, 5, 5)
+    np.testing.assert_allclose(weights, expected_weights, atol=1e-5)
+    np.testing.assert_allclose(outputs, expected, atol=1e-4)
+
+
+def test_attention_with_output_projection_matches_numpy(rng):
+    queries, keys, query_mask, key_mask = attention_inputs(rng)
+    layer = MultiHeadAttention(num_heads=4, num_units=16, output_projection=True)
+    outputs = layer(queries, keys, query_mask=query_mask, key_mask=key_mask)
+    assert layer.query_dense.kernel.shape == (8, 16)
+    assert layer.output_dense.kernel.shape == (16, 8)
+    expected, _ = reference.multihead_attention(layer, queries, keys, query_mask, key_mask)
+    np.testing.assert_allclose(outputs, expected, atol=1e-4)
+
+
+def test_masked_keys_get_zero_weight_and_their_content_is_ignored(rng):
+    queries, keys, query_mask, key_mask = attention_inputs(rng)
+    layer = MultiHeadAttention(num_heads=2)
+    outputs, weights = layer(queries, keys, key_mask=key_mask, return_attention_scores=True)
+    weights = np.asarray(weights)
+    assert np.all(weights.transpose(0, 2, 1, 3)[~key_mask[:, None, None, :].repeat(5, 1)
+                                                  .repeat(2, 2)] == 0.0)
+    changed = keys.copy()
+    changed[~key_mask] = rng.normal(size=changed[~key_mask].shape) * 100
+    np.testing.assert_array_equal(layer(queries, changed, key_mask=key_mask), outputs)
+
+
+def test_causality_hides_the_future(rng):
+    x = rng.normal(size=(2, 6, 8)).astype("float32")
+    layer = MultiHeadAttention(num_heads=2, causality=True)
+    outputs, weights = layer(x, x, return_attention_scores=True)
+    assert np.all(np.triu(np.ones((6, 6)), k=1)[None, None] * np.asarray(weights) == 0.0)
+    changed = x.copy()
+    changed[:, 4:] = rng.normal(size=(2, 2, 8)) * 10
+    np.testing.assert_allclose(np.asarray(layer(changed, changed))[:, :4],
+                               np.asarray(outputs)[:, :4], atol=1e-6)
+
+
+def test_masked_queries_get_all_zero_weights(rng):
+    queries, keys, query_mask, _ = attention_inputs(rng)
+    layer = MultiHeadAttention(num_heads=2)
+    _, weights = layer(queries, keys, query_mask=query_mask, return_attention_scores=True)
+    weights = np.asarray(weights)
+    assert np.all(weights[1, :, 3:] == 0.0)
+    np.testing.assert_allclose(weights[0].sum(-1), 1.0, atol=1e-6)
+    # a masked query's output is then LN(q + 0): the residual alone
+    outputs = np.asarray(layer(queries, keys, query_mask=query_mask))
+    expected = reference.layer_norm(queries[1, 3:], 1.0, 0.0, 1e-8)
+    np.testing.assert_allclose(outputs[1, 3:], expected, atol=1e-5)
+
+
+def test_explicit_masks_equal_keras_masks_in_a_functional_model(rng):
+    source = padded_ids(rng)
+    target = padded_ids(rng, lengths=(3, 7, 5))
+    source_in = keras.Input((None,), dtype="int32")
+    target_in = keras.Input((None,), dtype="int32")
+    embedding = Embedding(50, 8)
+    attention = MultiHeadAttention(num_heads=2)
+    implicit = attention(embedding(target_in), embedding(source_in))
+    model = keras.Model([source_in, target_in], implicit)
+    explicit = attention(embedding(target), embedding(source),
+                         query_mask=target != 0, key_mask=source != 0)
+    no_mask = attention(embedding(target), embedding(source),
+                        query_mask=np.ones_like(target, bool), key_mask=np.ones_like(source, bool))
+    np.testing.assert_array_equal(model([source, target]), explicit)
+    assert not np.allclose(explicit, no_mask)
+
+
+def test_self_attention_takes_the_mask_of_its_queries(rng):
+    ids = padded_ids(rng)
+    embedded = Embedding(50, 8)(ids)
+    layer = MultiHeadAttention(num_heads=2)
+    np.testing.assert_array_equal(
+        layer(embedded, embedded), layer(embedded, embedded, query_mask=ids != 0,
+                                         key_mask=ids != 0))
+    np.testing.assert_array_equal(layer(embedded), layer(embedded, embedded))
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
+def test_fully_masked_row_is_finite(rng, policy):
+    keras.config.set_dtype_policy(policy)
+    queries, keys, _, _ = attention_inputs(rng)
+    key_mask = np.zeros((3, 6), bool)
+    key_mask[1] = True
+    layer = MultiHeadAttention(num_heads=2, causality=True)
+    outputs, weights = layer(queries * 50, keys * 50, key_mask=key_mask,
+                             return_attention_scores=True)
+    assert outputs.dtype == keras.config.dtype_policy().compute_dtype
+    outputs = np.asarray(keras.ops.cast(outputs, "float32"))
+    weights = np.asarray(keras.ops.cast(weights, "float32"))
+    assert np.all(np.isfinite(outputs)) and np.all(np.isfinite(weights))
+    assert np.all(weights[[0, 2]] == 0.0)
+    # the gradients stay finite too (a NaN hidden behind `where` still poisons them)
+    queries = tf.constant(queries * 50)
+    with tf.GradientTape() as tape:
+        tape.watch(queries)
+        total = tf.reduce_sum(tf.cast(layer(queries, keys * 50, key_mask=key_mask), "float32"))
+    gradients = tape.gradient(total, [queries] + layer.trainable_variables)
+    assert all(np.all(np.isfinite(np.asarray(g, dtype="float32"))) for g in gradients)
+
+
+def test_attention_dropout_only_in_training(rng):
+    queries, keys, _, _ = attention_inputs(rng)
+    layer = MultiHeadAttention(num_heads=2, dropout_rate=0.5)
+    inference = [np.asarray(layer(queries, keys)) for _ in range(2)]
+    np.testing.assert_array_equal(inference[0], inference[1])
+    np.testing.assert_array_equal(inference[0], layer(queries, keys, training=False))
+    _, weights = layer(queries, keys, training=True, return_attention_scores=True)
+    trained = np.asarray(layer(queries, keys, training=True))
+    assert not np.allclose(trained, inference[0])
+
+
+def test_pre_norm_attention(rng):
+    x = rng.normal(size=(2, 4, 8)).astype("float32")
+    layer = MultiHeadAttention(num_heads=2, norm_position="pre")
+    outputs = np.asarray(layer(x))
+    normed = reference.layer_norm(x, 1.0, 0.0, 1e-8)
+    # q + Attn(LN(q), LN(q), LN(q)): subtract x, then the attention part alone
+    post = MultiHeadAttention(num_heads=2)
+    post(normed)
+    post.set_weights(layer.get_weights())
+    attention_part = np.asarray(post.attention(
+        *[post._split_heads(dense(normed)) for dense in
+          (post.query_dense, post.key_dense, post.value_dense)], None)[0])
+    merged = attention_part.transpose(0, 2, 1, 3).reshape(2, 4, 8)
+    np.testing.assert_allclose(outputs, x + merged, atol=1e-5)
+
+
+def test_pluggable_attention_operator(rng):
+    calls = []
+
+    def uniform_attention(q, k, v, mask):
+        calls.append(mask)
+        weights = keras.ops.ones(keras.ops.shape(q)[:3] + (keras.ops.shape(k)[2],))
+        weights = weights / keras.ops.cast(keras.ops.shape(k)[2], "float32")
+        return keras.ops.matmul(weights, v), weights
+
+    queries, keys, _, _ = attention_inputs(rng)
+    layer = MultiHeadAttention(num_heads=2, attention=uniform_attention)
+    _, weights = layer(queries, keys, return_attention_scores=True)
+    assert calls and calls[0] is None
+    np.testing.assert_allclose(weights, np.full((3, 2, 5, 6), 1 / 6), rtol=1e-6)
+
+
+def test_attention_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="divisible"):
+        MultiHeadAttention(num_heads=3, num_units=8)
+    with pytest.raises(ValueError, match="output_projection"):
+        MultiHeadAttention(num_heads=2, num_units=16)(np.zeros((1, 2, 8), "float32"))
+    with pytest.raises(ValueError, match="norm_position"):
+        MultiHeadAttention(norm_position="middle")
+
+
+# -------------------------------------------------------------- FeedForward
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_feedforward_matches_numpy(rng, norm_position):
+    x = rng.normal(size=(2, 3, 8)).astype("float32")
+    layer = FeedForward((16, 8), norm_position=norm_position)
+    outputs = np.asarray(layer(x))
+    ln = lambda y: reference.layer_norm(y, 1.0, 0.0, 1e-8)  # noqa: E731
+    inner = lambda y: reference.dense(  # noqa: E731
+        layer.outer_dense, reference.dense(layer.inner_dense, y, "relu"))
+    expected = ln(x + inner(x)) if norm_position == "post" else x + inner(ln(x))
+    np.testing.assert_allclose(outputs, expected, atol=1e-5)
+    assert layer.inner_dense.kernel.shape == (8, 16)
+
+
+def test_feedforward_dropout_only_in_training(rng):
+    x = rng.normal(size=(2, 3, 8)).astype("float32")
+    layer = FeedForward((16, 8), dropout_rate=0.5)
+    np.testing.assert_array_equal(layer(x), layer(x, training=False))
+    assert not np.allclose(layer(x, training=True), layer(x))
+
+
+def test_feedforward_outer_width_must_match_input():
+    with pytest.raises(ValueError, match="outer width"):
+        FeedForward((16, 4))(np.zeros((1, 2, 8), "float32"))
+
+
+# ---------------------------------------------------------- label_smoothing
+
+def test_label_smoothing_docstring_example():
+    inputs = np.array([[[0, 0, 1], [0, 1, 0], [1, 0, 0]],
+                       [[1, 0, 0], [1, 0, 0], [0, 1, 0]]], "float32")
+    expected = np.where(inputs == 1, 0.93333334, 0.03333334)
+    np.testing.assert_allclose(label_smoothing(inputs), expected, rtol=1e-6)
+
+
+# ------------------------------------------------------------------- Blocks
+
+def test_encoder_block_is_attention_then_feedforward(rng):
+    ids = padded_ids(rng)
+    x = np.asarray(Embedding(50, 8)(ids))
+    block = EncoderBlock(num_heads=2, d_ff=16)
+    outputs = np.asarray(block(x, mask=ids != 0))
+    attended = block.self_attention(x, query_mask=ids != 0, key_mask=ids != 0)
+    np.testing.assert_allclose(outputs, block.feed_forward(attended), atol=1e-6)
+    changed = x.copy()
+    changed[ids == 0] = 42.0  # padding content cannot leak into real positions
+    np.testing.assert_allclose(np.asarray(block(changed, mask=ids != 0))[ids != 0],
+                               outputs[ids != 0], atol=1e-5)
+
+
+def test_decoder_block_masks_future_and_source_padding(rng):
+    source = padded_ids(rng)
+    memory = rng.normal(size=(3, 7, 8)).astype("float32")
+    target = rng.normal(size=(3, 5, 8)).astype("float32")
+    block = DecoderBlock(num_heads=2, d_ff=16)
+    outputs, weights, coverage = block(target, memory, memory_mask=source != 0,
+                                       return_attention_scores=True)
+    assert weights.shape == (3, 2, 5, 7) and coverage.shape == (3, 5, 7)
+    np.testing.assert_allclose(coverage, np.asarray(weights).mean(1), atol=1e-6)
+    assert np.all(np.asarray(coverage)[source[:, None, :].repeat(5, 1) == 0] == 0.0)
+    changed_memory = memory.copy()
+    changed_memory[source == 0] = 99.0
+    changed_target = target.copy()
+    changed_target[:, 3:] = -7.0
+    again = block(changed_target, changed_memory, memory_mask=source != 0)
+    np.testing.assert_allclose(np.asarray(again)[:, :3], np.asarray(outputs)[:, :3], atol=1e-5)
+
+
+def test_decoder_block_takes_keras_masks(rng):
+    source, target = padded_ids(rng), padded_ids(rng, lengths=(2, 5, 7))
+    embedding = Embedding(50, 8)
+    block = DecoderBlock(num_heads=2, d_ff=16)
+    implicit = block(embedding(target), embedding(source))
+    explicit = block(np.asarray(embedding(target)), np.asarray(embedding(source)),
+                     mask=target != 0, memory_mask=source != 0)
+    np.testing.assert_array_equal(implicit, explicit)
+
+
+def test_block_dropout_only_in_training(rng):
+    x = rng.normal(size=(2, 4, 8)).astype("float32")
+    block = EncoderBlock(num_heads=2, d_ff=16, dropout_rate=0.3)
+    np.testing.assert_array_equal(block(x), block(x, training=False))
+    assert not np.allclose(block(x, training=True), block(x))

@@ -1,0 +1,72 @@
+"""LabelSmoothedCrossEntropy against an explicit one-hot computation."""
+
+import keras
+import numpy as np
+import pytest
+
+from kyu_transformer.layers import label_smoothing
+from kyu_transformer.losses import LabelSmoothedCrossEntropy
+
+
+def explicit_loss(labels, logits, epsilon, pad_id=0):
+    vocab = logits.shape[-1]
+    targets = np.asarray(label_smoothing(np.eye(vocab, dtype="float64")[labels], epsilon))
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    per_token = -(targets * log_probs).sum(-1)
+    keep = labels != pad_id
+    return per_token[keep].sum() / keep.sum(), np.where(keep, per_token, 0.0)
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.1, 0.3])
+def test_loss_equals_explicit_one_hot_cross_entropy(rng, epsilon):
+    labels = rng.integers(1, 11, size=(4, 6))
+    labels[0, 3:] = 0
+    labels[2, 1:] = 0
+    logits = rng.normal(size=(4, 6, 11)) * 3
+    loss = LabelSmoothedCrossEntropy(epsilon=epsilon)
+    expected, expected_tokens = explicit_loss(labels, logits, epsilon)
+    assert float(loss(labels, logits.astype("float32"))) == pytest.approx(expected, rel=1e-5)
+    np.testing.assert_allclose(loss.token_losses(labels, logits.astype("float32")),
+                               expected_tokens, rtol=1e-5, atol=1e-6)
+
+
+def test_padding_is_ignored_and_other_pad_ids_work(rng):
+    labels = np.array([[3, 4, 2, 2]])
+    logits = rng.normal(size=(1, 4, 6)).astype("float32")
+    loss = LabelSmoothedCrossEntropy(pad_id=2)
+    changed = logits.copy()
+    changed[0, 2:] = 100.0
+    assert float(loss(labels, changed)) == pytest.approx(float(loss(labels, logits)))
+    expected, _ = explicit_loss(labels, logits.astype("float64"), 0.1, pad_id=2)
+    assert float(loss(labels, logits)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_probabilities_input(rng):
+    labels = rng.integers(1, 5, size=(2, 3))
+    logits = rng.normal(size=(2, 3, 5))
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    from_probs = LabelSmoothedCrossEntropy(from_logits=False)(labels, probs.astype("float32"))
+    from_logits = LabelSmoothedCrossEntropy()(labels, logits.astype("float32"))
+    assert float(from_probs) == pytest.approx(float(from_logits), rel=1e-4)
+
+
+def test_loss_is_float32_for_bfloat16_logits(rng):
+    labels = rng.integers(1, 7, size=(2, 5))
+    logits = rng.normal(size=(2, 5, 7)).astype("float32")
+    low = keras.ops.cast(logits, "bfloat16")
+    value = LabelSmoothedCrossEntropy()(labels, low)
+    assert keras.backend.standardize_dtype(value.dtype) == "float32"
+    rounded = np.asarray(keras.ops.cast(low, "float32"), dtype="float64")
+    assert float(value) == pytest.approx(explicit_loss(labels, rounded, 0.1)[0], rel=1e-5)
+
+
+def test_loss_config_round_trip():
+    loss = LabelSmoothedCrossEntropy(epsilon=0.2, pad_id=1, from_logits=False)
+    again = keras.losses.deserialize(keras.losses.serialize(loss))
+    assert (again.epsilon, again.pad_id, again.from_logits) == (0.2, 1, False)
+
+
+def test_loss_rejects_bad_epsilon():
+    with pytest.raises(ValueError, match="epsilon"):
+        LabelSmoothedCrossEntropy(epsilon=1.0)
