@@ -10,6 +10,7 @@ setup(
     python_requires=">=3.9",
     install_requires=[
         "tensorflow>=2.16",
+        "tensorboard",
         "keras>=3",
         "numpy",
         "sentencepiece",

@@ -1,0 +1,236 @@
+"""Every hyperparameter in one place: defaults, presets, parsing and validation.
+
+``--hparams`` takes a preset name (``tiny``, ``small``, ``base``), a JSON file,
+or ``key=value,key=value``; several of these may be joined by commas and later
+ones win (``--hparams small,lr=2.0``). Single flags such as ``--batch_size 64``
+override all of them. `train.py` writes the resolved set to
+``<logdir>/hparams.json`` and every later program reading that logdir uses it.
+"""
+
+import argparse
+import difflib
+import json
+import os
+
+# name: (default, help). Kyubyong's names where they exist.
+SPEC = {
+    # data
+    "data_dir": ("data/multi30k", "folder with train/val/test files <split>.<lang>[.gz]"),
+    "src_lang": ("de", "source language suffix"),
+    "tgt_lang": ("en", "target language suffix"),
+    "vocab_size": (8000, "size of the joint SentencePiece vocabulary"),
+    "subword_model_type": ("unigram", "SentencePiece model type: unigram or bpe"),
+    "maxlen1": (100, "longest source, in subwords with EOS; longer pairs are dropped"),
+    "maxlen2": (100, "longest target, in subwords with BOS/EOS; longer pairs are dropped"),
+    "batch_size": (128, "most sentence pairs in a batch"),
+    "batch_tokens": (4096, "most (padded) tokens on either side of a batch; 0: no limit"),
+    # model
+    "d_model": (512, "model width"),
+    "d_ff": (2048, "inner width of the feed-forward nets"),
+    "num_blocks": (6, "encoder blocks, and as many decoder blocks"),
+    "num_heads": (8, "attention heads"),
+    "dropout_rate": (0.1, "dropout rate"),
+    "norm_position": ("post", "layer norm after (post) or before (pre) each sub-layer"),
+    "sinusoid": (True, "sinusoid (true) or learned (false) positions"),
+    "share_embeddings": (True, "one embedding table for source, target and output"),
+    "epsilon": (1e-6, "layer-norm epsilon"),
+    # training
+    "lr": (1.0, "scale of the Noam learning-rate schedule"),
+    "warmup_steps": (4000, "warm-up steps of the Noam schedule"),
+    "smoothing": (0.1, "label smoothing"),
+    "num_epochs": (20, "epochs to train"),
+    "steps_per_epoch": (0, "cap on the steps of an epoch; 0: the whole training set"),
+    "max_minutes": (0.0, "stop cleanly after this many minutes of training; 0: no limit"),
+    "seed": (42, "seed of initialization, shuffling and dropout"),
+    "mixed_precision": ("no", "no, bf16 (CPU/TPU) or fp16 (GPU, with loss scaling)"),
+    "jit_compile": (False, "compile the training step with XLA"),
+    "logdir": ("log/default", "where checkpoints, summaries, plots and the subword model go"),
+    "keep_checkpoints": (5, "how many recent checkpoints to keep"),
+    "checkpoint_every": (500, "also checkpoint every this many steps; 0: only per epoch"),
+    "log_every": (50, "write summaries every this many steps"),
+    # evaluation during training
+    "eval_sentences": (200, "validation sentences scored with BLEU after each epoch; 0: none"),
+    "eval_batch_size": (128, "sentences per decoding batch"),
+}
+
+DEFAULTS = {name: default for name, (default, _) in SPEC.items()}
+
+CHOICES = {
+    "norm_position": ("post", "pre"),
+    "mixed_precision": ("no", "bf16", "fp16"),
+    "subword_model_type": ("unigram", "bpe"),
+}
+POSITIVE = ("vocab_size", "maxlen1", "maxlen2", "batch_size", "d_model", "d_ff", "num_blocks",
+            "num_heads", "lr", "warmup_steps", "num_epochs", "keep_checkpoints", "log_every",
+            "epsilon", "eval_batch_size")
+NON_NEGATIVE = ("batch_tokens", "steps_per_epoch", "max_minutes", "checkpoint_every",
+                "eval_sentences", "seed")
+RATES = ("dropout_rate", "smoothing")
+
+PRESETS = {
+    # Trains in seconds: for tests and smoke runs.
+    "tiny": dict(vocab_size=400, d_model=32, d_ff=64, num_blocks=1, num_heads=2,
+                 maxlen1=48, maxlen2=48, batch_size=32, batch_tokens=1024, dropout_rate=0.0,
+                 lr=2.0, warmup_steps=40, num_epochs=1, steps_per_epoch=30, log_every=10,
+                 checkpoint_every=0, eval_sentences=0, logdir="log/tiny"),
+    # The CPU recipe for Multi30k.
+    "small": dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4,
+                  maxlen1=64, maxlen2=64, batch_size=256, batch_tokens=4096, dropout_rate=0.1,
+                  lr=2.0, warmup_steps=1000, num_epochs=30, logdir="log/small"),
+    # The paper's base model.
+    "base": dict(d_model=512, d_ff=2048, num_blocks=6, num_heads=8, dropout_rate=0.1,
+                 lr=1.0, warmup_steps=4000, logdir="log/base"),
+}
+
+
+class HParamsError(ValueError):
+    """A hyperparameter problem; the message lists every problem found."""
+
+
+def _closest(name):
+    match = difflib.get_close_matches(name, list(SPEC), n=1)
+    return f" (did you mean `{match[0]}`?)" if match else ""
+
+
+def _convert(name, value):
+    """`value` (a string from the command line, or a JSON value) as the type of `name`."""
+    default = DEFAULTS[name]
+    kind = type(default)
+    if isinstance(value, str) and kind is not str:
+        text = value.strip()
+        if kind is bool:
+            lowered = text.lower()
+            if lowered in ("true", "1", "yes"):
+                return True
+            if lowered in ("false", "0", "no"):
+                return False
+            raise HParamsError(f"`{name}` must be true or false, got {value!r}")
+        try:
+            return kind(float(text)) if kind is int and float(text).is_integer() else kind(text)
+        except ValueError:
+            raise HParamsError(f"`{name}` must be {kind.__name__}, got {value!r}") from None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise HParamsError(f"`{name}` must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _read_json(path):
+    try:
+        with open(path, encoding="utf-8") as handle:
+            values = json.load(handle)
+    except json.JSONDecodeError as error:
+        raise HParamsError(f"{path}, line {error.lineno}: not valid JSON ({error.msg})") from None
+    if not isinstance(values, dict):
+        raise HParamsError(f"{path}: expected a JSON object of hyperparameters")
+    return values
+
+
+def _parse_part(part):
+    """One comma-separated part of `--hparams`: a preset, a JSON file or key=value."""
+    if "=" in part:
+        key, value = part.split("=", 1)
+        return {key.strip(): value}
+    if part in PRESETS:
+        return dict(PRESETS[part])
+    if part.endswith(".json") or os.path.sep in part:
+        if not os.path.isfile(part):
+            raise HParamsError(f"--hparams: no such JSON file: {part}")
+        return _read_json(part)
+    match = difflib.get_close_matches(part, list(PRESETS), n=1)
+    hint = f" (did you mean `{match[0]}`?)" if match else ""
+    raise HParamsError(
+        f"--hparams: {part!r} is neither a preset ({', '.join(PRESETS)}){hint}, a JSON file "
+        "nor key=value")
+
+
+def parse(spec="", overrides=None):
+    """Resolves a `--hparams` string and a dict of overrides into validated hparams."""
+    values = {}
+    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+        values.update(_parse_part(part))
+    values.update(overrides or {})
+    return resolve(values)
+
+
+def resolve(values):
+    """DEFAULTS updated with `values`, converted and validated; raises HParamsError."""
+    problems = []
+    hparams = dict(DEFAULTS)
+    for name, value in values.items():
+        if name not in SPEC:
+            problems.append(f"unknown hyperparameter `{name}`{_closest(name)}; "
+                            f"valid ones: {', '.join(sorted(SPEC))}")
+            continue
+        try:
+            hparams[name] = _convert(name, value)
+        except HParamsError as error:
+            problems.append(str(error))
+    if not problems:
+        problems = check(hparams)
+    if problems:
+        raise HParamsError("bad hyperparameters:\n  - " + "\n  - ".join(problems))
+    return hparams
+
+
+def check(hparams):
+    """The list of problems of a fully typed hparams dict (empty when valid)."""
+    problems = []
+    for name in POSITIVE:
+        if hparams[name] <= 0:
+            problems.append(f"`{name}` must be positive, got {hparams[name]}")
+    for name in NON_NEGATIVE:
+        if hparams[name] < 0:
+            problems.append(f"`{name}` must be >= 0, got {hparams[name]}")
+    for name in RATES:
+        if not 0.0 <= hparams[name] < 1.0:
+            problems.append(f"`{name}` must be in [0, 1), got {hparams[name]}")
+    for name, choices in CHOICES.items():
+        if hparams[name] not in choices:
+            problems.append(f"`{name}` must be one of {', '.join(choices)}, got {hparams[name]!r}")
+    if hparams["num_heads"] > 0 and hparams["d_model"] % hparams["num_heads"]:
+        problems.append(f"`d_model` ({hparams['d_model']}) must be divisible by `num_heads` "
+                        f"({hparams['num_heads']})")
+    if hparams["batch_tokens"] and hparams["batch_tokens"] < max(hparams["maxlen1"],
+                                                                 hparams["maxlen2"]):
+        problems.append(f"`batch_tokens` ({hparams['batch_tokens']}) must be 0 or at least the "
+                        f"longest sequence ({max(hparams['maxlen1'], hparams['maxlen2'])})")
+    return problems
+
+
+def add_arguments(parser):
+    """`--hparams` plus one `--<name>` flag per hyperparameter."""
+    parser.add_argument("--hparams", default="",
+                        help="preset (" + ", ".join(PRESETS) + "), JSON file, or key=value,...")
+    group = parser.add_argument_group("hyperparameters (override --hparams)")
+    for name, (default, text) in SPEC.items():
+        group.add_argument(f"--{name}", default=None, metavar=type(default).__name__.upper(),
+                           help=f"{text} (default {default!r})")
+    return parser
+
+
+def from_args(args):
+    """The hparams given by parsed `add_arguments` flags."""
+    overrides = {name: getattr(args, name) for name in SPEC if getattr(args, name) is not None}
+    return parse(args.hparams, overrides)
+
+
+def save(hparams, path):
+    """Writes `hparams` to `path` as JSON, atomically (never a half-written file)."""
+    temporary = f"{path}.tmp"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(hparams, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+    os.replace(temporary, path)
+
+
+def load(path):
+    """The hparams saved at `path`, validated against today's SPEC."""
+    if not os.path.isfile(path):
+        raise HParamsError(f"{path}: no such file (has this logdir been trained?)")
+    return resolve(_read_json(path))
+
+
+def argument_parser(description):
+    return add_arguments(argparse.ArgumentParser(description=description))

@@ -1,0 +1,294 @@
+"""Parallel text in, batches of padded subword ids out.
+
+- `read_lines` / `read_parallel`: sentence-aligned text, plain or ``.gz``, with
+  errors that name the file and line;
+- `load_split`: a split of a corpus folder, in the plain layout
+  (``<split>.<lang>[.gz]``, e.g. Multi30k) or the IWSLT 2016 layout
+  (``train.tags.de-en.de``, ``IWSLT16.TED.*.de-en.de.xml``);
+- `ensure_multi30k`: downloads Multi30k when its folder is missing;
+- `Subwords`: a joint SentencePiece model, trained once and then reused;
+- `make_dataset`: the tf.data pipeline (BOS/EOS, length filter, shuffle,
+  bucketing by length, token-budget batches, padding with id 0, prefetch).
+"""
+
+import glob
+import gzip
+import html
+import os
+import re
+import shutil
+import tempfile
+import urllib.request
+
+import numpy as np
+import sentencepiece
+import tensorflow as tf
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
+MULTI30K_FILES = tuple(f"{split}.{lang}.gz" for split in ("train", "val", "test_2016_flickr")
+                       for lang in ("de", "en"))
+
+
+class DataError(ValueError):
+    """A problem with the corpus; the message names the file (and line)."""
+
+
+# ------------------------------------------------------------------ reading
+
+def _open_binary(path):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def normalize_line(text):
+    """Collapses runs of white space (tabs, CR, non-breaking...) to one space."""
+    return " ".join(text.split())
+
+
+def read_lines(path):
+    """The lines of a UTF-8 text file (plain or gzip), white space normalized.
+
+    A byte-order mark and CRLF endings are accepted; invalid UTF-8 raises
+    `DataError` naming the file and line.
+    """
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+    lines = []
+    try:
+        with _open_binary(path) as handle:
+            for number, raw in enumerate(handle, start=1):
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise DataError(f"{path}, line {number}: invalid UTF-8 "
+                                    f"(byte {raw[error.start]:#04x} at column {error.start + 1})"
+                                    ) from None
+                if number == 1:
+                    text = text.lstrip("\ufeff")
+                lines.append(normalize_line(text))
+    except (OSError, EOFError) as error:  # e.g. a truncated or non-gzip .gz
+        raise DataError(f"{path}: cannot read ({error})") from None
+    return lines
+
+
+def pair_lines(sources, targets, source_path, target_path):
+    """Aligned non-empty pairs; returns ``(sources, targets, num_empty)``."""
+    if len(sources) != len(targets):
+        raise DataError(f"{source_path} has {len(sources)} lines but {target_path} has "
+                        f"{len(targets)}: the two sides must be sentence-aligned")
+    kept = [(s, t) for s, t in zip(sources, targets) if s and t]
+    if not kept:
+        raise DataError(f"{source_path} / {target_path}: no non-empty sentence pair")
+    return [s for s, _ in kept], [t for _, t in kept], len(sources) - len(kept)
+
+
+def read_parallel(source_path, target_path):
+    """Reads two aligned files; returns ``(sources, targets, num_empty)``."""
+    return pair_lines(read_lines(source_path), read_lines(target_path), source_path,
+                      target_path)
+
+
+# ------------------------------------------------------------- IWSLT layout
+
+_SEGMENT = re.compile(r"<seg[^>]*>(.*?)</seg>", re.IGNORECASE)
+
+
+def read_iwslt_train(path):
+    """``train.tags.*`` files: every line that is not an XML tag line."""
+    return [line for line in read_lines(path) if not line.startswith("<")]
+
+
+def read_iwslt_xml(path):
+    """``IWSLT16.TED.*.xml`` files: the text of every ``<seg>`` element."""
+    return [normalize_line(html.unescape(segment)) for line in read_lines(path)
+            for segment in _SEGMENT.findall(line)]
+
+
+def _iwslt_paths(data_dir, split, source_lang, target_lang):
+    pair = f"{source_lang}-{target_lang}"
+    if split == "train":
+        names = [f"train.tags.{pair}.{source_lang}", f"train.tags.{pair}.{target_lang}"]
+        return [os.path.join(data_dir, name) for name in names], read_iwslt_train
+    # val/test: any IWSLT xml file whose name holds the split (e.g. tst2014).
+    found = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.{pair}.{source_lang}.xml")))
+    if not found:
+        return None, None
+    source_path = found[-1]
+    target_path = source_path[:-len(f".{source_lang}.xml")] + f".{target_lang}.xml"
+    return [source_path, target_path], read_iwslt_xml
+
+
+IWSLT_SPLITS = {"val": "tst2013", "test": "tst2014"}  # Kyubyong's choice
+
+
+def split_files(data_dir, split, source_lang="de", target_lang="en"):
+    """``([source_path, target_path], reader)`` of a split, or raises DataError."""
+    plain = []
+    for lang in (source_lang, target_lang):
+        candidates = [os.path.join(data_dir, f"{split}.{lang}{ext}") for ext in ("", ".gz")]
+        plain.append(next((c for c in candidates if os.path.isfile(c)), candidates[0]))
+    if all(os.path.isfile(p) for p in plain):
+        return plain, read_lines
+    paths, reader = _iwslt_paths(data_dir, IWSLT_SPLITS.get(split, split), source_lang,
+                                 target_lang)
+    if paths and all(os.path.isfile(p) for p in paths):
+        return paths, reader
+    raise DataError(f"{data_dir}: no `{split}` split for {source_lang}-{target_lang}; expected "
+                    f"{os.path.basename(plain[0])}[.gz] and {os.path.basename(plain[1])}[.gz] "
+                    f"(or the IWSLT 2016 files)")
+
+
+def check_data_dir(data_dir):
+    if not os.path.exists(data_dir):
+        raise DataError(f"{data_dir}: no such data folder")
+    if not os.path.isdir(data_dir):
+        raise DataError(f"{data_dir}: is a file, expected a folder of parallel text")
+    if not os.listdir(data_dir):
+        raise DataError(f"{data_dir}: the data folder is empty")
+
+
+def load_split(data_dir, split, source_lang="de", target_lang="en"):
+    """``(sources, targets, num_empty)`` of one split of a corpus folder."""
+    check_data_dir(data_dir)
+    (source_path, target_path), reader = split_files(data_dir, split, source_lang, target_lang)
+    return pair_lines(reader(source_path), reader(target_path), source_path, target_path)
+
+
+def ensure_multi30k(data_dir, base_url=MULTI30K_URL, timeout=30):
+    """Downloads the six raw Multi30k files into `data_dir` if it does not exist."""
+    if os.path.exists(data_dir):
+        return data_dir
+    staging = tempfile.mkdtemp(prefix=".multi30k-", dir=os.path.dirname(os.path.abspath(data_dir)))
+    try:
+        for name in MULTI30K_FILES:
+            with urllib.request.urlopen(f"{base_url}/{name}", timeout=timeout) as response, \
+                    open(os.path.join(staging, name), "wb") as handle:
+                shutil.copyfileobj(response, handle)
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise DataError(
+            f"{data_dir} does not exist and Multi30k could not be downloaded ({error}). "
+            f"Put the six files {', '.join(MULTI30K_FILES)} (from the `data/task1/raw/` folder "
+            f"of the multi30k/dataset repository) in {data_dir}, or pass --data_dir.") from None
+    os.replace(staging, data_dir)  # all six files or none
+    return data_dir
+
+
+# ----------------------------------------------------------------- subwords
+
+class Subwords:
+    """A joint SentencePiece model: ids 0 pad, 1 unk, 2 BOS, 3 EOS.
+
+    Use `Subwords.train_or_load`: a model already in the logdir is loaded,
+    never retrained over.
+    """
+
+    FILE_NAME = "subwords.model"
+
+    def __init__(self, model_path):
+        if not os.path.isfile(model_path):
+            raise DataError(f"{model_path}: no subword model")
+        self.path = model_path
+        self.processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
+
+    @property
+    def vocab_size(self):
+        return self.processor.get_piece_size()
+
+    @classmethod
+    def train_or_load(cls, directory, sentences, vocab_size, model_type="unigram"):
+        path = os.path.join(directory, cls.FILE_NAME)
+        if os.path.isfile(path):
+            return cls(path)
+        os.makedirs(directory, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".subwords-", dir=directory)
+        try:
+            prefix = os.path.join(staging, "subwords")
+            sentencepiece.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences), model_prefix=prefix, vocab_size=vocab_size,
+                model_type=model_type, character_coverage=1.0, hard_vocab_limit=False,
+                pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                num_threads=2, minloglevel=2)
+            # The .vocab first, the .model last: a model file only ever stands complete.
+            os.replace(prefix + ".vocab", path[:-len(".model")] + ".vocab")
+            os.replace(prefix + ".model", path)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return cls(path)
+
+    def encode(self, sentences):
+        return self.processor.encode(list(sentences), out_type=int)
+
+    def decode(self, ids):
+        """Ids (stopping at EOS, skipping pad/BOS) back to detokenized text."""
+        ids = [int(i) for i in ids]
+        if EOS_ID in ids:
+            ids = ids[:ids.index(EOS_ID)]
+        return self.processor.decode([i for i in ids if i not in (PAD_ID, BOS_ID)])
+
+
+# ----------------------------------------------------------------- pipeline
+
+def add_markers(source_ids, target_ids, maxlen1, maxlen2):
+    """Source + EOS, BOS + target, target + EOS; pairs too long are dropped.
+
+    Returns ``(sources, targets_in, targets_out, num_dropped)`` as lists.
+    """
+    sources, targets_in, targets_out, dropped = [], [], [], 0
+    for source, target in zip(source_ids, target_ids):
+        if len(source) + 1 > maxlen1 or len(target) + 1 > maxlen2:
+            dropped += 1
+            continue
+        sources.append(list(source) + [EOS_ID])
+        targets_in.append([BOS_ID] + list(target))
+        targets_out.append(list(target) + [EOS_ID])
+    return sources, targets_in, targets_out, dropped
+
+
+def _padded(sequences):
+    """`(num, longest)` int32 array padded with 0, and the lengths."""
+    lengths = np.array([len(s) for s in sequences], dtype=np.int32)
+    padded = np.zeros((len(sequences), lengths.max()), dtype=np.int32)
+    for row, sequence in enumerate(sequences):
+        padded[row, :len(sequence)] = sequence
+    return padded, lengths
+
+
+def bucket_plan(maxlen, batch_size, batch_tokens, width=8):
+    """Bucket boundaries every `width` tokens and the batch size of each bucket.
+
+    A bucket of sequences up to length L holds ``min(batch_size, batch_tokens // L)``
+    pairs, so that no batch has more than `batch_tokens` padded tokens a side.
+    """
+    boundaries = list(range(width + 1, maxlen + 1, width))  # bucket i: length < boundary i
+    upper_lengths = [b - 1 for b in boundaries] + [maxlen]
+    sizes = [max(1, min(batch_size, batch_tokens // length)) if batch_tokens else batch_size
+             for length in upper_lengths]
+    return boundaries, sizes
+
+
+def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, maxlen=None,
+                 shuffle=True, seed=0):
+    """Batches ``({"source", "target_in"}, target_out)`` of int32 ids padded with 0.
+
+    Pairs are bucketed by their longer side, so batches hold sentences of
+    similar length. With a fixed `seed` the batches (and their order) are the
+    same every time, which lets a resumed run skip exactly the batches it had
+    already trained on.
+    """
+    maxlen = maxlen or max(max(len(s) for s in sources), max(len(t) for t in targets_in))
+    columns = [_padded(sequences) for sequences in (sources, targets_in, targets_out)]
+    dataset = tf.data.Dataset.from_tensor_slices(tuple(columns))
+    # Each element back to its own length; the batches are padded again below.
+    dataset = dataset.map(lambda *columns: tuple(ids[:length] for ids, length in columns))
+    if shuffle:
+        dataset = dataset.shuffle(len(sources), seed=seed, reshuffle_each_iteration=False)
+    boundaries, sizes = bucket_plan(maxlen, batch_size, batch_tokens)
+    dataset = dataset.bucket_by_sequence_length(
+        element_length_func=lambda s, t_in, t_out: tf.maximum(tf.shape(s)[0], tf.shape(t_in)[0]),
+        bucket_boundaries=boundaries, bucket_batch_sizes=sizes, padding_values=PAD_ID)
+    if shuffle:  # buckets emit in length order within a window: mix the batches too
+        dataset = dataset.shuffle(256, seed=seed + 1, reshuffle_each_iteration=False)
+    dataset = dataset.map(lambda s, t_in, t_out: ({"source": s, "target_in": t_in}, t_out))
+    return dataset.prefetch(tf.data.AUTOTUNE)

@@ -1,0 +1,140 @@
+"""The encoder-decoder Transformer, made of the package's layers.
+
+The model knows sizes, not corpora: it is built from plain keyword arguments
+(or a dict of them, e.g. the resolved hyperparameters) and maps token ids to
+logits. Id 0 is padding everywhere.
+"""
+
+import keras
+from keras import ops
+
+from kyu_transformer.layers import (
+    NORM_POSITIONS, DecoderBlock, Embedding, EncoderBlock, Normalize, PositionalEncoding,
+    _check_choice, _check_rate)
+
+# The model's own arguments; `from_hparams` picks these out of a larger dict.
+MODEL_ARGUMENTS = (
+    "vocab_size", "d_model", "d_ff", "num_blocks", "num_heads", "maxlen1", "maxlen2",
+    "dropout_rate", "norm_position", "sinusoid", "share_embeddings", "epsilon")
+
+
+@keras.saving.register_keras_serializable(package="kyu_transformer")
+class Transformer(keras.Model):
+    """Encoder-decoder Transformer with tied output weights.
+
+    Args:
+      vocab_size: Size of the (shared) vocabulary; id 0 is padding.
+      d_model: Model width.
+      d_ff: Inner width of the feed-forward nets.
+      num_blocks: Encoder blocks, and as many decoder blocks.
+      num_heads: Attention heads.
+      maxlen1: Longest source sequence (positional table size of the encoder).
+      maxlen2: Longest target sequence.
+      dropout_rate: Dropout after the embeddings, on attention weights and on
+        every sub-layer output.
+      norm_position: ``"post"`` (the original) or ``"pre"`` (adds a final
+        normalization after each stack).
+      sinusoid: Fixed sinusoid (True) or learned (False) positions.
+      share_embeddings: One embedding table for source, target and output
+        logits (True), or a source table apart from the target/output one.
+      epsilon: Epsilon of every normalization.
+
+    Call arguments:
+      inputs: dict with ``"source"`` ids `(N, S)` and ``"target_in"`` ids
+        `(N, T)` (the target shifted right, starting with BOS).
+      training: Whether dropout is active.
+
+    Returns:
+      Logits `(N, T, vocab_size)` in the compute dtype.
+    """
+
+    def __init__(self, vocab_size, d_model=512, d_ff=2048, num_blocks=6, num_heads=8,
+                 maxlen1=100, maxlen2=100, dropout_rate=0.1, norm_position="post",
+                 sinusoid=True, share_embeddings=True, epsilon=1e-8, **kwargs):
+        super().__init__(**kwargs)
+        _check_choice("norm_position", norm_position, NORM_POSITIONS)
+        _check_rate("dropout_rate", dropout_rate)
+        if d_model % num_heads:
+            raise ValueError(f"`d_model` ({d_model}) must be divisible by `num_heads` ({num_heads}).")
+        self.vocab_size, self.d_model, self.d_ff = int(vocab_size), int(d_model), int(d_ff)
+        self.num_blocks, self.num_heads = int(num_blocks), int(num_heads)
+        self.maxlen1, self.maxlen2 = int(maxlen1), int(maxlen2)
+        self.dropout_rate, self.norm_position = float(dropout_rate), norm_position
+        self.sinusoid, self.share_embeddings = bool(sinusoid), bool(share_embeddings)
+        self.epsilon = float(epsilon)
+
+        self.target_embedding = Embedding(vocab_size, d_model, name="target_embedding")
+        self.source_embedding = (self.target_embedding if share_embeddings
+                                 else Embedding(vocab_size, d_model, name="source_embedding"))
+        self.source_positions = PositionalEncoding(maxlen1, d_model, sinusoid=sinusoid,
+                                                   name="source_positions")
+        self.target_positions = PositionalEncoding(maxlen2, d_model, sinusoid=sinusoid,
+                                                   name="target_positions")
+        self.source_dropout = keras.layers.Dropout(dropout_rate)
+        self.target_dropout = keras.layers.Dropout(dropout_rate)
+        block_args = dict(num_heads=num_heads, d_ff=d_ff, dropout_rate=dropout_rate,
+                          norm_position=norm_position, epsilon=epsilon)
+        self.encoder_blocks = [EncoderBlock(**block_args, name=f"encoder_{i}")
+                               for i in range(num_blocks)]
+        self.decoder_blocks = [DecoderBlock(**block_args, name=f"decoder_{i}")
+                               for i in range(num_blocks)]
+        # Pre-norm stacks leave their last residual sum unnormalized.
+        if norm_position == "pre":
+            self.encoder_norm = Normalize(epsilon, name="encoder_norm")
+            self.decoder_norm = Normalize(epsilon, name="decoder_norm")
+
+    @classmethod
+    def from_hparams(cls, hparams, **kwargs):
+        """Builds the model from a dict holding (at least) `MODEL_ARGUMENTS`."""
+        return cls(**{key: hparams[key] for key in MODEL_ARGUMENTS if key in hparams}, **kwargs)
+
+    def build(self, input_shape=None):
+        # Run once on dummy ids so that every weight exists (e.g. before loading).
+        dummy = ops.ones((1, 1), dtype="int32")
+        self.call({"source": dummy, "target_in": dummy})
+
+    def _embed(self, ids, embedding, positions, dropout, training):
+        x = embedding(ids)  # (N, L, C)
+        x = x + positions(ids)
+        return dropout(x, training=training)
+
+    def encode(self, source, training=None):
+        """Source ids `(N, S)` -> ``(memory (N, S, C), source_mask (N, S))``."""
+        source_mask = ops.not_equal(source, 0)  # (N, S)
+        x = self._embed(source, self.source_embedding, self.source_positions,
+                        self.source_dropout, training)
+        for block in self.encoder_blocks:
+            x = block(x, mask=source_mask, training=training)
+        if self.norm_position == "pre":
+            x = self.encoder_norm(x)
+        return x, source_mask
+
+    def decode(self, target_in, memory, source_mask, training=None,
+               return_attention_scores=False):
+        """Target ids `(N, T)` and the encoder's output -> logits `(N, T, V)`.
+
+        With `return_attention_scores`, also the last decoder block's
+        cross-attention averaged over heads `(N, T, S)`.
+        """
+        target_mask = ops.not_equal(target_in, 0)  # (N, T)
+        x = self._embed(target_in, self.target_embedding, self.target_positions,
+                        self.target_dropout, training)
+        coverage = None
+        for block in self.decoder_blocks:
+            x, _, coverage = block(x, memory, mask=target_mask, memory_mask=source_mask,
+                                   training=training, return_attention_scores=True)
+        if self.norm_position == "pre":
+            x = self.decoder_norm(x)
+        logits = self.target_embedding.attend(x)  # (N, T, V)
+        if return_attention_scores:
+            return logits, coverage
+        return logits
+
+    def call(self, inputs, training=None):
+        memory, source_mask = self.encode(inputs["source"], training=training)
+        return self.decode(inputs["target_in"], memory, source_mask, training=training)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({key: getattr(self, key) for key in MODEL_ARGUMENTS})
+        return config

@@ -1,0 +1,60 @@
+"""PNG plots of a training history (`history.jsonl` in the logdir)."""
+
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_history(path):
+    """The records of a history file, the last one kept for each step (resumed runs)."""
+    if not os.path.isfile(path):
+        return []
+    by_step = {}
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+            by_step[(record.get("kind", "train"), record["step"])] = record
+    return [by_step[key] for key in sorted(by_step, key=lambda k: (k[0], k[1]))]
+
+
+def plot_series(records, key, path, title, ylabel):
+    """Plots `key` against the step of each record into `path` (atomically)."""
+    points = [(r["step"], r[key]) for r in records if key in r]
+    if not points:
+        return None
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.plot(*zip(*points), marker="o" if len(points) < 30 else None)
+    axes.set_xlabel("step")
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    temporary = path + ".tmp.png"
+    figure.savefig(temporary, dpi=100)
+    plt.close(figure)
+    os.replace(temporary, path)
+    return path
+
+
+def plot_training(logdir):
+    """Draws `loss.png`, `lr.png` (and `bleu.png` when BLEU was scored) in `logdir`."""
+    records = read_history(os.path.join(logdir, "history.jsonl"))
+    train = [r for r in records if r.get("kind", "train") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    drawn = [
+        plot_series(train, "loss", os.path.join(logdir, "loss.png"), "training loss",
+                    "label-smoothed cross-entropy"),
+        plot_series(train, "lr", os.path.join(logdir, "lr.png"), "learning rate", "lr"),
+        plot_series(evals, "bleu", os.path.join(logdir, "bleu.png"), "validation BLEU", "BLEU"),
+    ]
+    return [path for path in drawn if path]

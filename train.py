@@ -1,0 +1,116 @@
+"""Trains a Transformer translation model.
+
+    python train.py --hparams small --data_dir ../shared/data/multi30k --logdir log/small
+
+Re-running the same command after a crash (or `kill -9`) resumes from the last
+checkpoint. A logdir trained with other hyperparameters is refused unless
+``--overwrite`` (which moves the old logdir aside; nothing is deleted).
+"""
+
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import hparams as hp  # noqa: E402
+from kyu_transformer import data  # noqa: E402
+from kyu_transformer.corpus import Corpus  # noqa: E402
+from kyu_transformer.training import (  # noqa: E402
+    STRATEGIES, Trainer, TrainingError, copy_aside, make_strategy, seed_everything)
+
+# Hyperparameters that may change when a run is resumed: none changes the model or the data.
+RESUMABLE = ("num_epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
+             "eval_sentences", "eval_batch_size", "jit_compile", "steps_per_epoch")
+
+
+def parse_args(argv):
+    parser = hp.argument_parser(__doc__.splitlines()[1])
+    parser.add_argument("--strategy", default="auto", choices=STRATEGIES,
+                        help="tf.distribute strategy (multi_worker reads TF_CONFIG)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in a logdir trained with other hyperparameters "
+                             "(the old logdir is moved to <logdir>.old-<time>)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="TensorFlow op determinism: identical runs for the same seed")
+    return parser.parse_args(argv)
+
+
+def check_writable(directory, what):
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".write-test-{os.getpid()}")
+        with open(probe, "w", encoding="utf-8") as handle:
+            handle.write("ok")
+        os.remove(probe)
+    except OSError as error:
+        raise SystemExit(f"error: {what} {directory} is not writable ({error.strerror})")
+
+
+def settle_logdir(hparams, overwrite):
+    """The hparams to train with: the logdir's own when resuming, else the given ones."""
+    logdir = hparams["logdir"]
+    saved_path = os.path.join(logdir, "hparams.json")
+    if not os.path.isfile(saved_path):
+        return hparams
+    saved = hp.load(saved_path)
+    changed = sorted(key for key in hp.SPEC
+                     if key not in RESUMABLE and key != "logdir" and saved[key] != hparams[key])
+    if not changed:
+        return {**saved, **{key: hparams[key] for key in RESUMABLE}, "logdir": logdir}
+    differences = ", ".join(f"{key}: {saved[key]!r} -> {hparams[key]!r}" for key in changed)
+    if not overwrite:
+        raise SystemExit(
+            f"error: {logdir} was trained with other hyperparameters ({differences}). "
+            "Use another --logdir, the same hyperparameters to resume, or --overwrite to "
+            "move the old logdir aside and start afresh.")
+    print(f"--overwrite: moved the old logdir to {copy_aside(logdir)}")
+    return hparams
+
+
+def prepare_data_dir(data_dir):
+    if not os.path.exists(data_dir) and os.path.normpath(data_dir) == os.path.normpath(
+            hp.DEFAULTS["data_dir"]):
+        print(f"{data_dir} is missing: downloading Multi30k")
+        data.ensure_multi30k(data_dir)
+    data.check_data_dir(data_dir)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        hparams = hp.from_args(args)
+        prepare_data_dir(hparams["data_dir"])
+        hparams = settle_logdir(hparams, args.overwrite)
+    except (hp.HParamsError, data.DataError) as error:
+        raise SystemExit(f"error: {error}")
+    logdir = hparams["logdir"]
+    check_writable(logdir, "the logdir")
+    seed_everything(hparams["seed"], args.deterministic)
+
+    strategy = make_strategy(args.strategy)
+    print(f"strategy: {type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)")
+    try:
+        corpus = Corpus(hparams["data_dir"], logdir, hparams)
+    except data.DataError as error:
+        raise SystemExit(f"error: {error}")
+    if not os.path.isfile(os.path.join(logdir, "hparams.json")):
+        hp.save(hparams, os.path.join(logdir, "hparams.json"))
+
+    trainer = Trainer(hparams, strategy, logdir)
+    print(f"model: {trainer.model.count_params():,} parameters")
+    started = time.time()
+    try:
+        result = trainer.fit(corpus.train_batches, hparams["steps_per_epoch"] or None)
+    except TrainingError as error:
+        raise SystemExit(f"error: {error}")
+    minutes = (time.time() - started) / 60
+    if result["resumed_from"]:
+        print(f"resumed from {result['resumed_from']}")
+    print(f"{result['stopped']}: {result['epochs']} epochs, {result['steps']} steps in "
+          f"{minutes:.1f} min; last loss {result['last_loss']}; logdir {logdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
