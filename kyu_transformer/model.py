@@ -90,7 +90,7 @@ class Transformer(keras.Model):
 
     def build(self, input_shape=None):
         # Run once on dummy ids so that every weight exists (e.g. before loading).
-        dummy = ops.ones((1, 1), dtype="int32")
+        dummy = ops.ones((1, 2), dtype="int32")
         self.call({"source": dummy, "target_in": dummy})
 
     def _embed(self, ids, embedding, positions, dropout, training):

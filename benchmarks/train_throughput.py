@@ -1,0 +1,175 @@
+"""Training throughput (target tokens/s) of our Transformer against keras-hub's, in one run.
+
+    python benchmarks/train_throughput.py [--repeats 3] [--steps 20] [--mixed_precision bf16]
+
+Both models: d_model 256, d_ff 1024, 3 encoder + 3 decoder blocks, 4 heads,
+vocabulary 8000, trained on the same fixed batch (64 pairs, 24 source and 24
+target tokens, no padding) by the same step function (Adam, label-smoothed
+cross-entropy, `jit_compile` on unless --no_jit). The peer is built from
+keras-hub's `TokenAndPositionEmbedding`, `TransformerEncoder` and
+`TransformerDecoder` (install with `pip install -e .[bench]`).
+
+Prints each repetition, the medians, their ratio, and the model FLOP
+utilisation against a matrix-multiply peak measured in the same run.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
+from kyu_transformer.model import Transformer  # noqa: E402
+
+SHAPE = dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4)
+BATCH, SOURCE_LEN, TARGET_LEN = 64, 24, 24
+
+
+def ours():
+    return Transformer(**SHAPE, maxlen1=64, maxlen2=64, dropout_rate=0.1, name="ours")
+
+
+def keras_hub_model():
+    import keras_hub
+
+    source = keras.Input((None,), dtype="int32", name="source")
+    target = keras.Input((None,), dtype="int32", name="target_in")
+    embed = dict(vocabulary_size=SHAPE["vocab_size"], sequence_length=64,
+                 embedding_dim=SHAPE["d_model"])
+    x = keras_hub.layers.TokenAndPositionEmbedding(**embed)(source)
+    for _ in range(SHAPE["num_blocks"]):
+        x = keras_hub.layers.TransformerEncoder(SHAPE["d_ff"], SHAPE["num_heads"], dropout=0.1)(x)
+    y = keras_hub.layers.TokenAndPositionEmbedding(**embed)(target)
+    for _ in range(SHAPE["num_blocks"]):
+        y = keras_hub.layers.TransformerDecoder(SHAPE["d_ff"], SHAPE["num_heads"],
+                                                dropout=0.1)(y, x)
+    logits = keras.layers.Dense(SHAPE["vocab_size"])(y)
+    return keras.Model({"source": source, "target_in": target}, logits, name="keras_hub")
+
+
+def batch():
+    rng = np.random.default_rng(0)
+    features = {"source": rng.integers(4, SHAPE["vocab_size"], (BATCH, SOURCE_LEN), "int32"),
+                "target_in": rng.integers(4, SHAPE["vocab_size"], (BATCH, TARGET_LEN), "int32")}
+    labels = rng.integers(4, SHAPE["vocab_size"], (BATCH, TARGET_LEN), "int32")
+    return features, labels
+
+
+def make_step(model, jit_compile):
+    optimizer = keras.optimizers.Adam(1e-4, beta_1=0.9, beta_2=0.98, epsilon=1e-9)
+    loss_fn = LabelSmoothedCrossEntropy(0.1)
+
+    @tf.function(jit_compile=jit_compile)
+    def step(features, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(features, training=True))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss
+
+    return step
+
+
+def training_flops_per_step():
+    """Matrix-multiply FLOPs of one training step (forward x 3), analytic."""
+    d, d_ff, v, s, t = (SHAPE["d_model"], SHAPE["d_ff"], SHAPE["vocab_size"], SOURCE_LEN,
+                        TARGET_LEN)
+    encoder_token = 8 * d * d + 4 * d * d_ff + 4 * s * d
+    decoder_token = (8 * d * d + 4 * t * d) + (4 * d * d + 4 * s * d) + 4 * d * d_ff
+    cross_kv_per_source_token = 4 * d * d
+    forward = BATCH * (SHAPE["num_blocks"] * (s * encoder_token + t * decoder_token
+                                              + s * cross_kv_per_source_token)
+                       + t * 2 * d * v)
+    return 3 * forward
+
+
+def matmul_peak(dtype, size=2048, repeats=20):
+    a = tf.random.normal((size, size), dtype=tf.float32)
+    a = tf.cast(a, dtype)
+
+    @tf.function
+    def chain(x):
+        for _ in range(repeats):
+            x = tf.matmul(x, a) * tf.cast(1e-3, dtype)
+        return x
+
+    chain(a).numpy()
+    timings = []
+    for _ in range(3):
+        started = time.perf_counter()
+        chain(a).numpy()
+        timings.append(time.perf_counter() - started)
+    return 2 * size ** 3 * repeats / min(timings)
+
+
+def measure(name, step, features, labels, steps, repeats, warmup=3):
+    for _ in range(warmup):
+        step(features, labels).numpy()
+    rates = []
+    for repeat in range(repeats):
+        started = time.perf_counter()
+        for _ in range(steps):
+            loss = step(features, labels)
+        loss.numpy()
+        seconds = time.perf_counter() - started
+        rates.append(BATCH * TARGET_LEN * steps / seconds)
+        print(f"  {name:10s} repeat {repeat + 1}: {rates[-1]:8.0f} target tokens/s "
+              f"({seconds / steps * 1000:.0f} ms/step)", flush=True)
+    return statistics.median(rates)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no",
+                        help="policy of our model (the peer always runs in float32)")
+    parser.add_argument("--no_jit", action="store_true", help="our step without XLA")
+    parser.add_argument("--skip_peer", action="store_true")
+    args = parser.parse_args()
+    features, labels = batch()
+    keras.utils.set_random_seed(0)
+    results = {}
+    if not args.skip_peer:
+        keras.config.set_dtype_policy("float32")
+        peer = keras_hub_model()
+        results["keras-hub"] = measure("keras-hub", make_step(peer, True), features, labels,
+                                       args.steps, args.repeats)
+    policy = {"no": "float32", "bf16": "mixed_bfloat16"}[args.mixed_precision]
+    keras.config.set_dtype_policy(policy)
+    model = ours()
+    model.build()
+    name = f"ours-{args.mixed_precision if args.mixed_precision != 'no' else 'fp32'}"
+    results[name] = measure(name, make_step(model, not args.no_jit), features, labels,
+                            args.steps, args.repeats)
+    keras.config.set_dtype_policy("float32")
+
+    flops = training_flops_per_step()
+    peaks = {"float32": matmul_peak(tf.float32)}
+    if args.mixed_precision == "bf16":
+        peaks["bfloat16"] = matmul_peak(tf.bfloat16)
+    print(f"\nshape: {SHAPE}, batch {BATCH} x {SOURCE_LEN}/{TARGET_LEN} tokens, "
+          f"{flops / 1e9:.1f} GFLOP per training step")
+    for dtype, peak in peaks.items():
+        print(f"measured {dtype} matmul peak: {peak / 1e9:.0f} GFLOP/s")
+    for name, rate in results.items():
+        peak = peaks["bfloat16" if name.endswith("bf16") else "float32"]
+        achieved = rate / (BATCH * TARGET_LEN) * flops
+        print(f"{name:12s} median {rate:8.0f} target tokens/s, {achieved / 1e9:6.0f} GFLOP/s, "
+              f"MFU {achieved / peak:.0%}")
+    if "keras-hub" in results:
+        for name, rate in results.items():
+            if name != "keras-hub":
+                print(f"ratio {name} / keras-hub: {rate / results['keras-hub']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Reading parallel text, its errors, subwords and the tf.data pipeline."""
+
+import functools
+import gzip
+import http.server
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from kyu_transformer import data
+
+MULTI30K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "multi30k")
+
+
+def write(path, text, mode="w"):
+    if str(path).endswith(".gz"):
+        with gzip.open(path, "wb") as handle:
+            handle.write(text if isinstance(text, bytes) else text.encode("utf-8"))
+    elif isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def corpus(tmp_path, source, target, split="train"):
+    return (write(tmp_path / f"{split}.de", source), write(tmp_path / f"{split}.en", target))
+
+
+def test_reads_plain_and_gzip_with_bom_crlf_tabs_and_blank_lines(tmp_path):
+    source = write(tmp_path / "train.de.gz", "\ufeffEin Hund.\r\nZwei\tKatzen.\r\n   \r\nDrei.\n")
+    target = write(tmp_path / "train.en", "A dog.\nTwo  cats.\nNothing here\nThree.\n")
+    sources, targets, empty = data.read_parallel(source, target)
+    assert sources == ["Ein Hund.", "Zwei Katzen.", "Drei."]
+    assert targets == ["A dog.", "Two cats.", "Three."]
+    assert empty == 1
+
+
+def test_line_counts_that_differ_name_both_files(tmp_path):
+    source, target = corpus(tmp_path, "a\nb\nc\n", "x\ny\n")
+    with pytest.raises(data.DataError, match=r"train.de has 3 lines but .*train.en has 2"):
+        data.read_parallel(source, target)
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path):
+    source, target = corpus(tmp_path, b"gut\nauch gut\nkaputt \xff\xfe\n", "a\nb\nc\n")
+    with pytest.raises(data.DataError, match=r"train.de, line 3: invalid UTF-8"):
+        data.read_parallel(source, target)
+
+
+def test_empty_corpus_is_an_error(tmp_path):
+    source, target = corpus(tmp_path, "\n  \n", "\n\n")
+    with pytest.raises(data.DataError, match="no non-empty sentence pair"):
+        data.read_parallel(source, target)
+
+
+def test_data_folder_missing_empty_or_a_file(tmp_path):
+    with pytest.raises(data.DataError, match="no such data folder"):
+        data.load_split(str(tmp_path / "nowhere"), "train")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(data.DataError, match="the data folder is empty"):
+        data.load_split(str(tmp_path / "empty"), "train")
+    with pytest.raises(data.DataError, match="is a file"):
+        data.load_split(write(tmp_path / "file.txt", "x"), "train")
+    corpus(tmp_path, "a\n", "b\n")
+    with pytest.raises(data.DataError, match=r"no `val` split for de-en; expected val.de"):
+        data.load_split(str(tmp_path), "val")
+
+
+def test_multi30k_splits_from_the_shared_folder():
+    sources, targets, empty = data.load_split(MULTI30K, "test_2016_flickr")
+    assert len(sources) == len(targets) == 1000 and empty == 0
+    assert sources[0].startswith("Ein Mann mit einem orangefarbenen Hut")
+
+
+def test_iwslt_layout(tmp_path):
+    write(tmp_path / "train.tags.de-en.de",
+          "<url>http://x</url>\n<talkid>1</talkid>\nHallo Welt.\nWie geht's?\n<title>T</title>\n")
+    write(tmp_path / "train.tags.de-en.en",
+          "<url>http://x</url>\n<talkid>1</talkid>\nHello world.\nHow are you?\n<title>T</title>\n")
+    xml = ('<mteval>\n<srcset setid="x" srclang="{lang}">\n<doc docid="1">\n'
+           '<seg id="1"> {one} </seg>\n<seg id="2">{two}</seg>\n</doc>\n</srcset>\n</mteval>\n')
+    write(tmp_path / "IWSLT16.TED.tst2014.de-en.de.xml",
+          xml.format(lang="de", one="Guten Tag.", two="A &amp; B"))
+    write(tmp_path / "IWSLT16.TED.tst2014.de-en.en.xml",
+          xml.format(lang="en", one="Good day.", two="A &amp; B"))
+    assert data.load_split(str(tmp_path), "train")[:2] == (
+        ["Hallo Welt.", "Wie geht's?"], ["Hello world.", "How are you?"])
+    sources, targets, _ = data.load_split(str(tmp_path), "test")
+    assert sources == ["Guten Tag.", "A & B"] and targets == ["Good day.", "A & B"]
+
+
+@pytest.fixture
+def file_server(tmp_path):
+    """A loopback HTTP server over a folder holding the six Multi30k files."""
+    served = tmp_path / "served"
+    served.mkdir()
+    for name in data.MULTI30K_FILES:
+        write(served / name, "Satz.\n" if name.endswith(".de.gz") else "Sentence.\n")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    http.server.SimpleHTTPRequestHandler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", served
+    server.shutdown()
+
+
+def test_multi30k_download_when_missing(tmp_path, file_server):
+    url, served = file_server
+    target = tmp_path / "multi30k"
+    data.ensure_multi30k(str(target), base_url=url, timeout=5)
+    assert sorted(os.listdir(target)) == sorted(data.MULTI30K_FILES)
+    assert data.load_split(str(target), "val")[:2] == (["Satz."], ["Sentence."])
+    os.remove(served / "val.en.gz")  # a failed download leaves no half folder behind
+    other = tmp_path / "other"
+    with pytest.raises(data.DataError, match=r"could not be downloaded.*Put the six files"):
+        data.ensure_multi30k(str(other), base_url=url, timeout=5)
+    assert not other.exists()
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".multi30k-")]
+
+
+def test_subwords_train_once_then_reuse(tmp_path):
+    sentences = [f"the cat number {i} sat on the mat" for i in range(200)]
+    first = data.Subwords.train_or_load(str(tmp_path), sentences, vocab_size=60)
+    stamp = os.path.getmtime(first.path)
+    again = data.Subwords.train_or_load(str(tmp_path), ["completely different text"] * 50,
+                                        vocab_size=99)
+    assert os.path.getmtime(again.path) == stamp and again.vocab_size == first.vocab_size
+    ids = first.encode(["the cat sat"])[0]
+    assert all(i > data.EOS_ID for i in ids)
+    assert first.decode([data.BOS_ID] + ids + [data.EOS_ID, 7, 8]) == "the cat sat"
+    assert first.processor.pad_id() == 0 and first.processor.bos_id() == 2
+
+
+def test_markers_and_length_filter():
+    sources, targets_in, targets_out, dropped = data.add_markers(
+        [[5, 6], [5] * 9, [7]], [[8], [9], [10] * 9], maxlen1=4, maxlen2=4)
+    assert dropped == 2
+    assert sources == [[5, 6, data.EOS_ID]]
+    assert targets_in == [[data.BOS_ID, 8]] and targets_out == [[8, data.EOS_ID]]
+
+
+def make_pairs(rng, count=500):
+    lengths = rng.integers(1, 40, size=count)
+    sources = [list(rng.integers(4, 100, size=n)) + [data.EOS_ID] for n in lengths]
+    targets = [list(rng.integers(4, 100, size=max(1, n + rng.integers(-3, 4))))
+               for n in lengths]
+    return sources, [[data.BOS_ID] + t for t in targets], [t + [data.EOS_ID] for t in targets]
+
+
+def collect(dataset):
+    return [(x["source"].numpy(), x["target_in"].numpy(), y.numpy()) for x, y in dataset]
+
+
+def test_batches_respect_token_budget_and_padding(rng):
+    sources, targets_in, targets_out = make_pairs(rng)
+    batches = collect(data.make_dataset(sources, targets_in, targets_out, batch_size=64,
+                                        batch_tokens=400, seed=3))
+    assert sum(len(s) for s, _, _ in batches) == len(sources)  # every pair, once
+    for source, target_in, target_out in batches:
+        assert source.size <= 400 and target_in.size <= 400 and len(source) <= 64
+        assert target_in.shape == target_out.shape
+        np.testing.assert_array_equal(target_in[:, 0], data.BOS_ID)
+        lengths = (target_out != 0).sum(1)
+        np.testing.assert_array_equal(target_out[np.arange(len(lengths)), lengths - 1],
+                                      data.EOS_ID)
+        assert np.all((source == 0) == (np.cumsum(source == 0, axis=1) > 0))  # pad at the end
+    # bucketing: batches hold similar lengths, so padding stays small
+    real = sum((s != 0).sum() for s, _, _ in batches)
+    assert real / sum(s.size for s, _, _ in batches) > 0.8
+
+
+def test_same_seed_same_batches_other_seed_other_order(rng):
+    sources, targets_in, targets_out = make_pairs(rng)
+    make = functools.partial(data.make_dataset, sources, targets_in, targets_out, 32, 600)
+    first, again, other = collect(make(seed=1)), collect(make(seed=1)), collect(make(seed=2))
+    assert len(first) == len(again)
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(first, again))
+    assert not all(a[0].shape == b[0].shape and np.array_equal(a[0], b[0])
+                   for a, b in zip(first, other))

@@ -1,0 +1,209 @@
+"""Training: the loss falls, a small set is learnt, strategies agree, runs resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hparams as hp
+from kyu_transformer.corpus import Corpus
+from kyu_transformer.metrics import masked_accuracy
+from kyu_transformer.schedules import NoamSchedule
+from kyu_transformer.training import Trainer, TrainingError, replica_slices
+from tests.test_data import MULTI30K
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny(tmp_path, **overrides):
+    return hp.parse("tiny", {"logdir": str(tmp_path / "log"), "data_dir": MULTI30K,
+                             **overrides})
+
+
+@pytest.fixture(scope="module")
+def multi30k_tiny(tmp_path_factory):
+    """Multi30k with the tiny preset's subword model, prepared once for the module."""
+    logdir = tmp_path_factory.mktemp("corpus")
+    return Corpus(MULTI30K, str(logdir), hp.parse("tiny"), log=lambda line: None)
+
+
+def test_noam_schedule_formula():
+    schedule = NoamSchedule(d_model=256, warmup_steps=100, lr=2.0)
+    for step in (1, 50, 100, 101, 1000):
+        expected = 2.0 * 256 ** -0.5 * min(step ** -0.5, step * 100 ** -1.5)
+        assert float(schedule(step - 1)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_replica_slices_cut_each_global_batch_in_order():
+    batch = ({"source": tf.reshape(tf.range(14), (7, 2))}, tf.reshape(tf.range(7), (7, 1)))
+    dataset = tf.data.Dataset.from_tensors(batch)
+    pieces = [labels.numpy().ravel().tolist()
+              for _, labels in replica_slices(dataset, num_replicas=3, first_replica=1,
+                                              local_replicas=2)]
+    assert pieces == [[2, 3], [4, 5, 6]]  # rows 7*1//3..7*2//3 and 7*2//3..7
+
+
+def test_tiny_preset_loss_falls_on_multi30k(tmp_path, multi30k_tiny):
+    hparams = tiny(tmp_path, num_epochs=1, log_every=5)
+    trainer = Trainer(hparams, verbose=False)
+    result = trainer.fit(multi30k_tiny.train_batches, steps_per_epoch=40)
+    assert result["steps"] == 40 and result["stopped"] == "done"
+    with open(os.path.join(hparams["logdir"], "history.jsonl"), encoding="utf-8") as handle:
+        losses = [r["loss"] for r in map(json.loads, handle) if r["kind"] == "train"]
+    assert len(losses) == 8
+    assert losses[0] > 5.0 and losses[-1] < losses[0] - 0.8
+    for name in ("loss.png", "lr.png", "model.keras", "checkpoints/checkpoint"):
+        assert os.path.isfile(os.path.join(hparams["logdir"], name)), name
+    events = tf.io.gfile.glob(os.path.join(hparams["logdir"], "train", "events.out.tfevents*"))
+    tags = {value.tag for path in events for event in tf.compat.v1.train.summary_iterator(path)
+            for value in event.summary.value}
+    assert {"train/loss", "train/accuracy", "train/lr"} <= tags
+
+
+def test_a_64_pair_subset_is_learnt(tmp_path, multi30k_tiny):
+    sources, targets_in, targets_out, _ = multi30k_tiny.train
+    subset = [part[:64] for part in (sources, targets_in, targets_out)]
+    hparams = tiny(tmp_path, d_model=64, d_ff=128, num_heads=4, lr=1.0, warmup_steps=30,
+                   log_every=1000)
+    from kyu_transformer.data import make_dataset
+
+    def batches(epoch):
+        return make_dataset(*subset, batch_size=64, batch_tokens=0, seed=epoch).repeat(200)
+
+    trainer = Trainer(hparams, verbose=False)
+    trainer.fit(batches)
+    source = tf.ragged.constant(subset[0]).to_tensor()
+    target_in = tf.ragged.constant(subset[1]).to_tensor()
+    target_out = tf.ragged.constant(subset[2]).to_tensor()
+    logits = trainer.model({"source": source, "target_in": target_in})
+    assert float(masked_accuracy(target_out, logits)) > 0.9
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, multi30k_tiny):
+    def poison(trainer, epoch, logs):  # after epoch 1 and its checkpoint
+        weights = trainer.model.target_embedding.embeddings
+        weights.assign(np.full(weights.shape, np.nan, "float32"))
+
+    hparams = tiny(tmp_path, num_epochs=2)
+    trainer = Trainer(hparams, hooks=[poison], verbose=False)
+    with pytest.raises(TrainingError, match=r"loss became nan at step 4.*ckpt-3"):
+        trainer.fit(multi30k_tiny.train_batches, steps_per_epoch=3)
+    saved = trainer.manager.latest_checkpoint
+    assert saved.endswith("ckpt-3")
+    fresh = Trainer(hparams, verbose=False)
+    fresh.checkpoint.restore(saved).assert_existing_objects_matched()
+    assert np.all(np.isfinite(fresh.model.target_embedding.embeddings.numpy()))
+    assert int(fresh.epoch) == 1 and int(fresh.optimizer.iterations) == 3
+
+
+MIRRORED_SCRIPT = r"""
+import json, os, sys
+import numpy as np, tensorflow as tf, keras
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+sys.path.insert(0, sys.argv[1])
+import hparams as hp
+from kyu_transformer.training import Trainer
+
+rng = np.random.default_rng(0)
+def batch(rows):
+    source = rng.integers(4, 400, size=(rows, 9)).astype("int32"); source[0, 6:] = 0
+    target = rng.integers(4, 400, size=(rows, 8)).astype("int32"); target[-1, 3:] = 0
+    return {"source": source, "target_in": target}, np.roll(target, -1, axis=1)
+batches = [batch(rows) for rows in (8, 7, 5)]
+def dataset(epoch):
+    return tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=(
+        {"source": tf.TensorSpec((None, None), tf.int32),
+         "target_in": tf.TensorSpec((None, None), tf.int32)},
+        tf.TensorSpec((None, None), tf.int32)))
+results = {}
+for name, strategy in (("default", tf.distribute.get_strategy()),
+                       ("mirrored", tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))):
+    keras.utils.set_random_seed(7)
+    hparams = hp.parse("tiny", {"logdir": os.path.join(sys.argv[2], name), "num_epochs": 2})
+    trainer = Trainer(hparams, strategy, verbose=False)
+    losses = []
+    for epoch in range(2):
+        iterator = iter(trainer.distribute(lambda: dataset(epoch)))
+        for _ in batches:
+            _, loss_sum, _, tokens = trainer._train_step(iterator)
+            losses.append(float(loss_sum) / float(tokens))
+    results[name] = {"replicas": strategy.num_replicas_in_sync, "losses": losses,
+                     "weights": {w.path: float(np.abs(w.numpy()).sum()) for w in trainer.model.weights}}
+print(json.dumps(results))
+"""
+
+
+def test_mirrored_two_devices_equals_default_strategy(tmp_path):
+    output = subprocess.run([sys.executable, "-c", MIRRORED_SCRIPT, ROOT, str(tmp_path)],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert output.returncode == 0, output.stderr[-3000:]
+    results = json.loads(output.stdout.strip().splitlines()[-1])
+    assert results["default"]["replicas"] == 1 and results["mirrored"]["replicas"] == 2
+    np.testing.assert_allclose(results["mirrored"]["losses"], results["default"]["losses"],
+                               rtol=1e-5)
+    assert results["default"]["losses"][-1] < results["default"]["losses"][0]
+    # Key biases are left out: their true gradient is zero (a softmax does not change when
+    # one number is added to all its scores), so Adam steps them by rounding noise alone.
+    names = [name for name in results["default"]["weights"] if "key_dense/bias" not in name]
+    np.testing.assert_allclose([results["mirrored"]["weights"][name] for name in names],
+                               [results["default"]["weights"][name] for name in names], rtol=1e-4)
+
+
+def run_train(logdir, *extra, wait=True):
+    command = [sys.executable, os.path.join(ROOT, "train.py"), "--hparams", "tiny",
+               "--data_dir", MULTI30K, "--logdir", str(logdir), *extra]
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+    if not wait:
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=environment, cwd=ROOT)
+    return subprocess.run(command, capture_output=True, text=True, env=environment, cwd=ROOT,
+                          timeout=600)
+
+
+def test_killed_run_resumes_from_its_checkpoint(tmp_path):
+    logdir = tmp_path / "log"
+    flags = ["--num_epochs", "3", "--steps_per_epoch", "40"]
+    process = run_train(logdir, *flags, wait=False)
+    index = logdir / "checkpoints" / "checkpoint"
+    deadline = time.time() + 300
+    while not index.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert index.exists(), process.stdout.read()
+    assert process.returncode == -signal.SIGKILL
+    saved = tf.train.latest_checkpoint(str(logdir / "checkpoints"))
+    saved_step = int(saved.rsplit("-", 1)[1])
+    assert 40 <= saved_step < 120
+
+    again = run_train(logdir, *flags)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from {saved}" in again.stdout
+    assert "epoch 1/3" not in again.stdout  # the first epoch is not trained again
+    assert "done: 3 epochs, 120 steps" in again.stdout
+
+
+def test_logdir_with_other_hparams_is_refused_then_moved_aside(tmp_path):
+    logdir = tmp_path / "log"
+    first = run_train(logdir, "--steps_per_epoch", "2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    saved = (logdir / "hparams.json").read_text()
+    subwords = (logdir / "subwords.model").read_bytes()
+    refused = run_train(logdir, "--steps_per_epoch", "2", "--d_model", "64")
+    assert refused.returncode != 0
+    assert "was trained with other hyperparameters (d_model: 32 -> 64)" in refused.stderr
+    assert (logdir / "hparams.json").read_text() == saved
+    assert (logdir / "subwords.model").read_bytes() == subwords
+    moved = run_train(logdir, "--steps_per_epoch", "2", "--d_model", "64", "--overwrite")
+    assert moved.returncode == 0, moved.stdout + moved.stderr
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("log.old-")]
+    assert len(aside) == 1 and (aside[0] / "hparams.json").read_text() == saved
+    assert json.loads((logdir / "hparams.json").read_text())["d_model"] == 64
