@@ -8,7 +8,9 @@ checkpoint. A logdir trained with other hyperparameters is refused unless
 """
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -17,7 +19,7 @@ import hparams as hp  # noqa: E402
 from kyu_transformer import data  # noqa: E402
 from kyu_transformer.corpus import Corpus  # noqa: E402
 from kyu_transformer.training import (  # noqa: E402
-    STRATEGIES, Trainer, TrainingError, copy_aside, make_strategy, seed_everything)
+    STRATEGIES, Trainer, TrainingError, copy_aside, is_chief, make_strategy, seed_everything)
 
 # Hyperparameters that may change when a run is resumed: none changes the model or the data.
 RESUMABLE = ("num_epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
@@ -76,25 +78,35 @@ def prepare_data_dir(data_dir):
     data.check_data_dir(data_dir)
 
 
+def subword_dir(logdir, chief):
+    """Where the subword model is read or trained: the logdir, except on a worker that
+    cannot see one there yet (it trains the same model, deterministically, apart)."""
+    if chief or os.path.isfile(os.path.join(logdir, data.Subwords.FILE_NAME)):
+        return logdir
+    return tempfile.mkdtemp(prefix="worker-subwords-")
+
+
 def main(argv=None):
     args = parse_args(argv)
+    # Multi-worker collectives must be set up before TensorFlow runs anything else.
+    strategy = make_strategy(args.strategy)
+    chief = is_chief(strategy)
     try:
         hparams = hp.from_args(args)
         prepare_data_dir(hparams["data_dir"])
-        hparams = settle_logdir(hparams, args.overwrite)
+        hparams = settle_logdir(hparams, args.overwrite and chief)
     except (hp.HParamsError, data.DataError) as error:
         raise SystemExit(f"error: {error}")
     logdir = hparams["logdir"]
-    check_writable(logdir, "the logdir")
+    if chief:
+        check_writable(logdir, "the logdir")
     seed_everything(hparams["seed"], args.deterministic)
-
-    strategy = make_strategy(args.strategy)
     print(f"strategy: {type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)")
     try:
-        corpus = Corpus(hparams["data_dir"], logdir, hparams)
+        corpus = Corpus(hparams["data_dir"], subword_dir(logdir, chief), hparams)
     except data.DataError as error:
         raise SystemExit(f"error: {error}")
-    if not os.path.isfile(os.path.join(logdir, "hparams.json")):
+    if chief and not os.path.isfile(os.path.join(logdir, "hparams.json")):
         hp.save(hparams, os.path.join(logdir, "hparams.json"))
 
     trainer = Trainer(hparams, strategy, logdir)
@@ -109,6 +121,9 @@ def main(argv=None):
         print(f"resumed from {result['resumed_from']}")
     print(f"{result['stopped']}: {result['epochs']} epochs, {result['steps']} steps in "
           f"{minutes:.1f} min; last loss {result['last_loss']}; logdir {logdir}")
+    print(f"weights sha256: {trainer.weights_digest()}")
+    if os.path.dirname(corpus.subwords.path) != logdir:  # a worker's private copy
+        shutil.rmtree(os.path.dirname(corpus.subwords.path), ignore_errors=True)
     return 0
 
 

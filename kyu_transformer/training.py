@@ -12,6 +12,7 @@ checkpointed with the model and the optimizer, so a killed run continues
 where it stopped.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -141,6 +142,10 @@ class Trainer:
         self._train_step = tf.function(self._distributed_step,
                                        jit_compile=None, reduce_retracing=True)
 
+    def global_step(self):
+        """Optimizer steps taken so far (a Python int, under any strategy)."""
+        return int(self.optimizer.iterations.value.numpy())
+
     # ------------------------------------------------------------ the step
 
     def _replica_step(self, features, labels):
@@ -210,8 +215,15 @@ class Trainer:
         return latest
 
     def save(self):
-        path = self.manager.save(checkpoint_number=int(self.optimizer.iterations))
+        path = self.manager.save(checkpoint_number=self.global_step())
         return path if self.chief else None
+
+    def weights_digest(self):
+        """SHA-256 of all model weights: equal digests, bit-identical models."""
+        digest = hashlib.sha256()
+        for weight in self.model.weights:
+            digest.update(np.ascontiguousarray(weight.numpy()).tobytes())
+        return digest.hexdigest()
 
     def export(self):
         """Writes the model to `<logdir>/model.keras` (replaced atomically)."""
@@ -236,14 +248,17 @@ class Trainer:
                     tf.summary.scalar(f"{record.get('kind', 'train')}/{key}", value)
         self.writer.flush()
 
-    def _agree(self, flag):
-        """Whether any worker raised `flag` (so that all workers stop together)."""
-        if self.strategy.extended._in_multi_worker_mode():  # pylint: disable=protected-access
-            value = self.strategy.reduce(
-                tf.distribute.ReduceOp.MAX,
-                self.strategy.run(lambda: tf.constant(float(flag))), axis=None)
-            return bool(value.numpy() > 0)
-        return flag
+    def _out_of_time(self, started, budget):
+        """Whether the time budget is spent, agreed by all workers (who stop together)."""
+        if budget == math.inf:
+            return False
+        spent = time.time() - started > budget
+        if not self.strategy.extended._in_multi_worker_mode():  # pylint: disable=protected-access
+            return spent
+        votes = self.strategy.reduce(
+            tf.distribute.ReduceOp.SUM,
+            self.strategy.run(lambda: tf.constant(float(spent))), axis=None)
+        return bool(votes.numpy() > 0)
 
     def fit(self, make_epoch_batches, steps_per_epoch=None):
         """Trains until `num_epochs`, `max_minutes` or the end of the data.
@@ -267,9 +282,9 @@ class Trainer:
         started = time.time()
         budget = hparams["max_minutes"] * 60.0 or math.inf
         stopped, last_loss = "done", None
-        while int(self.epoch) < hparams["num_epochs"] and stopped == "done":
-            epoch = int(self.epoch)
-            skip = int(self.step_in_epoch)
+        while int(self.epoch.numpy()) < hparams["num_epochs"] and stopped == "done":
+            epoch = int(self.epoch.numpy())
+            skip = int(self.step_in_epoch.numpy())
 
             def batches(epoch=epoch, skip=skip):
                 dataset = make_epoch_batches(epoch)
@@ -281,7 +296,7 @@ class Trainer:
             stopped, last_loss = self._run_epoch(iterator, epoch, skip, steps_per_epoch,
                                                  started, budget)
             if stopped == "done":
-                logs = {"kind": "epoch", "step": int(self.optimizer.iterations),
+                logs = {"kind": "epoch", "step": self.global_step(),
                         "epoch": epoch + 1}
                 self.epoch.assign_add(1)
                 self.step_in_epoch.assign(0)
@@ -295,8 +310,10 @@ class Trainer:
         if self.chief:
             self.export()
             plot_training(self.logdir)
-        return {"resumed_from": resumed_from, "steps": int(self.optimizer.iterations),
-                "epochs": int(self.epoch), "stopped": stopped, "last_loss": last_loss}
+        else:  # a worker's checkpoints were only its part of the collective save
+            shutil.rmtree(self.manager.directory, ignore_errors=True)
+        return {"resumed_from": resumed_from, "steps": self.global_step(),
+                "epochs": int(self.epoch.numpy()), "stopped": stopped, "last_loss": last_loss}
 
     def _run_epoch(self, iterator, epoch, skip, steps_per_epoch, started, budget):
         hparams = self.hparams
@@ -310,7 +327,7 @@ class Trainer:
                 progress.finish()
                 return "done", last_loss
             loss_sum, correct, tokens = float(loss_sum), float(correct), float(tokens)
-            step = int(self.optimizer.iterations)
+            step = self.global_step()
             done += 1
             self.step_in_epoch.assign(done)
             last_loss = loss_sum / max(tokens, 1.0)
@@ -329,7 +346,7 @@ class Trainer:
                 window = _Window()
             if hparams["checkpoint_every"] and step % hparams["checkpoint_every"] == 0:
                 self.save()
-            if self._agree(time.time() - started > budget):
+            if self._out_of_time(started, budget):
                 progress.finish(f"stopping: the budget of {hparams['max_minutes']} minutes "
                                 "is used")
                 return "time", last_loss
