@@ -18,6 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import hparams as hp  # noqa: E402
 from kyu_transformer import data  # noqa: E402
 from kyu_transformer.corpus import Corpus  # noqa: E402
+from kyu_transformer.evaluation import ValidationBleu  # noqa: E402
 from kyu_transformer.training import (  # noqa: E402
     STRATEGIES, Trainer, TrainingError, copy_aside, is_chief, make_strategy, seed_everything)
 
@@ -109,7 +110,11 @@ def main(argv=None):
     if chief and not os.path.isfile(os.path.join(logdir, "hparams.json")):
         hp.save(hparams, os.path.join(logdir, "hparams.json"))
 
-    trainer = Trainer(hparams, strategy, logdir)
+    hooks = []
+    if hparams["eval_sentences"]:
+        hooks.append(ValidationBleu(corpus.val_sources, corpus.val_targets, corpus.subwords,
+                                    hparams["eval_sentences"], hparams["eval_batch_size"]))
+    trainer = Trainer(hparams, strategy, logdir, hooks=hooks)
     print(f"model: {trainer.model.count_params():,} parameters")
     started = time.time()
     try:

@@ -292,6 +292,10 @@ class PositionalEncoding(keras.layers.Layer):
             table = table * ops.cast(math.sqrt(self._units), self.compute_dtype)
         return table
 
+    def encoding_at(self, position):
+        """The `(1, C)` encoding of one position (for step-by-step decoding)."""
+        return ops.take(self._table(self.maxlen), ops.reshape(position, (1,)), axis=0)
+
     def call(self, inputs, mask=None):
         length = inputs.shape[1]
         if length is not None and length > self.maxlen:
@@ -510,15 +514,39 @@ class MultiHeadAttention(keras.layers.Layer):
             query_mask = _keras_mask(queries)
         if key_mask is None:
             key_mask = query_mask if self_attention else _keras_mask(keys)
-        normed = self.norm(queries) if self.norm_position == "pre" else queries
+        normed = self.normalize_queries(queries)
         if self_attention:
             keys = normed
-        values = keys if values is None else values
+        k, v = self.project_keys_values(keys, values)  # (N, h, T_k, d_k) each
+        mask = self.attention_mask(query_mask, key_mask, ops.shape(queries)[1], ops.shape(k)[2])
+        return self._attend(queries, normed, k, v, mask, training, return_attention_scores)
 
+    def normalize_queries(self, queries):
+        """The queries as the projections see them: normalized first in pre-norm."""
+        return self.norm(queries) if self.norm_position == "pre" else queries
+
+    def project_keys_values(self, keys, values=None):
+        """Keys and values `(N, T_k, C)` -> per-head projections `(N, h, T_k, d_k)`.
+
+        For incremental decoding, which projects a memory once, or one new
+        position at a time (pass the normalized inputs in pre-norm self-attention).
+        """
+        values = keys if values is None else values
+        return self._split_heads(self.key_dense(keys)), self._split_heads(self.value_dense(values))
+
+    def attend_projected(self, queries, k, v, key_mask=None, training=None,
+                         return_attention_scores=False):
+        """Attention of `queries` `(N, T_q, C)` over projected keys/values `(N, h, T_k, d_k)`.
+
+        The incremental-decoding counterpart of `call`: `key_mask` is boolean
+        `(N, T_k)` (or broadcastable) and no causality is applied.
+        """
+        mask = None if key_mask is None else ops.cast(key_mask, "bool")[:, None, None, :]
+        return self._attend(queries, self.normalize_queries(queries), k, v, mask, training,
+                            return_attention_scores)
+
+    def _attend(self, queries, normed, k, v, mask, training, return_attention_scores):
         q = self._split_heads(self.query_dense(normed))  # (N, h, T_q, d_k)
-        k = self._split_heads(self.key_dense(keys))  # (N, h, T_k, d_k)
-        v = self._split_heads(self.value_dense(values))  # (N, h, T_k, d_k)
-        mask = self.attention_mask(query_mask, key_mask, ops.shape(q)[2], ops.shape(k)[2])
         heads, weights = self.attention(q, k, v, mask)  # (N, h, T_q, d_k), (N, h, T_q, T_k)
         outputs = self._merge_heads(heads)  # (N, T_q, C)
         if self.output_projection:
@@ -744,6 +772,33 @@ class DecoderBlock(_Block):
         if return_attention_scores:
             return outputs, weights, ops.mean(weights, axis=1)  # coverage (N, T, S)
         return outputs
+
+    def step(self, inputs, position, self_cache, memory_keys_values, memory_mask):
+        """One decoding step with a key/value cache.
+
+        Args:
+          inputs: States of the newest position `(N, 1, C)`.
+          position: Its index (int scalar tensor).
+          self_cache: ``(keys, values)`` of the self-attention, `(N, h, L, d_k)`
+            each; positions after `position` are ignored.
+          memory_keys_values: ``(keys, values)`` of the cross-attention, from
+            ``cross_attention.project_keys_values(memory)``.
+          memory_mask: Boolean `(N, S)` source padding mask.
+
+        Returns:
+          ``(outputs (N, 1, C), self_cache with position filled, cross weights (N, h, 1, S))``.
+        """
+        attention = self.self_attention
+        new_keys, new_values = attention.project_keys_values(attention.normalize_queries(inputs))
+        start = (0, 0, position, 0)
+        keys = ops.slice_update(self_cache[0], start, ops.cast(new_keys, self_cache[0].dtype))
+        values = ops.slice_update(self_cache[1], start,
+                                  ops.cast(new_values, self_cache[1].dtype))
+        seen = ops.arange(ops.shape(keys)[2])[None, :] <= position  # (1, L)
+        outputs = attention.attend_projected(inputs, keys, values, key_mask=seen)
+        outputs, weights = self.cross_attention.attend_projected(
+            outputs, *memory_keys_values, key_mask=memory_mask, return_attention_scores=True)
+        return self.feed_forward(outputs), (keys, values), weights
 
     def compute_output_spec(self, inputs, memory, mask=None, memory_mask=None, training=None,
                             return_attention_scores=False):

@@ -130,6 +130,48 @@ class Transformer(keras.Model):
             return logits, coverage
         return logits
 
+    # ------------------------------------------------ incremental decoding
+
+    def init_cache(self, memory, source_mask, max_length):
+        """The decoding state for `max_length` output positions.
+
+        Returns a dict: ``self``: per block, zeroed self-attention keys and
+        values `(N, h, max_length, d_k)`; ``memory``: per block, the
+        cross-attention keys and values of the encoder output, computed once;
+        ``source_mask``: `(N, S)`.
+        """
+        if not self.built:
+            self.build()
+        batch = ops.shape(memory)[0]
+        head_width = self.d_model // self.num_heads
+        empty = ops.zeros((batch, self.num_heads, max_length, head_width), memory.dtype)
+        return {
+            "self": [(empty, empty) for _ in self.decoder_blocks],
+            "memory": [block.cross_attention.project_keys_values(memory)
+                       for block in self.decoder_blocks],
+            "source_mask": source_mask,
+        }
+
+    def decode_step(self, token_ids, position, cache):
+        """Logits `(N, V)` of the next token after `token_ids` `(N,)` at `position`.
+
+        Returns ``(logits, cache, coverage)``: the cache with this position
+        filled, and the last block's cross-attention averaged over heads `(N, S)`.
+        """
+        x = self.target_embedding(token_ids[:, None])  # (N, 1, C)
+        x = x + self.target_positions.encoding_at(position)[None]
+        new_self = []
+        for block, self_cache, memory_kv in zip(self.decoder_blocks, cache["self"],
+                                                cache["memory"]):
+            x, self_cache, weights = block.step(x, position, self_cache, memory_kv,
+                                                cache["source_mask"])
+            new_self.append(self_cache)
+        if self.norm_position == "pre":
+            x = self.decoder_norm(x)
+        logits = self.target_embedding.attend(x)[:, 0]  # (N, V)
+        coverage = ops.mean(weights, axis=1)[:, 0]  # (N, S)
+        return logits, {**cache, "self": new_self}, coverage
+
     def call(self, inputs, training=None):
         memory, source_mask = self.encode(inputs["source"], training=training)
         return self.decode(inputs["target_in"], memory, source_mask, training=training)

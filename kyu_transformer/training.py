@@ -25,6 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from kyu_transformer.checkpoints import model_weights
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.metrics import masked_accuracy_counts
 from kyu_transformer.model import Transformer
@@ -133,7 +134,8 @@ class Trainer:
             self.step_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False,
                                              name="step_in_epoch")
         self.loss_fn = LabelSmoothedCrossEntropy(hparams["smoothing"])
-        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer,
+        self.checkpoint = tf.train.Checkpoint(weights=model_weights(self.model),
+                                              optimizer=self.optimizer,
                                               epoch=self.epoch, step_in_epoch=self.step_in_epoch)
         self.checkpoint_dir = os.path.join(self.logdir, "checkpoints")
         self.manager = tf.train.CheckpointManager(

@@ -1,0 +1,168 @@
+"""Translates with a trained model and scores the result with sacreBLEU.
+
+    python eval.py --logdir log/small --split test_2016_flickr --beam_size 4
+    python eval.py --logdir log/small --src my.de --ref my.en
+    echo "Ein Hund rennt." | python eval.py --logdir log/small --src -
+
+The model, its hyperparameters and its subword model all come from the logdir.
+Translations go to <logdir>/eval/<name>.hyp.txt and, with references, the
+scores to <logdir>/eval/<name>.json.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import hparams as hp  # noqa: E402
+from kyu_transformer import data  # noqa: E402
+from kyu_transformer.checkpoints import CheckpointError, load_model  # noqa: E402
+from kyu_transformer.decoding import Translator  # noqa: E402
+from kyu_transformer.evaluation import score  # noqa: E402
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--logdir", required=True, help="a logdir written by train.py")
+    parser.add_argument("--ckpt", default=None,
+                        help="checkpoint path, or 'best' (best validation BLEU); "
+                             "default: the latest")
+    parser.add_argument("--average_last", type=int, default=0, metavar="N",
+                        help="average the weights of the last N checkpoints")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--split", default=None,
+                        help="split of the data folder to translate (default test_2016_flickr)")
+    source.add_argument("--src", default=None, help="source text file, or - for standard input")
+    parser.add_argument("--ref", default=None, help="reference translations of --src")
+    parser.add_argument("--data_dir", default=None, help="default: the logdir's data_dir")
+    parser.add_argument("--beam_size", type=int, default=4, help="1 for greedy search")
+    parser.add_argument("--alpha", type=float, default=0.6, help="length-penalty exponent")
+    parser.add_argument("--batch_size", type=int, default=128, help="sentences per batch")
+    parser.add_argument("--plot_attention", type=int, default=0, metavar="K",
+                        help="save cross-attention heatmaps of the first K sentences")
+    parser.add_argument("--name", default=None, help="name of the output files")
+    args = parser.parse_args(argv)
+    if args.ref and not args.src:
+        parser.error("--ref goes with --src")
+    if args.beam_size < 1:
+        parser.error(f"--beam_size must be at least 1, got {args.beam_size}")
+    return args
+
+
+def load_inputs(args, hparams):
+    """``(name, sources, references or None)``."""
+    languages = (hparams["src_lang"], hparams["tgt_lang"])
+    if args.src:
+        sources = data.read_lines(args.src)
+        references = data.read_lines(args.ref) if args.ref else None
+        if references is not None and len(references) != len(sources):
+            raise data.DataError(f"{args.src} has {len(sources)} lines but {args.ref} has "
+                                 f"{len(references)}")
+        name = args.name or os.path.basename(args.src).split(".")[0]
+        return name, sources, references
+    split = args.split or "test_2016_flickr"
+    data_dir = args.data_dir or hparams["data_dir"]
+    data.check_data_dir(data_dir)
+    (source_path, target_path), reader = data.split_files(data_dir, split, *languages)
+    sources, references = reader(source_path), reader(target_path)
+    if len(sources) != len(references):
+        raise data.DataError(f"{source_path} has {len(sources)} lines but {target_path} has "
+                             f"{len(references)}")
+    return args.name or split, sources, references
+
+
+def write_lines(path, lines):
+    temporary = f"{path}.tmp"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        handle.writelines(line + "\n" for line in lines)
+    os.replace(temporary, path)
+
+
+def translate_stdin(translator, subwords):
+    """Translates standard input line by line, as it comes."""
+    for line in sys.stdin:
+        print(translator.translate([data.normalize_line(line)], subwords)[0], flush=True)
+
+
+def plot_attention(model, translator, subwords, sources, count, out_dir, name):
+    """Heatmaps of the last decoder block's cross-attention, averaged over heads."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sources = sources[:count]
+    source_ids = subwords.encode(sources)
+    outputs, coverages = translator.translate_ids(source_ids, with_coverage=True)
+    paths = []
+    for index, (ids, output, coverage) in enumerate(zip(source_ids, outputs, coverages)):
+        if coverage is None:
+            continue
+        source_pieces = subwords.processor.id_to_piece(ids) + ["</s>"]
+        output_pieces = subwords.processor.id_to_piece(output) + ["</s>"]
+        weights = coverage[:len(output_pieces), :len(source_pieces)]
+        figure, axes = plt.subplots(figsize=(1 + 0.35 * len(source_pieces),
+                                             1 + 0.35 * len(output_pieces)))
+        axes.imshow(weights, cmap="viridis", aspect="auto")
+        axes.set_xticks(range(len(source_pieces)), source_pieces, rotation=90)
+        axes.set_yticks(range(len(output_pieces)), output_pieces)
+        axes.set_xlabel("source")
+        axes.set_ylabel("output")
+        figure.tight_layout()
+        path = os.path.join(out_dir, f"{name}.attention.{index + 1}.png")
+        figure.savefig(path, dpi=80)
+        plt.close(figure)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None):
+    started = time.time()
+    args = parse_args(argv)
+    try:
+        hparams = hp.load(os.path.join(args.logdir, "hparams.json"))
+        subwords = data.Subwords(os.path.join(args.logdir, data.Subwords.FILE_NAME))
+        model, checkpoint = load_model(hparams, args.logdir, args.ckpt, args.average_last)
+    except (hp.HParamsError, data.DataError, CheckpointError) as error:
+        raise SystemExit(f"error: {error}")
+    translator = Translator(model, beam_size=args.beam_size, alpha=args.alpha)
+    if args.src == "-":
+        translate_stdin(translator, subwords)
+        return 0
+    try:
+        name, sources, references = load_inputs(args, hparams)
+    except data.DataError as error:
+        raise SystemExit(f"error: {error}")
+
+    decode_started = time.time()
+    hypotheses = translator.translate(sources, subwords, args.batch_size)
+    decode_seconds = time.time() - decode_started
+    out_dir = os.path.join(args.logdir, "eval")
+    os.makedirs(out_dir, exist_ok=True)
+    hypothesis_path = os.path.join(out_dir, f"{name}.hyp.txt")
+    write_lines(hypothesis_path, hypotheses)
+    print(f"{len(sources)} sentences translated in {decode_seconds:.1f} s "
+          f"({len(sources) / max(decode_seconds, 1e-9):.0f} sentences/s), "
+          f"beam {args.beam_size}, checkpoint {checkpoint}")
+    print(f"translations: {hypothesis_path}")
+    if args.plot_attention:
+        for path in plot_attention(model, Translator(model), subwords, sources,
+                                   args.plot_attention, out_dir, name):
+            print(f"attention: {path}")
+    if references is not None:
+        result = score(hypotheses, references)
+        result.update(checkpoint=checkpoint, beam_size=args.beam_size, alpha=args.alpha,
+                      num_sentences=len(sources), seconds=round(time.time() - started, 2),
+                      decode_seconds=round(decode_seconds, 2))
+        write_lines(os.path.join(out_dir, f"{name}.json"), [json.dumps(result, indent=2)])
+        print(result["score_line"])
+        print(f"chrF2 = {result['chrf']:.2f}")
+        print(f"scores: {os.path.join(out_dir, name + '.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Scoring translations with sacreBLEU, and validation BLEU during training."""
+
+import json
+import os
+
+import sacrebleu
+
+from kyu_transformer.decoding import Translator
+
+
+def score(hypotheses, references):
+    """sacreBLEU BLEU (cased, 13a) and chrF of detokenized text.
+
+    Returns a dict: ``bleu``, ``chrf``, ``signature`` (BLEU's), ``chrf_signature``,
+    ``score_line`` (BLEU's own summary line).
+    """
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
+    bleu = sacrebleu.metrics.BLEU()
+    chrf = sacrebleu.metrics.CHRF()
+    bleu_score = bleu.corpus_score(hypotheses, [references])
+    chrf_score = chrf.corpus_score(hypotheses, [references])
+    return {"bleu": round(bleu_score.score, 2), "chrf": round(chrf_score.score, 2),
+            "signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature()),
+            "score_line": bleu_score.format(signature=str(bleu.get_signature()))}
+
+
+class ValidationBleu:
+    """A training hook: greedy BLEU on the first validation sentences after each epoch.
+
+    Logs ``bleu`` into the epoch's record (history, TensorBoard) and keeps the
+    weights of the best epoch apart from the rolling checkpoints, in
+    ``<logdir>/best.weights.h5`` with ``best.json`` beside it.
+
+    Args:
+      sources, references: Validation text.
+      subwords: The `data.Subwords` of the run.
+      num_sentences: How many validation sentences to score.
+      batch_size: Sentences per decoding batch.
+    """
+
+    def __init__(self, sources, references, subwords, num_sentences=200, batch_size=128):
+        self.sources = sources[:num_sentences]
+        self.references = references[:num_sentences]
+        self.subwords = subwords
+        self.batch_size = batch_size
+        self.translator = None
+
+    def __call__(self, trainer, epoch, logs):
+        if self.translator is None:
+            self.translator = Translator(trainer.model)
+        hypotheses = self.translator.translate(self.sources, self.subwords, self.batch_size)
+        result = score(hypotheses, self.references)
+        logs.update(kind="eval", bleu=result["bleu"], chrf=result["chrf"])
+        best_path = os.path.join(trainer.logdir, "best.json")
+        best = _read_json(best_path)
+        print(f"epoch {epoch}: validation BLEU {result['bleu']:.2f} chrF {result['chrf']:.2f} "
+              f"({len(hypotheses)} sentences, greedy)", flush=True)
+        if best is None or result["bleu"] > best["bleu"]:
+            weights = os.path.join(trainer.logdir, "best.weights.h5")
+            temporary = os.path.join(trainer.logdir, ".best.tmp.weights.h5")
+            trainer.model.save_weights(temporary)
+            os.replace(temporary, weights)
+            _write_json(best_path, {"bleu": result["bleu"], "chrf": result["chrf"],
+                                    "epoch": epoch, "step": logs["step"],
+                                    "signature": result["signature"]})
+
+
+def _read_json(path):
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _write_json(path, value):
+    temporary = f"{path}.tmp"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(value, handle, indent=2)
+        handle.write("\n")
+    os.replace(temporary, path)

@@ -1,0 +1,189 @@
+"""Greedy and beam search, the key/value cache, and eval.py on a small trained model."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import sacrebleu
+import tensorflow as tf
+
+import hparams as hp
+from kyu_transformer import data
+from kyu_transformer.checkpoints import CheckpointError, load_model
+from kyu_transformer.decoding import (Translator, beam_search, greedy_search,
+                                      recompute_greedy_search, sequence_log_probs)
+from kyu_transformer.model import Transformer
+from tests.test_data import MULTI30K
+from tests.test_training import ROOT
+
+ENVIRONMENT = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+
+
+def run(script, *args, stdin=None):
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, env=ENVIRONMENT,
+                          input=stdin, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A small model trained by train.py for 300 steps, with validation BLEU."""
+    logdir = tmp_path_factory.mktemp("trained") / "log"
+    result = run("train.py", "--hparams", "tiny", "--data_dir", MULTI30K, "--logdir", logdir,
+                 "--d_model", 64, "--d_ff", 128, "--num_heads", 4, "--lr", 1.0,
+                 "--num_epochs", 3, "--steps_per_epoch", 100, "--eval_sentences", 50)
+    assert result.returncode == 0, result.stdout + result.stderr
+    hparams = hp.load(str(logdir / "hparams.json"))
+    model, _ = load_model(hparams, str(logdir))
+    subwords = data.Subwords(str(logdir / data.Subwords.FILE_NAME))
+    sources, _, _ = data.load_split(MULTI30K, "val")
+    return {"logdir": logdir, "model": model, "subwords": subwords, "train_output": result.stdout,
+            "sources": [ids + [data.EOS_ID] for ids in subwords.encode(sources)
+                        if len(ids) < 30][:96]}
+
+
+def _pad(sequences):
+    width = max(len(s) for s in sequences)
+    return np.array([s + [0] * (width - len(s)) for s in sequences], dtype="int32")
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_cached_steps_give_the_full_forward_logits(rng, norm_position):
+    model = Transformer(60, d_model=16, d_ff=32, num_blocks=2, num_heads=2, maxlen1=12,
+                        maxlen2=12, norm_position=norm_position)
+    source = rng.integers(4, 60, size=(3, 8)).astype("int32")
+    source[1, 5:] = 0
+    target = rng.integers(4, 60, size=(3, 7)).astype("int32")
+    full = np.asarray(model({"source": source, "target_in": target}))
+    memory, source_mask = model.encode(source)
+    cache = model.init_cache(memory, source_mask, 7)
+    steps = []
+    for position in range(7):
+        logits, cache, _ = model.decode_step(tf.constant(target[:, position]), position, cache)
+        steps.append(np.asarray(logits))
+    np.testing.assert_allclose(np.stack(steps, axis=1), full, atol=1e-5)
+
+
+def test_cached_greedy_equals_recomputing_greedy(trained):
+    source = _pad(trained["sources"][:32])
+    cached, _ = greedy_search(trained["model"], tf.constant(source), 40)
+    recomputed = recompute_greedy_search(trained["model"], tf.constant(source), 40)
+    np.testing.assert_array_equal(cached, recomputed)
+    assert (np.asarray(cached) == data.EOS_ID).any(axis=1).all()  # it learnt to stop
+
+
+def test_beam_size_one_equals_greedy(trained):
+    source = tf.constant(_pad(trained["sources"][:32]))
+    greedy, _ = greedy_search(trained["model"], source, 40)
+    beam, _ = beam_search(trained["model"], source, 40, beam_size=1, alpha=0.0)
+    np.testing.assert_array_equal(beam[:, 0], greedy)
+
+
+def test_beam_search_finds_likelier_outputs_than_greedy(trained):
+    model = trained["model"]
+    source = tf.constant(_pad(trained["sources"]))
+    greedy, _ = greedy_search(model, source, 40)
+    beam, scores = beam_search(model, source, 40, beam_size=4, alpha=0.0, n_best=2)
+    greedy_log_probs = np.asarray(sequence_log_probs(model, source, greedy))
+    beam_log_probs = np.asarray(sequence_log_probs(model, source, beam[:, 0]))
+    assert beam_log_probs.mean() >= greedy_log_probs.mean()
+    assert beam_log_probs.mean() > greedy_log_probs.mean() + 1e-3  # and it does search
+    # with alpha 0 the score is the model log-probability, best first
+    np.testing.assert_allclose(scores[:, 0], beam_log_probs, atol=1e-3)
+    assert np.all(np.asarray(scores[:, 0]) >= np.asarray(scores[:, 1]))
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_finished_sentences_stay_padded(trained, beam_size):
+    translator = Translator(trained["model"], beam_size=beam_size)
+    source = tf.constant(_pad(trained["sources"][:32]))
+    ids = (translator._greedy(source, 40)[0] if beam_size == 1
+           else translator._beam(source, 40)).numpy()
+    for row in ids:
+        ends = np.flatnonzero(row == data.EOS_ID)
+        assert len(ends) >= 1
+        assert np.all(row[ends[0] + 1:] == 0) and np.all(row[:ends[0]] != 0)
+
+
+def test_empty_source_lines_give_empty_translations(trained):
+    translator = Translator(trained["model"], beam_size=2)
+    outputs = translator.translate(["Ein Hund.", "", "   ", "Zwei Frauen."], trained["subwords"])
+    assert outputs[1] == "" and outputs[2] == ""
+    assert outputs[0] and outputs[3]
+    assert translator.translate([], trained["subwords"]) == []
+
+
+def test_training_scored_validation_bleu_and_kept_the_best(trained):
+    logdir = trained["logdir"]
+    assert "validation BLEU" in trained["train_output"]
+    best = json.loads((logdir / "best.json").read_text())
+    assert best["epoch"] in (1, 2, 3) and "tok:13a" in best["signature"]
+    assert (logdir / "best.weights.h5").is_file() and (logdir / "bleu.png").is_file()
+    history = [json.loads(line) for line in (logdir / "history.jsonl").read_text().splitlines()]
+    bleus = [r["bleu"] for r in history if r.get("kind") == "eval"]
+    assert len(bleus) == 3 and best["bleu"] == max(bleus)
+    events = tf.io.gfile.glob(str(logdir / "train" / "events.out.tfevents*"))
+    tags = {v.tag for path in events for e in tf.compat.v1.train.summary_iterator(path)
+            for v in e.summary.value}
+    assert "eval/bleu" in tags
+
+
+def test_eval_scores_a_split_with_sacrebleu(trained):
+    logdir = trained["logdir"]
+    result = run("eval.py", "--logdir", logdir, "--split", "val", "--beam_size", 2,
+                 "--plot_attention", 2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "BLEU|nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp" in result.stdout
+    scores = json.loads((logdir / "eval" / "val.json").read_text())
+    for key in ("bleu", "chrf", "signature", "checkpoint", "beam_size", "num_sentences",
+                "seconds"):
+        assert key in scores
+    assert scores["num_sentences"] == 1014 and scores["beam_size"] == 2
+    hypotheses = (logdir / "eval" / "val.hyp.txt").read_text(encoding="utf-8").splitlines()
+    _, references, _ = data.load_split(MULTI30K, "val")
+    assert len(hypotheses) == 1014
+    expected = sacrebleu.corpus_bleu(hypotheses, [references]).score
+    assert scores["bleu"] == pytest.approx(expected, abs=0.01) and scores["bleu"] > 1.0
+    assert (logdir / "eval" / "val.attention.1.png").is_file()
+    assert (logdir / "eval" / "val.attention.2.png").is_file()
+
+
+def test_eval_translates_files_and_standard_input(trained, tmp_path):
+    logdir = trained["logdir"]
+    source = tmp_path / "mine.de"
+    source.write_text("Ein Mann fährt Fahrrad.\n\nZwei Hunde spielen im Schnee.\n", "utf-8")
+    reference = tmp_path / "mine.en"
+    reference.write_text("A man rides a bike.\n\nTwo dogs play in the snow.\n", "utf-8")
+    result = run("eval.py", "--logdir", logdir, "--src", source, "--ref", reference,
+                 "--average_last", 2, "--beam_size", 1)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "average of 2 checkpoints" in result.stdout
+    lines = (logdir / "eval" / "mine.hyp.txt").read_text(encoding="utf-8").split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[0] and lines[2]
+    typed = run("eval.py", "--logdir", logdir, "--src", "-",
+                stdin="Ein Hund rennt.\nEine Frau singt.\n")
+    assert typed.returncode == 0, typed.stderr
+    assert len(typed.stdout.strip().splitlines()) == 2
+
+
+def test_eval_errors_are_clear(trained, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(trained["logdir"], broken)
+    (broken / data.Subwords.FILE_NAME).unlink()
+    result = run("eval.py", "--logdir", broken)
+    assert result.returncode != 0 and "subwords.model: no subword model" in result.stderr
+    empty = tmp_path / "empty"
+    shutil.copytree(trained["logdir"], empty)
+    shutil.rmtree(empty / "checkpoints")
+    result = run("eval.py", "--logdir", empty)
+    assert result.returncode != 0 and "no checkpoint in" in result.stderr
+    result = run("eval.py", "--logdir", tmp_path / "nothing")
+    assert result.returncode != 0 and "hparams.json: no such file" in result.stderr
+    other = hp.load(str(trained["logdir"] / "hparams.json"))
+    other["d_model"] = 32
+    with pytest.raises(CheckpointError, match="does not fit the model"):
+        load_model(other, str(trained["logdir"]))
