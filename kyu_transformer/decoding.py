@@ -269,15 +269,21 @@ def recompute_greedy_search(model, source, max_length):
     """
     memory, source_mask = model.encode(source, training=False)
     batch = ops.shape(source)[0]
-    prefix = ops.full((batch, 1), BOS_ID, "int32")
+    # Column 0 holds BOS; step t decodes columns 0..t and writes column t + 1.
+    prefix = ops.concatenate([ops.full((batch, 1), BOS_ID, "int32"),
+                              ops.zeros((batch, max_length), "int32")], axis=1)
     finished = ops.zeros((batch,), "bool")
-    for _ in range(max_length):
-        logits = model.decode(prefix, memory, source_mask, training=False)[:, -1]
-        chosen = ops.where(finished, PAD_ID, ops.cast(ops.argmax(logits, axis=-1), "int32"))
-        prefix = ops.concatenate([prefix, chosen[:, None]], axis=1)
-        finished = ops.logical_or(finished, ops.equal(chosen, EOS_ID))
-        if bool(ops.all(finished)):
-            break
-    outputs = prefix[:, 1:]
-    return ops.pad(outputs, [[0, 0], [0, max_length - ops.shape(outputs)[1]]])
 
+    def unfinished(step, *_):
+        return step < max_length
+
+    def body(step, prefix, finished):
+        logits = model.decode(prefix[:, :step + 1], memory, source_mask, training=False)
+        chosen = ops.cast(ops.argmax(logits[:, -1], axis=-1), "int32")
+        chosen = ops.where(finished, PAD_ID, chosen)
+        prefix = ops.slice_update(prefix, (0, step + 1), chosen[:, None])
+        finished = ops.logical_or(finished, ops.equal(chosen, EOS_ID))
+        return ops.where(ops.all(finished), max_length, step + 1), prefix, finished
+
+    _, prefix, _ = ops.while_loop(unfinished, body, (0, prefix, finished))
+    return prefix[:, 1:]

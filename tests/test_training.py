@@ -168,9 +168,13 @@ def run_train(logdir, *extra, wait=True):
                           timeout=600)
 
 
+def digest(output):
+    return [line for line in output.splitlines() if line.startswith("weights sha256:")]
+
+
 def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     logdir = tmp_path / "log"
-    flags = ["--num_epochs", "3", "--steps_per_epoch", "40"]
+    flags = ["--num_epochs", "3", "--steps_per_epoch", "40", "--deterministic"]
     process = run_train(logdir, *flags, wait=False)
     index = logdir / "checkpoints" / "checkpoint"
     deadline = time.time() + 300
@@ -189,6 +193,11 @@ def test_killed_run_resumes_from_its_checkpoint(tmp_path):
     assert f"resumed from {saved}" in again.stdout
     assert "epoch 1/3" not in again.stdout  # the first epoch is not trained again
     assert "done: 3 epochs, 120 steps" in again.stdout
+    # The resumed run skipped exactly the batches it had trained on, with the
+    # weights and optimizer state it had: it ends where an uninterrupted run ends.
+    uninterrupted = run_train(tmp_path / "straight", *flags)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+    assert digest(again.stdout) == digest(uninterrupted.stdout) != []
 
 
 def test_logdir_with_other_hparams_is_refused_then_moved_aside(tmp_path):
