@@ -9,7 +9,6 @@ Translations go to <logdir>/eval/<name>.hyp.txt and, with references, the
 scores to <logdir>/eval/<name>.json.
 """
 
-import argparse
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ from kyu_transformer.evaluation import score  # noqa: E402
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = hp.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logdir", required=True, help="a logdir written by train.py")
     parser.add_argument("--ckpt", default=None,
                         help="checkpoint path, or 'best' (best validation BLEU); "
@@ -61,6 +60,8 @@ def load_inputs(args, hparams):
         if references is not None and len(references) != len(sources):
             raise data.DataError(f"{args.src} has {len(sources)} lines but {args.ref} has "
                                  f"{len(references)}")
+        if not sources:
+            raise data.DataError(f"{args.src}: no sentence to translate (the file is empty)")
         name = args.name or os.path.basename(args.src).split(".")[0]
         return name, sources, references
     split = args.split or "test_2016_flickr"
@@ -148,6 +149,9 @@ def main(argv=None):
           f"({len(sources) / max(decode_seconds, 1e-9):.0f} sentences/s), "
           f"beam {args.beam_size}, checkpoint {checkpoint}")
     print(f"translations: {hypothesis_path}")
+    if translator.truncated:
+        print(f"note: {translator.truncated} sentences were longer than maxlen1="
+              f"{hparams['maxlen1']} subwords and were cut to it")
     if args.plot_attention:
         for path in plot_attention(model, Translator(model), subwords, sources,
                                    args.plot_attention, out_dir, name):

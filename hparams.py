@@ -232,5 +232,31 @@ def load(path):
     return resolve(_read_json(path))
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse without prefix matching, naming the closest flag to an unknown one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # `--batch 8` must not silently mean a flag
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            flags = [option for action in self._actions for option in action.option_strings]
+            problems, after_flag = [], False
+            for word in unknown:
+                if word.startswith("-"):
+                    match = difflib.get_close_matches(word.split("=")[0], flags, n=1)
+                    hint = f" (did you mean {match[0]}?)" if match else " (see --help)"
+                    problems.append(f"unknown flag {word}{hint}")
+                    after_flag = True
+                elif not after_flag:  # a value right after an unknown flag is its value
+                    problems.append(f"unexpected argument {word!r}")
+                else:
+                    after_flag = False
+            self.error("; ".join(problems))
+        return parsed
+
+
 def argument_parser(description):
-    return add_arguments(argparse.ArgumentParser(description=description))
+    return add_arguments(ArgumentParser(description=description))

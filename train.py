@@ -7,6 +7,7 @@ checkpoint. A logdir trained with other hyperparameters is refused unless
 ``--overwrite`` (which moves the old logdir aside; nothing is deleted).
 """
 
+import json
 import os
 import shutil
 import sys
@@ -51,24 +52,50 @@ def check_writable(directory, what):
 
 
 def settle_logdir(hparams, overwrite):
-    """The hparams to train with: the logdir's own when resuming, else the given ones."""
+    """The hparams to train with: the logdir's own when resuming, else the given ones.
+
+    A logdir trained with other hyperparameters, or on another corpus, is
+    refused; with `overwrite` it is moved aside (nothing is deleted).
+    """
     logdir = hparams["logdir"]
     saved_path = os.path.join(logdir, "hparams.json")
-    if not os.path.isfile(saved_path):
-        return hparams
-    saved = hp.load(saved_path)
-    changed = sorted(key for key in hp.SPEC
-                     if key not in RESUMABLE and key != "logdir" and saved[key] != hparams[key])
-    if not changed:
+    corpus_path = os.path.join(logdir, "corpus.json")
+    problems = []
+    saved = hp.load(saved_path) if os.path.isfile(saved_path) else None
+    if saved is not None:
+        changed = sorted(key for key in hp.SPEC
+                         if key not in RESUMABLE and key != "logdir" and saved[key] != hparams[key])
+        if changed:
+            problems.append("other hyperparameters (" + ", ".join(
+                f"{key}: {saved[key]!r} -> {hparams[key]!r}" for key in changed) + ")")
+    if os.path.isfile(corpus_path):
+        with open(corpus_path, encoding="utf-8") as handle:
+            if json.load(handle) != corpus_fingerprint(hparams):
+                problems.append(f"another corpus (its training files differ from those in "
+                                f"{hparams['data_dir']})")
+    if not problems:
+        if saved is None:
+            return hparams
         return {**saved, **{key: hparams[key] for key in RESUMABLE}, "logdir": logdir}
-    differences = ", ".join(f"{key}: {saved[key]!r} -> {hparams[key]!r}" for key in changed)
     if not overwrite:
         raise SystemExit(
-            f"error: {logdir} was trained with other hyperparameters ({differences}). "
-            "Use another --logdir, the same hyperparameters to resume, or --overwrite to "
-            "move the old logdir aside and start afresh.")
+            f"error: {logdir} was trained with {' and '.join(problems)}. Use another --logdir, "
+            "the same settings to resume, or --overwrite to move the old logdir aside and "
+            "start afresh.")
     print(f"--overwrite: moved the old logdir to {copy_aside(logdir)}")
     return hparams
+
+
+def corpus_fingerprint(hparams):
+    return data.fingerprint(hparams["data_dir"], "train", hparams["src_lang"], hparams["tgt_lang"])
+
+
+def record_run(hparams):
+    """Writes `hparams.json` and `corpus.json` (the training files' digests) the first time."""
+    for name, value in (("hparams.json", hparams), ("corpus.json", corpus_fingerprint(hparams))):
+        path = os.path.join(hparams["logdir"], name)
+        if not os.path.isfile(path):
+            hp.save(value, path)
 
 
 def prepare_data_dir(data_dir):
@@ -107,8 +134,8 @@ def main(argv=None):
         corpus = Corpus(hparams["data_dir"], subword_dir(logdir, chief), hparams)
     except data.DataError as error:
         raise SystemExit(f"error: {error}")
-    if chief and not os.path.isfile(os.path.join(logdir, "hparams.json")):
-        hp.save(hparams, os.path.join(logdir, "hparams.json"))
+    if chief:
+        record_run(hparams)
 
     hooks = []
     if hparams["eval_sentences"]:

@@ -13,6 +13,7 @@
 
 import glob
 import gzip
+import hashlib
 import html
 import os
 import re
@@ -153,6 +154,19 @@ def load_split(data_dir, split, source_lang="de", target_lang="en"):
     check_data_dir(data_dir)
     (source_path, target_path), reader = split_files(data_dir, split, source_lang, target_lang)
     return pair_lines(reader(source_path), reader(target_path), source_path, target_path)
+
+
+def fingerprint(data_dir, split="train", source_lang="de", target_lang="en"):
+    """``{file name: sha256}`` of a split's files: tells one corpus from another."""
+    (source_path, target_path), _ = split_files(data_dir, split, source_lang, target_lang)
+    digests = {}
+    for path in (source_path, target_path):
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        digests[os.path.basename(path)] = digest.hexdigest()
+    return digests
 
 
 def ensure_multi30k(data_dir, base_url=MULTI30K_URL, timeout=30):

@@ -209,6 +209,7 @@ class Translator:
         self.alpha = float(alpha)
         self.max_length = int(max_length or model.maxlen2)
         self.length_margin = int(length_margin)
+        self.truncated = 0
         if self.beam_size < 1:
             raise ValueError(f"`beam_size` must be at least 1, got {beam_size}")
         self._greedy = tf.function(self._greedy_fn, jit_compile=jit_compile,
@@ -235,6 +236,8 @@ class Translator:
         """
         results = [[] for _ in source_ids]
         coverages = [None for _ in source_ids]
+        # Sources the encoder cannot take whole are cut to its `maxlen1` (and counted).
+        self.truncated = sum(len(ids) + 1 > self.model.maxlen1 for ids in source_ids)
         order = sorted((i for i, ids in enumerate(source_ids) if ids),
                        key=lambda i: len(source_ids[i]))
         for first in range(0, len(order), batch_size):

@@ -1,0 +1,141 @@
+"""Nothing lost, nothing cryptic: kills, bad input, refusals, determinism."""
+
+import gzip
+import json
+import os
+import random
+import shutil
+import signal
+import time
+
+import hparams as hp
+from kyu_transformer.checkpoints import list_checkpoints, load_model
+from tests.test_data import MULTI30K
+from tests.test_decoding import run
+from tests.test_training import digest, run_train
+
+
+def wait_for(predicate, process, seconds=300):
+    deadline = time.time() + seconds
+    while not predicate() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+
+
+def test_repeated_kills_including_during_checkpoint_writes_lose_nothing(tmp_path):
+    logdir = tmp_path / "log"
+    checkpoints = logdir / "checkpoints"
+    flags = ["--num_epochs", "2", "--steps_per_epoch", "60", "--checkpoint_every", "4",
+             "--deterministic"]
+    chooser = random.Random(5)
+    kills = 0
+    for attempt in range(4):
+        process = run_train(logdir, *flags, wait=False)
+        if attempt % 2 == 0:  # the moment a checkpoint is being written
+            wait_for(lambda: any("_temp" in name for name in os.listdir(checkpoints))
+                     if checkpoints.exists() else False, process)
+        else:  # a random moment after the first checkpoint
+            wait_for(lambda: (checkpoints / "checkpoint").exists(), process)
+            time.sleep(chooser.uniform(0.0, 1.5))
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            kills += 1
+        process.wait()
+        # whatever the moment, the newest checkpoint loads cleanly
+        if list_checkpoints(str(logdir)):
+            load_model(hp.load(str(logdir / "hparams.json")), str(logdir))
+    assert kills >= 3
+    finished = run_train(logdir, *flags)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "done: 2 epochs, 120 steps" in finished.stdout
+    straight = run_train(tmp_path / "straight", *flags)
+    assert digest(finished.stdout) == digest(straight.stdout) != []
+    # history lines cut by a kill are skipped, the plots are drawn
+    assert (logdir / "loss.png").is_file() and (logdir / "lr.png").is_file()
+
+
+def test_same_seed_deterministic_runs_are_bit_identical(tmp_path):
+    flags = ["--steps_per_epoch", "30", "--log_every", "5", "--deterministic",
+             "--dropout_rate", "0.1"]
+    first, second = run_train(tmp_path / "a", *flags), run_train(tmp_path / "b", *flags)
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / name / "history.jsonl")
+               .read_text().splitlines() if json.loads(line)["kind"] == "train"]
+              for name in ("a", "b")]
+    assert len(losses[0]) == 6 and losses[0] == losses[1]
+    assert digest(first.stdout) == digest(second.stdout) != []
+    other_seed = run_train(tmp_path / "c", *flags, "--seed", "7")
+    assert digest(other_seed.stdout) != digest(first.stdout)
+
+
+def test_unwritable_logdir_fails_at_start(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    started = time.time()
+    result = run_train(blocker / "log")
+    assert result.returncode != 0
+    assert f"the logdir {blocker / 'log'} is not writable" in result.stderr
+    assert time.time() - started < 60 and "epoch 1" not in result.stdout
+
+
+def test_bad_data_folders_and_hparams_through_train_py(tmp_path):
+    cases = [
+        (["--data_dir", tmp_path / "missing"], "no such data folder"),
+        (["--data_dir", __file__], "is a file, expected a folder"),
+        (["--hparams", "tiny,nothing.json"], "no such JSON file: nothing.json"),
+        (["--batch_szie", "8"], "unknown flag --batch_szie (did you mean --batch_size?)"),
+        (["--dropout_rate", "1.5"], "`dropout_rate` must be in [0, 1), got 1.5"),
+        (["--num_heads", "3"], "`d_model` (32) must be divisible by `num_heads` (3)"),
+    ]
+    (tmp_path / "empty").mkdir()
+    cases.append((["--data_dir", tmp_path / "empty"], "the data folder is empty"))
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"d_model": 64,,}')
+    cases.append((["--hparams", broken], "broken.json, line 1: not valid JSON"))
+    for extra, message in cases:
+        result = run("train.py", "--hparams", "tiny", "--data_dir", MULTI30K, "--logdir",
+                     tmp_path / "log", *extra)
+        assert result.returncode != 0, extra
+        assert message in result.stderr, (extra, result.stderr[-2000:])
+        assert "Traceback" not in result.stderr, result.stderr[-2000:]
+
+
+def test_another_corpus_in_the_same_logdir_is_refused(tmp_path):
+    data_dir = tmp_path / "data"
+    shutil.copytree(MULTI30K, data_dir)
+    logdir = tmp_path / "log"
+    arguments = ["--hparams", "tiny", "--data_dir", data_dir, "--logdir", logdir,
+                 "--steps_per_epoch", "2"]
+    first = run("train.py", *arguments)
+    assert first.returncode == 0, first.stderr
+    for name in os.listdir(data_dir):
+        os.chmod(data_dir / name, 0o644)
+    with gzip.open(data_dir / "train.en.gz", "rb") as handle:
+        lines = handle.read().splitlines(keepends=True)
+    lines[0] = b"A changed sentence.\n"
+    with gzip.open(data_dir / "train.en.gz", "wb") as handle:
+        handle.writelines(lines)
+    refused = run("train.py", *arguments)
+    assert refused.returncode != 0
+    assert f"was trained with another corpus (its training files differ from those in " \
+           f"{data_dir})" in refused.stderr
+    moved = run("train.py", *arguments, "--overwrite")
+    assert moved.returncode == 0 and "--overwrite: moved the old logdir" in moved.stdout
+
+
+def test_eval_on_odd_input(tmp_path):
+    logdir = tmp_path / "log"
+    trained = run_train(logdir, "--steps_per_epoch", "20")
+    assert trained.returncode == 0, trained.stderr
+    odd = tmp_path / "odd.de"
+    odd.write_text("\ufeffΩmega ♞ 漢字 ist hier.\r\n" + "sehr lang " * 60 + "\n\t \n", "utf-8")
+    result = run("eval.py", "--logdir", logdir, "--src", odd, "--beam_size", 2)
+    assert result.returncode == 0, result.stderr
+    assert "note: 1 sentences were longer than maxlen1=48 subwords" in result.stdout
+    lines = (logdir / "eval" / "odd.hyp.txt").read_text(encoding="utf-8").split("\n")
+    assert len(lines) == 4 and lines[2] == ""
+    empty = tmp_path / "empty.de"
+    empty.write_text("")
+    result = run("eval.py", "--logdir", logdir, "--src", empty)
+    assert result.returncode != 0 and "no sentence to translate" in result.stderr
+    result = run("eval.py", "--logdir", logdir, "--src", odd, "--ref", empty)
+    assert result.returncode != 0 and "has 3 lines but" in result.stderr
