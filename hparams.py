@@ -76,7 +76,9 @@ PRESETS = {
     # The CPU recipe for Multi30k.
     "small": dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4,
                   maxlen1=64, maxlen2=64, batch_size=256, batch_tokens=4096, dropout_rate=0.1,
-                  lr=2.0, warmup_steps=1000, num_epochs=30, logdir="log/small"),
+                  lr=0.8, warmup_steps=800, num_epochs=30, mixed_precision="bf16",
+                  max_minutes=40.0, checkpoint_every=100, keep_checkpoints=8,
+                  logdir="log/small"),
     # The paper's base model.
     "base": dict(d_model=512, d_ff=2048, num_blocks=6, num_heads=8, dropout_rate=0.1,
                  lr=1.0, warmup_steps=4000, logdir="log/base"),

@@ -1,11 +1,11 @@
 """Training throughput (target tokens/s) of our Transformer against keras-hub's, in one run.
 
-    python benchmarks/train_throughput.py [--repeats 3] [--steps 20] [--mixed_precision bf16]
+    python benchmarks/train_throughput.py [--repeats 3] [--steps 20] [--variants fp32,bf16]
 
 Both models: d_model 256, d_ff 1024, 3 encoder + 3 decoder blocks, 4 heads,
 vocabulary 8000, trained on the same fixed batch (64 pairs, 24 source and 24
 target tokens, no padding) by the same step function (Adam, label-smoothed
-cross-entropy, `jit_compile` on unless --no_jit). The peer is built from
+cross-entropy; the peer with `jit_compile`, ours as --variants says). The peer is built from
 keras-hub's `TokenAndPositionEmbedding`, `TransformerEncoder` and
 `TransformerDecoder` (install with `pip install -e .[bench]`).
 
@@ -130,38 +130,40 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no",
-                        help="policy of our model (the peer always runs in float32)")
-    parser.add_argument("--no_jit", action="store_true", help="our step without XLA")
+    parser.add_argument("--variants", default="fp32,bf16",
+                        help="our configurations, comma-separated: fp32, bf16, fp32-xla, "
+                             "bf16-xla (the peer always runs fp32 with XLA)")
     parser.add_argument("--skip_peer", action="store_true")
     args = parser.parse_args()
     features, labels = batch()
-    keras.utils.set_random_seed(0)
     results = {}
     if not args.skip_peer:
         keras.config.set_dtype_policy("float32")
+        keras.utils.set_random_seed(0)
         peer = keras_hub_model()
         results["keras-hub"] = measure("keras-hub", make_step(peer, True), features, labels,
                                        args.steps, args.repeats)
-    policy = {"no": "float32", "bf16": "mixed_bfloat16"}[args.mixed_precision]
-    keras.config.set_dtype_policy(policy)
-    model = ours()
-    model.build()
-    name = f"ours-{args.mixed_precision if args.mixed_precision != 'no' else 'fp32'}"
-    results[name] = measure(name, make_step(model, not args.no_jit), features, labels,
-                            args.steps, args.repeats)
+    for variant in args.variants.split(","):
+        dtype, _, compiler = variant.partition("-")
+        keras.config.set_dtype_policy({"fp32": "float32", "bf16": "mixed_bfloat16"}[dtype])
+        keras.utils.set_random_seed(0)
+        model = ours()
+        model.build()
+        name = f"ours-{variant}"
+        results[name] = measure(name, make_step(model, compiler == "xla"), features, labels,
+                                args.steps, args.repeats)
     keras.config.set_dtype_policy("float32")
 
     flops = training_flops_per_step()
     peaks = {"float32": matmul_peak(tf.float32)}
-    if args.mixed_precision == "bf16":
+    if any(name.startswith("ours-bf16") for name in results):
         peaks["bfloat16"] = matmul_peak(tf.bfloat16)
     print(f"\nshape: {SHAPE}, batch {BATCH} x {SOURCE_LEN}/{TARGET_LEN} tokens, "
           f"{flops / 1e9:.1f} GFLOP per training step")
     for dtype, peak in peaks.items():
         print(f"measured {dtype} matmul peak: {peak / 1e9:.0f} GFLOP/s")
     for name, rate in results.items():
-        peak = peaks["bfloat16" if name.endswith("bf16") else "float32"]
+        peak = peaks["bfloat16" if name.startswith("ours-bf16") else "float32"]
         achieved = rate / (BATCH * TARGET_LEN) * flops
         print(f"{name:12s} median {rate:8.0f} target tokens/s, {achieved / 1e9:6.0f} GFLOP/s, "
               f"MFU {achieved / peak:.0%}")

@@ -202,7 +202,7 @@ class Translator:
       jit_compile: Compile the search with XLA.
     """
 
-    def __init__(self, model, beam_size=1, alpha=0.6, max_length=None, length_margin=50,
+    def __init__(self, model, beam_size=1, alpha=0.6, max_length=None, length_margin=16,
                  jit_compile=False):
         self.model = model
         self.beam_size = int(beam_size)

@@ -142,7 +142,8 @@ class Trainer:
             self.checkpoint, self._writable_dir(self.checkpoint_dir),
             max_to_keep=hparams["keep_checkpoints"])
         self._train_step = tf.function(self._distributed_step,
-                                       jit_compile=None, reduce_retracing=True)
+                                       jit_compile=hparams["jit_compile"] or None,
+                                       reduce_retracing=True)
 
     def global_step(self):
         """Optimizer steps taken so far (a Python int, under any strategy)."""

@@ -216,3 +216,19 @@ def test_logdir_with_other_hparams_is_refused_then_moved_aside(tmp_path):
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("log.old-")]
     assert len(aside) == 1 and (aside[0] / "hparams.json").read_text() == saved
     assert json.loads((logdir / "hparams.json").read_text())["d_model"] == 64
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains(tmp_path, multi30k_tiny, precision):
+    import keras
+
+    hparams = tiny(tmp_path, mixed_precision=precision, log_every=5)
+    trainer = Trainer(hparams, verbose=False)
+    result = trainer.fit(multi30k_tiny.train_batches, steps_per_epoch=10)
+    assert result["steps"] == 10 and np.isfinite(result["last_loss"])
+    compute = {"bf16": "bfloat16", "fp16": "float16"}[precision]
+    assert trainer.model.compute_dtype == compute
+    assert trainer.model.variable_dtype == "float32"
+    assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer) == (
+        precision == "fp16")
+    keras.config.set_dtype_policy("float32")

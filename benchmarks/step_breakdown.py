@@ -1,0 +1,127 @@
+"""Where the time of a training step goes, at the benchmark shape of train_throughput.py.
+
+    python benchmarks/step_breakdown.py [--policy float32|mixed_bfloat16] [--trace DIR]
+
+Times (median of --repeats runs of --steps calls, each a compiled tf.function):
+the encoder forward; the whole forward (logits); forward + loss + gradients; the
+full step with the Adam update; and the full step fed by the real tf.data
+pipeline on Multi30k (batches of the `small` preset) against the same batches
+held in memory, which shows whether the input pipeline slows training.
+With --trace, also writes a TensorFlow profiler trace of 5 full steps (open
+it in TensorBoard's profile tab) for the op-by-op view.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import hparams as hp  # noqa: E402
+from train_throughput import BATCH, TARGET_LEN, batch, ours  # noqa: E402
+from kyu_transformer.corpus import Corpus  # noqa: E402
+from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
+
+DEFAULT_DATA = os.path.join(ROOT, "..", "shared", "data", "multi30k")
+
+
+def timed(function, arguments, steps, repeats):
+    function(*arguments)  # trace and warm up
+    function(*arguments)
+    runs = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(steps):
+            result = function(*arguments)
+        tf.nest.map_structure(lambda t: t.numpy(), result)
+        runs.append((time.perf_counter() - started) / steps)
+    return statistics.median(runs)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy", default="float32")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--data_dir", default=DEFAULT_DATA)
+    parser.add_argument("--trace", default=None)
+    args = parser.parse_args()
+    keras.config.set_dtype_policy(args.policy)
+    model = ours()
+    model.build()
+    loss_fn = LabelSmoothedCrossEntropy(0.1)
+    optimizer = keras.optimizers.Adam(1e-4)
+    optimizer.build(model.trainable_variables)
+    features, labels = batch()
+
+    @tf.function
+    def encoder(features):
+        return model.encode(features["source"], training=True)[0]
+
+    @tf.function
+    def forward(features):
+        return model(features, training=True)
+
+    @tf.function
+    def gradients(features, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(features, training=True))
+        return tape.gradient(loss, model.trainable_variables)
+
+    @tf.function(reduce_retracing=True)
+    def step(features, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(features, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    rows = [("encoder forward", timed(encoder, (features,), args.steps, args.repeats)),
+            ("forward (logits)", timed(forward, (features,), args.steps, args.repeats)),
+            ("forward + loss + gradients", timed(gradients, (features, labels), args.steps,
+                                                 args.repeats)),
+            ("full step (+ Adam update)", timed(step, (features, labels), args.steps,
+                                                args.repeats))]
+    print(f"policy {args.policy}, batch {BATCH} x {TARGET_LEN} target tokens:")
+    for name, seconds in rows:
+        print(f"  {name:28s} {seconds * 1000:7.1f} ms")
+
+    hparams = hp.parse("small", {"mixed_precision": "no"})
+    corpus = Corpus(args.data_dir, os.path.join(ROOT, "log", ".breakdown"), hparams,
+                    log=lambda line: None)
+    count = args.steps * args.repeats
+    held = [(f, l) for f, l in corpus.train_batches(0).take(count)]
+    tokens = sum(int(tf.reduce_sum(tf.cast(l != 0, tf.int32))) for _, l in held)
+    for features_, labels_ in held[:8]:
+        step(features_, labels_)  # trace the shapes
+    started = time.perf_counter()
+    for features_, labels_ in held:
+        step(features_, labels_).numpy()
+    in_memory = time.perf_counter() - started
+    started = time.perf_counter()
+    for features_, labels_ in corpus.train_batches(0).take(count):
+        step(features_, labels_).numpy()
+    piped = time.perf_counter() - started
+    print(f"real Multi30k batches of the small preset ({count} steps, {tokens} target tokens):")
+    print(f"  held in memory      {in_memory / count * 1000:7.1f} ms/step, "
+          f"{tokens / in_memory:6.0f} target tokens/s")
+    print(f"  from tf.data        {piped / count * 1000:7.1f} ms/step, "
+          f"{tokens / piped:6.0f} target tokens/s")
+    if args.trace:
+        tf.profiler.experimental.start(args.trace)
+        for _ in range(5):
+            step(features, labels).numpy()
+        tf.profiler.experimental.stop()
+        print(f"profiler trace: {args.trace}")
+
+
+if __name__ == "__main__":
+    main()
