@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import hparams as hp  # noqa: E402
-from train_throughput import BATCH, TARGET_LEN, batch, ours  # noqa: E402
+from train_throughput import BATCH, TARGET_LEN, batch, make_step, ours  # noqa: E402
 from kyu_transformer.corpus import Corpus  # noqa: E402
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
 
@@ -58,8 +58,6 @@ def main():
     model = ours()
     model.build()
     loss_fn = LabelSmoothedCrossEntropy(0.1)
-    optimizer = keras.optimizers.Adam(1e-4)
-    optimizer.build(model.trainable_variables)
     features, labels = batch()
 
     @tf.function
@@ -76,13 +74,7 @@ def main():
             loss = loss_fn(labels, model(features, training=True))
         return tape.gradient(loss, model.trainable_variables)
 
-    @tf.function(reduce_retracing=True)
-    def step(features, labels):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(labels, model(features, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    step = make_step(model, jit_compile=False)  # the full step, as train_throughput.py times it
 
     rows = [("encoder forward", timed(encoder, (features,), args.steps, args.repeats)),
             ("forward (logits)", timed(forward, (features,), args.steps, args.repeats)),
@@ -98,16 +90,20 @@ def main():
     corpus = Corpus(args.data_dir, os.path.join(ROOT, "log", ".breakdown"), hparams,
                     log=lambda line: None)
     count = args.steps * args.repeats
-    held = [(f, l) for f, l in corpus.train_batches(0).take(count)]
+    # The first batch of an epoch waits for the shuffle buffer (the whole corpus) to
+    # fill, once per epoch: it is fetched before the clocks start, in both passes.
+    held = [(f, l) for f, l in corpus.train_batches(0).take(count + 1)][1:]
     tokens = sum(int(tf.reduce_sum(tf.cast(l != 0, tf.int32))) for _, l in held)
-    for features_, labels_ in held[:8]:
-        step(features_, labels_)  # trace the shapes
+    for features_, labels_ in held:
+        step(features_, labels_)  # trace every shape before timing
     started = time.perf_counter()
     for features_, labels_ in held:
         step(features_, labels_).numpy()
     in_memory = time.perf_counter() - started
+    iterator = iter(corpus.train_batches(0).take(count + 1))
+    next(iterator)
     started = time.perf_counter()
-    for features_, labels_ in corpus.train_batches(0).take(count):
+    for features_, labels_ in iterator:
         step(features_, labels_).numpy()
     piped = time.perf_counter() - started
     print(f"real Multi30k batches of the small preset ({count} steps, {tokens} target tokens):")
