@@ -21,6 +21,7 @@ from kyu_transformer import data  # noqa: E402
 from kyu_transformer.checkpoints import CheckpointError, load_model  # noqa: E402
 from kyu_transformer.decoding import Translator  # noqa: E402
 from kyu_transformer.evaluation import score  # noqa: E402
+from kyu_transformer.training import set_precision  # noqa: E402
 
 
 def parse_args(argv):
@@ -40,6 +41,10 @@ def parse_args(argv):
     parser.add_argument("--beam_size", type=int, default=4, help="1 for greedy search")
     parser.add_argument("--alpha", type=float, default=0.6, help="length-penalty exponent")
     parser.add_argument("--batch_size", type=int, default=128, help="sentences per batch")
+    parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
+                        help="precision of decoding (default: the one the model was trained "
+                             "in; bf16 runs at about twice the float32 speed on CPUs with "
+                             "AVX512-BF16)")
     parser.add_argument("--plot_attention", type=int, default=0, metavar="K",
                         help="save cross-attention heatmaps of the first K sentences")
     parser.add_argument("--name", default=None, help="name of the output files")
@@ -126,6 +131,7 @@ def main(argv=None):
     try:
         hparams = hp.load(os.path.join(args.logdir, "hparams.json"))
         subwords = data.Subwords(os.path.join(args.logdir, data.Subwords.FILE_NAME))
+        set_precision(args.mixed_precision or hparams["mixed_precision"])
         model, checkpoint = load_model(hparams, args.logdir, args.ckpt, args.average_last)
     except (hp.HParamsError, data.DataError, CheckpointError) as error:
         raise SystemExit(f"error: {error}")
@@ -159,6 +165,7 @@ def main(argv=None):
     if references is not None:
         result = score(hypotheses, references)
         result.update(checkpoint=checkpoint, beam_size=args.beam_size, alpha=args.alpha,
+                      mixed_precision=args.mixed_precision or hparams["mixed_precision"],
                       num_sentences=len(sources), seconds=round(time.time() - started, 2),
                       decode_seconds=round(decode_seconds, 2))
         write_lines(os.path.join(out_dir, f"{name}.json"), [json.dumps(result, indent=2)])

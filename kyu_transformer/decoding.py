@@ -38,7 +38,8 @@ def greedy_search(model, source, max_length):
     """
     memory, source_mask = model.encode(source, training=False)
     batch = ops.shape(source)[0]
-    cache = model.init_cache(memory, source_mask, max_length)
+    cache = model.init_cache(memory, source_mask)
+    cache["self"] = _relaxed(cache["self"])  # it grows
     outputs = ops.zeros((batch, max_length), "int32")
     coverage = ops.zeros((batch, max_length, ops.shape(source)[1]), "float32")
     finished = ops.zeros((batch,), "bool")
@@ -64,6 +65,26 @@ def greedy_search(model, source, max_length):
     return outputs, coverage
 
 
+def _relaxed(structure):
+    """`structure` with its tensors' batch axis (and third, if any) unknown to the graph.
+
+    Sentences leave the batch, and the self-attention cache and the beam
+    history grow by one position a step, inside a while-loop; TensorFlow
+    allows that only for loop variables whose shape the graph does not fix at
+    the start.
+    """
+    def relax(tensor):
+        if not isinstance(tensor, tf.Tensor) or len(tensor.shape) == 0:
+            return tensor
+        shape = tensor.shape.as_list()
+        shape[0] = None
+        if len(shape) > 2:
+            shape[2] = None
+        return tf.raw_ops.PlaceholderWithDefault(input=tensor, shape=shape)
+
+    return tf.nest.map_structure(relax, structure)
+
+
 def _gather_beams(tensor, indices):
     """Rows of `tensor` `(N, K, ...)` picked per sentence by `indices` `(N, K')`."""
     trailing = len(tensor.shape) - 2
@@ -71,10 +92,69 @@ def _gather_beams(tensor, indices):
     return ops.take_along_axis(tensor, indices, axis=1)
 
 
-def _split_beams(tensor, beam_size):
-    """`(N*K, ...)` -> `(N, K, ...)`."""
-    shape = ops.shape(tensor)
-    return ops.reshape(tensor, (shape[0] // beam_size, beam_size) + tuple(shape[1:]))
+def _block_width(vocab):
+    """A divisor of `vocab` near its square root (the blocks of `_top_k_rows`), or None."""
+    root = int(np.sqrt(vocab))
+    for distance in range(root // 2):
+        for width in (root + distance, root - distance):
+            if width > 1 and vocab % width == 0:
+                return width
+    return None
+
+
+def _top_k_rows(values, count):
+    """``(values, indices)`` of the `count` largest of each row of `values` `(R, V)`.
+
+    The same as ``ops.top_k`` (ties aside), in two cheap stages: the rows are
+    cut into blocks of about ``sqrt(V)``, the `count` blocks with the largest
+    maxima are kept (they hold every one of the `count` largest values), and
+    the top `count` is taken among their elements. A full-row top-k over a
+    vocabulary is the slowest op of a CPU beam-search step otherwise.
+    Also returns the row maxima `(R, 1)`.
+    """
+    vocab = values.shape[-1]
+    width = _block_width(vocab)
+    if width is None or vocab // width <= count:
+        best, indices = ops.top_k(values, count)
+        return best, indices, ops.max(values, axis=-1, keepdims=True)
+    rows = ops.shape(values)[0]
+    block_maxima = ops.max(ops.reshape(values, (rows, vocab // width, width)), axis=-1)  # (R, B)
+    _, best_blocks = ops.top_k(block_maxima, count)  # (R, count)
+    # Gathered as rows of a (R*B, W) matrix: no transpose of the whole input.
+    block_rows = best_blocks + ops.arange(rows)[:, None] * (vocab // width)  # (R, count)
+    candidates = ops.take(ops.reshape(values, (-1, width)), block_rows, axis=0)  # (R, count, W)
+    best, flat = ops.top_k(ops.reshape(candidates, (rows, count * width)), count)
+    block = ops.take_along_axis(best_blocks, flat // width, axis=1)
+    indices = block * width + flat % width
+    return best, indices, ops.max(block_maxima, axis=-1, keepdims=True)
+
+
+def _top_extensions(logits, alive_scores, count):
+    """The `count` best one-token extensions of each sentence's hypotheses.
+
+    Each hypothesis' own best `count` tokens are picked from its logits first
+    (a softmax keeps their order), so the full `(N, K, V)` log-softmax is never
+    materialised and the final choice is among ``K * count`` candidates.
+
+    Args:
+      logits: `(N, K, V)`.
+      alive_scores: Log-probabilities of the hypotheses so far `(N, K)`.
+      count: How many extensions to keep per sentence.
+
+    Returns:
+      ``(scores (N, count), beams (N, count), tokens (N, count))``, best first.
+    """
+    batch, hypotheses, vocab = ops.shape(logits)[0], logits.shape[1], logits.shape[2]
+    rows = ops.reshape(ops.cast(logits, "float32"), (-1, vocab))  # (N*K, V)
+    best_logits, best_tokens, maxima = _top_k_rows(rows, count)  # (N*K, count), .., (N*K, 1)
+    normalizer = maxima + ops.log(ops.sum(ops.exp(rows - maxima), axis=-1, keepdims=True))
+    candidates = ops.reshape(best_logits - normalizer, (batch, hypotheses * count))
+    candidates = candidates + ops.repeat(alive_scores, count, axis=1)  # (N, K*count)
+    scores, flat = ops.top_k(candidates, count)
+    beams = flat // count
+    tokens = ops.take_along_axis(ops.reshape(best_tokens, (batch, hypotheses * count)), flat,
+                                 axis=1)
+    return scores, beams, ops.cast(tokens, "int32")
 
 
 def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
@@ -102,72 +182,109 @@ def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
     k = beam_size
     memory, source_mask = model.encode(source, training=False)
     batch = ops.shape(source)[0]
-    vocab = model.vocab_size
-    # Every sentence's state repeated K times along the batch axis.
-    memory = ops.repeat(memory, k, axis=0)
-    source_mask = ops.repeat(source_mask, k, axis=0)
-    cache = model.init_cache(memory, source_mask, max_length)
-
-    alive_ids = ops.zeros((batch, k, max_length), "int32")
-    # Only the first beam is live at the start: the others would duplicate it.
-    alive_scores = ops.tile(ops.convert_to_tensor([[0.0] + [_NEG_INF] * (k - 1)]), (batch, 1))
-    finished_ids = ops.zeros((batch, k, max_length), "int32")
-    finished_scores = ops.full((batch, k), _NEG_INF)
-    last = ops.full((batch * k,), BOS_ID, "int32")
-    done = ops.zeros((batch,), "bool")
+    cache = model.init_cache(memory, source_mask)
+    table = cache.pop("target_table")  # shared by all sentences
+    # Everything per sentence; `rows` says which sentence of `source` each row
+    # is, as finished sentences leave the batch (see `_retire`).
+    state = {
+        "rows": ops.arange(batch),
+        "last": ops.full((batch, k), BOS_ID, "int32"),
+        # The K hypotheses of a sentence share its memory; the cache grows by K
+        # slots a position and is never reordered: `history` says which slots
+        # each alive hypothesis descends from (see `DecoderBlock.step`).
+        "history": ops.zeros((batch, k, 0), "bool"),
+        "alive_ids": ops.zeros((batch, k, max_length), "int32"),
+        # Only the first beam is live at the start: the others would duplicate it.
+        "alive_scores": ops.tile(ops.convert_to_tensor([[0.0] + [_NEG_INF] * (k - 1)]),
+                                 (batch, 1)),
+        "finished_ids": ops.zeros((batch, k, max_length), "int32"),
+        "finished_scores": ops.full((batch, k), _NEG_INF),
+        "done": ops.zeros((batch,), "bool"),
+        "cache": cache,
+    }
+    results = (ops.zeros((batch, n_best, max_length), "int32"), ops.full((batch, n_best), _NEG_INF))
 
     def unfinished(step, *_):
         return step < max_length
 
-    def body(step, last, alive_ids, alive_scores, finished_ids, finished_scores, done, cache):
-        logits, cache, _ = model.decode_step(last, step, cache)
-        log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)  # (N*K, V)
-        candidates = alive_scores[:, :, None] + _split_beams(log_probs, k)  # (N, K, V)
-        top_scores, top_flat = ops.top_k(ops.reshape(candidates, (batch, k * vocab)), 2 * k)
-        top_beams = top_flat // vocab  # (N, 2K)
-        top_tokens = ops.cast(top_flat % vocab, "int32")
-        top_ids = ops.slice_update(_gather_beams(alive_ids, top_beams), (0, 0, step),
-                                   top_tokens[:, :, None])  # (N, 2K, L)
-        ends = ops.equal(top_tokens, EOS_ID)
+    def body(step, state, results):
+        state = _beam_step(model, table, step, state, max_length, k, alpha)
+        all_done = ops.all(state["done"])
+        # Finished sentences leave the batch once they are a quarter of it:
+        # each step costs in proportion to the rows, leaving costs one copy.
+        worth_it = ops.logical_and(ops.logical_not(all_done),
+                                   ops.sum(ops.cast(state["done"], "int32")) * 4
+                                   >= ops.shape(state["done"])[0])
+        state, results = ops.cond(worth_it, lambda: _retire(state, results, n_best),
+                                  lambda: (state, results))
+        return ops.where(all_done, max_length, step + 1), state, results
 
-        # Alive: the K best extensions that do not end here.
-        alive_candidates = ops.where(ends, _NEG_INF, top_scores)
-        alive_scores, alive_pick = ops.top_k(alive_candidates, k)  # (N, K)
-        alive_ids = _gather_beams(top_ids, alive_pick)
-        cache_rows = ops.reshape(
-            _gather_beams(top_beams, alive_pick) + ops.arange(batch)[:, None] * k, (-1,))
-        cache = {**cache, "self": [(ops.take(keys, cache_rows, axis=0),
-                                    ops.take(values, cache_rows, axis=0))
-                                   for keys, values in cache["self"]]}
-        last = ops.reshape(_gather_beams(top_tokens, alive_pick), (-1,))
+    _, state, results = ops.while_loop(unfinished, body, (0, _relaxed(state), results))
 
-        # Finished: the K best of those kept so far and those ending here.
-        ended_scores = ops.where(ends, top_scores / length_penalty(step + 1, alpha), _NEG_INF)
-        ended_scores = ops.where(done[:, None], _NEG_INF, ended_scores)
-        pool_scores = ops.concatenate([finished_scores, ended_scores], axis=1)  # (N, 3K)
-        pool_ids = ops.concatenate([finished_ids, top_ids], axis=1)
-        finished_scores, finished_pick = ops.top_k(pool_scores, k)
-        finished_ids = _gather_beams(pool_ids, finished_pick)
-
-        # Done: the best alive score can only fall; with the largest penalty
-        # it may still get (at max_length) it cannot beat the worst finished.
-        best_possible = alive_scores[:, 0] / length_penalty(max_length, alpha)
-        worst_finished = finished_scores[:, k - 1]
-        done = ops.logical_or(done, ops.logical_and(worst_finished > _NEG_INF / 2,
-                                                    best_possible < worst_finished))
-        step = ops.where(ops.all(done), max_length, step + 1)
-        return step, last, alive_ids, alive_scores, finished_ids, finished_scores, done, cache
-
-    loop_vars = (0, last, alive_ids, alive_scores, finished_ids, finished_scores, done, cache)
-    _, _, alive_ids, alive_scores, finished_ids, finished_scores, _, _ = ops.while_loop(
-        unfinished, body, loop_vars)
-
-    # Sentences short of finished hypotheses take their alive ones, as they are.
-    alive_final = alive_scores / length_penalty(max_length, alpha)
-    pool_scores = ops.concatenate([finished_scores, alive_final], axis=1)
-    pool_ids = ops.concatenate([finished_ids, alive_ids], axis=1)
+    # The sentences still here take their best; those short of finished
+    # hypotheses take alive ones, as they are.
+    alive_final = state["alive_scores"] / length_penalty(max_length, alpha)
+    pool_scores = ops.concatenate([state["finished_scores"], alive_final], axis=1)
+    pool_ids = ops.concatenate([state["finished_ids"], state["alive_ids"]], axis=1)
     best_scores, best_pick = ops.top_k(pool_scores, n_best)
-    return _gather_beams(pool_ids, best_pick), best_scores
+    return _write_results(results, state["rows"], _gather_beams(pool_ids, best_pick), best_scores)
+
+
+def _beam_step(model, table, step, state, max_length, k, alpha):
+    """One position of beam search for every sentence of `state`."""
+    batch = ops.shape(state["last"])[0]
+    own_slots = ops.broadcast_to(ops.eye(k, dtype="bool")[None], (batch, k, k))  # (N, K, K)
+    history = ops.concatenate([state["history"], own_slots], axis=2)  # (N, K, (step+1)*K)
+    logits, cache, _ = model.decode_step(state["last"], step,
+                                         {**state["cache"], "target_table": table}, history)
+    cache.pop("target_table")
+    top_scores, top_beams, top_tokens = _top_extensions(logits, state["alive_scores"], 2 * k)
+    top_ids = ops.slice_update(_gather_beams(state["alive_ids"], top_beams), (0, 0, step),
+                               top_tokens[:, :, None])  # (N, 2K, L)
+    ends = ops.equal(top_tokens, EOS_ID)
+
+    # Alive: the K best extensions that do not end here.
+    alive_scores, alive_pick = ops.top_k(ops.where(ends, _NEG_INF, top_scores), k)  # (N, K)
+    alive_ids = _gather_beams(top_ids, alive_pick)
+    history = _gather_beams(history, _gather_beams(top_beams, alive_pick))
+    last = _gather_beams(top_tokens, alive_pick)
+
+    # Finished: the K best of those kept so far and those ending here.
+    done = state["done"]
+    ended_scores = ops.where(ends, top_scores / length_penalty(step + 1, alpha), _NEG_INF)
+    ended_scores = ops.where(done[:, None], _NEG_INF, ended_scores)
+    pool_scores = ops.concatenate([state["finished_scores"], ended_scores], axis=1)  # (N, 3K)
+    pool_ids = ops.concatenate([state["finished_ids"], top_ids], axis=1)
+    finished_scores, finished_pick = ops.top_k(pool_scores, k)
+    finished_ids = _gather_beams(pool_ids, finished_pick)
+
+    # Done: the best alive score can only fall; with the largest penalty
+    # it may still get (at max_length) it cannot beat the worst finished.
+    best_possible = alive_scores[:, 0] / length_penalty(max_length, alpha)
+    worst_finished = finished_scores[:, k - 1]
+    done = ops.logical_or(done, ops.logical_and(worst_finished > _NEG_INF / 2,
+                                                best_possible < worst_finished))
+    return {"rows": state["rows"], "last": last, "history": history, "alive_ids": alive_ids,
+            "alive_scores": alive_scores, "finished_ids": finished_ids,
+            "finished_scores": finished_scores, "done": done, "cache": cache}
+
+
+def _retire(state, results, n_best):
+    """Writes the done sentences' best hypotheses to `results`; keeps the others."""
+    leaving = ops.nonzero(state["done"])[0]
+    results = _write_results(
+        results, ops.take(state["rows"], leaving, axis=0),
+        ops.take(state["finished_ids"], leaving, axis=0)[:, :n_best],
+        ops.take(state["finished_scores"], leaving, axis=0)[:, :n_best])
+    staying = ops.nonzero(ops.logical_not(state["done"]))[0]
+    state = tf.nest.map_structure(lambda tensor: ops.take(tensor, staying, axis=0), state)
+    return state, results
+
+
+def _write_results(results, rows, ids, scores):
+    """`results` ``(ids, scores)`` with `rows` set to `ids` and `scores`."""
+    return (ops.scatter_update(results[0], rows[:, None], ids),
+            ops.scatter_update(results[1], rows[:, None], scores))
 
 
 def sequence_log_probs(model, source, outputs):
@@ -212,9 +329,13 @@ class Translator:
         self.truncated = 0
         if self.beam_size < 1:
             raise ValueError(f"`beam_size` must be at least 1, got {beam_size}")
+        # One trace serves every batch: source shape and output length are
+        # dynamic (a retrace per batch shape would cost more than decoding).
+        signature = [tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((), tf.int32)]
         self._greedy = tf.function(self._greedy_fn, jit_compile=jit_compile,
-                                   reduce_retracing=True)
-        self._beam = tf.function(self._beam_fn, jit_compile=jit_compile, reduce_retracing=True)
+                                   input_signature=signature)
+        self._beam = tf.function(self._beam_fn, jit_compile=jit_compile,
+                                 input_signature=signature)
 
     def _greedy_fn(self, source, max_length):
         return greedy_search(self.model, source, max_length)
@@ -246,9 +367,9 @@ class Translator:
             source = source[:, :self.model.maxlen1]  # the encoder's limit
             max_length = self._limit(source)
             if self.beam_size == 1 or with_coverage:
-                ids, coverage = self._greedy(tf.constant(source), max_length)
+                ids, coverage = self._greedy(tf.constant(source), tf.constant(max_length))
             if self.beam_size > 1:
-                ids = self._beam(tf.constant(source), max_length)
+                ids = self._beam(tf.constant(source), tf.constant(max_length))
             ids = ids.numpy()
             for row, index in enumerate(rows):
                 output = ids[row].tolist()

@@ -67,6 +67,16 @@ def causal_mask(num_queries, num_keys):
     return ops.greater_equal(query_positions, key_positions)  # (T_q, T_k)
 
 
+def own_history(length, hypotheses):
+    """Boolean ``(1, K, length*K)`` mask of a cache whose hypotheses are never reordered.
+
+    Slot ``l * K + j`` (position `l` of hypothesis `j`) is seen by hypothesis
+    `j` alone.
+    """
+    slots = ops.arange(length * hypotheses)[None, :]  # (1, length*K)
+    return ops.equal(slots % hypotheses, ops.arange(hypotheses)[:, None])[None]
+
+
 def label_smoothing(inputs, epsilon=0.1):
     """Applies label smoothing (https://arxiv.org/abs/1512.00567).
 
@@ -168,16 +178,19 @@ class Embedding(keras.layers.Layer):
             table = table * ops.cast(self._keep_rows, self.compute_dtype)
         return table
 
-    def call(self, inputs):
+    def call(self, inputs, table=None):
+        """`table`: optional, the result of `table()` (decoding loops compute it once)."""
         ids = ops.cast(inputs, "int32")
-        outputs = ops.take(self.table(), ids, axis=0)  # (N, T, C)
+        table = self.table() if table is None else table
+        outputs = ops.take(table, ids, axis=0)  # (N, T, C)
         if self.scale:
             outputs = outputs * ops.cast(math.sqrt(self.num_units), self.compute_dtype)
         return outputs
 
-    def attend(self, inputs):
+    def attend(self, inputs, table=None):
         """Logits ``inputs @ embeddings^T`` `(..., V)`, for tied output weights."""
-        return ops.matmul(inputs, ops.transpose(self.table()))  # (..., V)
+        table = self.table() if table is None else table
+        return ops.matmul(inputs, ops.transpose(table))  # (..., V)
 
     def compute_mask(self, inputs, mask=None):
         return ops.not_equal(inputs, 0)  # (N, T)
@@ -538,10 +551,17 @@ class MultiHeadAttention(keras.layers.Layer):
                          return_attention_scores=False):
         """Attention of `queries` `(N, T_q, C)` over projected keys/values `(N, h, T_k, d_k)`.
 
-        The incremental-decoding counterpart of `call`: `key_mask` is boolean
-        `(N, T_k)` (or broadcastable) and no causality is applied.
+        The incremental-decoding counterpart of `call`: `key_mask` is boolean,
+        `(N, T_k)` (the same keys for every query) or `(N, T_q, T_k)` (keys per
+        query), and no causality is applied.
         """
-        mask = None if key_mask is None else ops.cast(key_mask, "bool")[:, None, None, :]
+        mask = None
+        if key_mask is not None:
+            key_mask = ops.cast(key_mask, "bool")
+            if len(key_mask.shape) == 3:
+                mask = key_mask[:, None, :, :]  # (N, 1, T_q, T_k)
+            else:
+                mask = key_mask[:, None, None, :]  # (N, 1, 1, T_k)
         return self._attend(queries, self.normalize_queries(queries), k, v, mask, training,
                             return_attention_scores)
 
@@ -773,29 +793,41 @@ class DecoderBlock(_Block):
             return outputs, weights, ops.mean(weights, axis=1)  # coverage (N, T, S)
         return outputs
 
-    def step(self, inputs, position, self_cache, memory_keys_values, memory_mask):
-        """One decoding step with a key/value cache.
+    def step(self, inputs, position, self_cache, memory_keys_values, memory_mask,
+             history_mask=None):
+        """One decoding step of `K` hypotheses per sentence, with a key/value cache.
+
+        The self-attention cache grows by `K` slots a step, slot ``l * K + j``
+        holding position `l` of hypothesis `j`. Beam search never moves the
+        cache: when hypotheses are reordered, only `history_mask` (which slots
+        each hypothesis descends from) is, a small boolean tensor instead of
+        every cached key and value.
 
         Args:
-          inputs: States of the newest position `(N, 1, C)`.
-          position: Its index (int scalar tensor).
-          self_cache: ``(keys, values)`` of the self-attention, `(N, h, L, d_k)`
-            each; positions after `position` are ignored.
+          inputs: States of the newest position `(N, K, C)`.
+          position: Its index (int scalar tensor); the cache holds the
+            positions before it.
+          self_cache: ``(keys, values)`` of the self-attention so far,
+            `(N, h, position*K, d_k)` each.
           memory_keys_values: ``(keys, values)`` of the cross-attention, from
-            ``cross_attention.project_keys_values(memory)``.
+            ``cross_attention.project_keys_values(memory)``, `(N, h, S, d_k)`.
           memory_mask: Boolean `(N, S)` source padding mask.
+          history_mask: Boolean `(N, K, (position+1)*K)`: the slots hypothesis
+            `j` attends to, its own newest slot included. Default: hypothesis
+            `j` sees the slots ``l * K + j`` (no reordering).
 
         Returns:
-          ``(outputs (N, 1, C), self_cache with position filled, cross weights (N, h, 1, S))``.
+          ``(outputs (N, K, C), self_cache grown by this position, cross weights (N, h, K, S))``.
         """
         attention = self.self_attention
+        hypotheses = inputs.shape[1]
         new_keys, new_values = attention.project_keys_values(attention.normalize_queries(inputs))
-        start = (0, 0, position, 0)
-        keys = ops.slice_update(self_cache[0], start, ops.cast(new_keys, self_cache[0].dtype))
-        values = ops.slice_update(self_cache[1], start,
-                                  ops.cast(new_values, self_cache[1].dtype))
-        seen = ops.arange(ops.shape(keys)[2])[None, :] <= position  # (1, L)
-        outputs = attention.attend_projected(inputs, keys, values, key_mask=seen)
+        keys = ops.concatenate([self_cache[0], ops.cast(new_keys, self_cache[0].dtype)], axis=2)
+        values = ops.concatenate([self_cache[1], ops.cast(new_values, self_cache[1].dtype)],
+                                 axis=2)  # (N, h, (position+1)*K, d_k)
+        if history_mask is None:
+            history_mask = own_history(position + 1, hypotheses)
+        outputs = attention.attend_projected(inputs, keys, values, key_mask=history_mask)
         outputs, weights = self.cross_attention.attend_projected(
             outputs, *memory_keys_values, key_mask=memory_mask, return_attention_scores=True)
         return self.feed_forward(outputs), (keys, values), weights

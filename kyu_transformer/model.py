@@ -132,44 +132,61 @@ class Transformer(keras.Model):
 
     # ------------------------------------------------ incremental decoding
 
-    def init_cache(self, memory, source_mask, max_length):
-        """The decoding state for `max_length` output positions.
+    def init_cache(self, memory, source_mask):
+        """The decoding state before the first output position.
 
-        Returns a dict: ``self``: per block, zeroed self-attention keys and
-        values `(N, h, max_length, d_k)`; ``memory``: per block, the
-        cross-attention keys and values of the encoder output, computed once;
-        ``source_mask``: `(N, S)`.
+        Returns a dict: ``self``: per block, the self-attention keys and values
+        so far, `(N, h, 0, d_k)` each (see `DecoderBlock.step`, which grows
+        them); ``memory``: per block, the cross-attention keys and values of
+        the encoder output, computed once and shared by all hypotheses of a
+        sentence; ``source_mask``: `(N, S)`; ``target_table``: the target
+        embedding table in the compute dtype (cast once, not every step).
         """
         if not self.built:
             self.build()
         batch = ops.shape(memory)[0]
         head_width = self.d_model // self.num_heads
-        empty = ops.zeros((batch, self.num_heads, max_length, head_width), memory.dtype)
+        empty = ops.zeros((batch, self.num_heads, 0, head_width), memory.dtype)
         return {
             "self": [(empty, empty) for _ in self.decoder_blocks],
             "memory": [block.cross_attention.project_keys_values(memory)
                        for block in self.decoder_blocks],
             "source_mask": source_mask,
+            "target_table": self.target_embedding.table(),  # (V, C)
         }
 
-    def decode_step(self, token_ids, position, cache):
-        """Logits `(N, V)` of the next token after `token_ids` `(N,)` at `position`.
+    def decode_step(self, token_ids, position, cache, history_mask=None):
+        """Logits of the next token after `token_ids` at `position`.
 
-        Returns ``(logits, cache, coverage)``: the cache with this position
-        filled, and the last block's cross-attention averaged over heads `(N, S)`.
+        Args:
+          token_ids: `(N,)`, or `(N, K)` for `K` hypotheses per sentence.
+          position: The index of `token_ids` in their sequences.
+          cache: From `init_cache` or the previous step.
+          history_mask: Optional boolean `(N, K, (position+1)*K)`, the cache
+            slots each hypothesis descends from (see `DecoderBlock.step`).
+
+        Returns:
+          ``(logits, cache, coverage)``: logits `(N, V)` (or `(N, K, V)`), the
+          cache grown by this position, and the last block's cross-attention
+          averaged over heads `(N, S)` (or `(N, K, S)`).
         """
-        x = self.target_embedding(token_ids[:, None])  # (N, 1, C)
+        single = len(token_ids.shape) == 1
+        if single:
+            token_ids = token_ids[:, None]  # (N, 1)
+        x = self.target_embedding(token_ids, table=cache["target_table"])  # (N, K, C)
         x = x + self.target_positions.encoding_at(position)[None]
         new_self = []
         for block, self_cache, memory_kv in zip(self.decoder_blocks, cache["self"],
                                                 cache["memory"]):
             x, self_cache, weights = block.step(x, position, self_cache, memory_kv,
-                                                cache["source_mask"])
+                                                cache["source_mask"], history_mask)
             new_self.append(self_cache)
         if self.norm_position == "pre":
             x = self.decoder_norm(x)
-        logits = self.target_embedding.attend(x)[:, 0]  # (N, V)
-        coverage = ops.mean(weights, axis=1)[:, 0]  # (N, S)
+        logits = self.target_embedding.attend(x, table=cache["target_table"])  # (N, K, V)
+        coverage = ops.mean(weights, axis=1)  # (N, K, S)
+        if single:
+            logits, coverage = logits[:, 0], coverage[:, 0]
         return logits, {**cache, "self": new_self}, coverage
 
     def call(self, inputs, training=None):

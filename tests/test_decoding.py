@@ -60,7 +60,7 @@ def test_cached_steps_give_the_full_forward_logits(rng, norm_position):
     target = rng.integers(4, 60, size=(3, 7)).astype("int32")
     full = np.asarray(model({"source": source, "target_in": target}))
     memory, source_mask = model.encode(source)
-    cache = model.init_cache(memory, source_mask, 7)
+    cache = model.init_cache(memory, source_mask)
     steps = []
     for position in range(7):
         logits, cache, _ = model.decode_step(tf.constant(target[:, position]), position, cache)
