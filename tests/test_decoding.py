@@ -14,7 +14,7 @@ import tensorflow as tf
 import hparams as hp
 from kyu_transformer import data
 from kyu_transformer.checkpoints import CheckpointError, load_model
-from kyu_transformer.decoding import (Translator, beam_search, greedy_search,
+from kyu_transformer.decoding import (Translator, _top_k_rows, beam_search, greedy_search,
                                       recompute_greedy_search, sequence_log_probs)
 from kyu_transformer.model import Transformer
 from tests.test_data import MULTI30K
@@ -66,6 +66,67 @@ def test_cached_steps_give_the_full_forward_logits(rng, norm_position):
         logits, cache, _ = model.decode_step(tf.constant(target[:, position]), position, cache)
         steps.append(np.asarray(logits))
     np.testing.assert_allclose(np.stack(steps, axis=1), full, atol=1e-5)
+
+
+def test_reordered_hypotheses_see_only_their_own_history(rng):
+    """Beam-search bookkeeping: the cache is never moved, only the history mask.
+
+    Each step, K hypotheses are re-drawn from random parents (as beam search
+    does); the logits of every hypothesis must equal the full forward pass of
+    its own reconstructed prefix.
+    """
+    model = Transformer(50, d_model=16, d_ff=32, num_blocks=2, num_heads=2, maxlen1=10,
+                        maxlen2=10)
+    batch, k, length = 2, 3, 6
+    source = rng.integers(4, 50, size=(batch, 7)).astype("int32")
+    source[0, 4:] = 0
+    memory, source_mask = model.encode(source)
+    cache = model.init_cache(memory, source_mask)
+    prefixes = np.full((batch, k, 1), data.BOS_ID, dtype="int32")
+    history = np.zeros((batch, k, 0), dtype=bool)
+    for step in range(length):
+        history = np.concatenate([history, np.broadcast_to(np.eye(k, dtype=bool),
+                                                           (batch, k, k))], axis=2)
+        logits, cache, _ = model.decode_step(tf.constant(prefixes[:, :, -1]), step, cache,
+                                             tf.constant(history))
+        full = model({"source": np.repeat(source, k, axis=0),
+                      "target_in": prefixes.reshape(batch * k, -1)})[:, -1]
+        np.testing.assert_allclose(np.reshape(logits, (batch * k, -1)), full, atol=1e-5)
+        parents = rng.integers(0, k, size=(batch, k))
+        tokens = rng.integers(4, 50, size=(batch, k, 1)).astype("int32")
+        prefixes = np.concatenate(
+            [np.take_along_axis(prefixes, parents[:, :, None], axis=1), tokens], axis=2)
+        history = np.take_along_axis(history, parents[:, :, None], axis=1)
+
+
+@pytest.mark.parametrize("vocab", [8000, 997, 60])
+def test_two_stage_top_k_equals_top_k(rng, vocab):
+    values = rng.normal(size=(37, vocab)).astype("float32")
+    best, indices, maxima = _top_k_rows(tf.constant(values), 8)
+    expected = np.argsort(-values, axis=1)[:, :8]
+    np.testing.assert_array_equal(indices, expected)
+    np.testing.assert_array_equal(best, np.take_along_axis(values, expected, axis=1))
+    np.testing.assert_array_equal(maxima[:, 0], values.max(axis=1))
+
+
+def test_batched_beam_search_equals_one_sentence_at_a_time(trained):
+    """Sentences leave the batch when finished: nobody else's result may change."""
+    model = trained["model"]
+    sources = trained["sources"][:24]
+
+    def search(batch):
+        return beam_search(model, tf.constant(_pad(batch)), 40, beam_size=3, alpha=0.6,
+                           n_best=2)
+
+    batched, batched_scores = search(sources)
+    assert len({tuple(row) for row in np.asarray(batched[:, 0])}) >= 8  # outputs differ
+    reordered, reordered_scores = search(sources[::-1])  # another order of leaving
+    np.testing.assert_array_equal(batched, reordered[::-1])
+    np.testing.assert_allclose(batched_scores, reordered_scores[::-1], atol=1e-4)
+    for row in (0, 7, 19):
+        alone, alone_scores = search([sources[row]])
+        np.testing.assert_array_equal(batched[row], alone[0])
+        np.testing.assert_allclose(batched_scores[row], alone_scores[0], atol=1e-4)
 
 
 def test_cached_greedy_equals_recomputing_greedy(trained):
