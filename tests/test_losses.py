@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from kyu_transformer.layers import label_smoothing
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
@@ -29,6 +30,22 @@ def test_loss_equals_explicit_one_hot_cross_entropy(rng, epsilon):
     assert float(loss(labels, logits.astype("float32"))) == pytest.approx(expected, rel=1e-5)
     np.testing.assert_allclose(loss.token_losses(labels, logits.astype("float32")),
                                expected_tokens, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.1])
+def test_gradient_equals_softmax_minus_smoothed_targets(rng, epsilon):
+    labels = rng.integers(1, 11, size=(3, 5))
+    labels[1, 2:] = 0
+    logits = rng.normal(size=(3, 5, 11)) * 3
+    keep = labels != 0
+    targets = np.asarray(label_smoothing(np.eye(11)[labels], epsilon))
+    probabilities = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    expected = (probabilities - targets) * keep[..., None] / keep.sum()  # padding: no gradient
+    inputs = tf.constant(logits.astype("float32"))
+    with tf.GradientTape() as tape:
+        tape.watch(inputs)
+        loss = LabelSmoothedCrossEntropy(epsilon=epsilon)(labels, inputs)
+    np.testing.assert_allclose(tape.gradient(loss, inputs), expected, atol=1e-6)
 
 
 def test_padding_is_ignored_and_other_pad_ids_work(rng):
