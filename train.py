@@ -58,6 +58,9 @@ def settle_logdir(hparams, overwrite):
     refused; with `overwrite` it is moved aside (nothing is deleted).
     """
     logdir = hparams["logdir"]
+    if overwrite and os.path.isdir(logdir) and os.listdir(logdir):
+        print(f"--overwrite: moved the old logdir to {copy_aside(logdir)}")
+        return hparams
     saved_path = os.path.join(logdir, "hparams.json")
     corpus_path = os.path.join(logdir, "corpus.json")
     problems = []
@@ -77,13 +80,10 @@ def settle_logdir(hparams, overwrite):
         if saved is None:
             return hparams
         return {**saved, **{key: hparams[key] for key in RESUMABLE}, "logdir": logdir}
-    if not overwrite:
-        raise SystemExit(
-            f"error: {logdir} was trained with {' and '.join(problems)}. Use another --logdir, "
-            "the same settings to resume, or --overwrite to move the old logdir aside and "
-            "start afresh.")
-    print(f"--overwrite: moved the old logdir to {copy_aside(logdir)}")
-    return hparams
+    raise SystemExit(
+        f"error: {logdir} was trained with {' and '.join(problems)}. Use another --logdir, "
+        "the same settings to resume, or --overwrite to move the old logdir aside and "
+        "start afresh.")
 
 
 def corpus_fingerprint(hparams):

@@ -410,7 +410,11 @@ class _Progress:
 
 def copy_aside(path):
     """Moves `path` to `<path>.old-<time>` (nothing is deleted); returns the new name."""
-    aside = f"{path}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = f"{path}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside, number = stem, 1
+    while os.path.exists(aside):  # twice in one second: never move into the older copy
+        number += 1
+        aside = f"{stem}-{number}"
     shutil.move(path, aside)
     return aside
 

@@ -216,6 +216,11 @@ def test_logdir_with_other_hparams_is_refused_then_moved_aside(tmp_path):
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("log.old-")]
     assert len(aside) == 1 and (aside[0] / "hparams.json").read_text() == saved
     assert json.loads((logdir / "hparams.json").read_text())["d_model"] == 64
+    # With the same settings, --overwrite still starts afresh instead of resuming.
+    fresh = run_train(logdir, "--steps_per_epoch", "2", "--d_model", "64", "--overwrite")
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert "--overwrite: moved the old logdir" in fresh.stdout and "resuming" not in fresh.stdout
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("log.old-")]) == 2
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
