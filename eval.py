@@ -131,7 +131,8 @@ def main(argv=None):
     try:
         hparams = hp.load(os.path.join(args.logdir, "hparams.json"))
         subwords = data.Subwords(os.path.join(args.logdir, data.Subwords.FILE_NAME))
-        set_precision(args.mixed_precision or hparams["mixed_precision"])
+        precision = args.mixed_precision or hparams["mixed_precision"]
+        set_precision(precision)
         model, checkpoint = load_model(hparams, args.logdir, args.ckpt, args.average_last)
     except (hp.HParamsError, data.DataError, CheckpointError) as error:
         raise SystemExit(f"error: {error}")
@@ -165,7 +166,7 @@ def main(argv=None):
     if references is not None:
         result = score(hypotheses, references)
         result.update(checkpoint=checkpoint, beam_size=args.beam_size, alpha=args.alpha,
-                      mixed_precision=args.mixed_precision or hparams["mixed_precision"],
+                      mixed_precision=precision,
                       num_sentences=len(sources), seconds=round(time.time() - started, 2),
                       decode_seconds=round(decode_seconds, 2))
         write_lines(os.path.join(out_dir, f"{name}.json"), [json.dumps(result, indent=2)])

@@ -147,6 +147,7 @@ def _top_extensions(logits, alive_scores, count):
     batch, hypotheses, vocab = ops.shape(logits)[0], logits.shape[1], logits.shape[2]
     rows = ops.reshape(ops.cast(logits, "float32"), (-1, vocab))  # (N*K, V)
     best_logits, best_tokens, maxima = _top_k_rows(rows, count)  # (N*K, count), .., (N*K, 1)
+    # logsumexp, reusing the row maxima the top-k has already found (one pass fewer).
     normalizer = maxima + ops.log(ops.sum(ops.exp(rows - maxima), axis=-1, keepdims=True))
     candidates = ops.reshape(best_logits - normalizer, (batch, hypotheses * count))
     candidates = candidates + ops.repeat(alive_scores, count, axis=1)  # (N, K*count)
@@ -345,7 +346,8 @@ class Translator:
         return ids[:, 0]
 
     def _limit(self, source):
-        """Output length for a batch, rounded up to 8 (fewer traces)."""
+        """Output length for a batch: source length + margin, rounded up to 8 (at most
+        `max_length`)."""
         wanted = min(self.max_length, source.shape[1] + self.length_margin)
         return int(min(self.max_length, -(-wanted // 8) * 8))
 

@@ -69,7 +69,7 @@ def _smoothed_cross_entropy(logits, labels, epsilon):
     ``softmax(logits) - (1 - eps) * one_hot(label) - eps / V``: left to
     automatic differentiation, the label-logit gather back-propagates through
     a scatter over the whole `(N, T, V)` tensor, about a seventh of a float32
-    training step on CPU (see benchmarks/step_breakdown.py).
+    training step on CPU (measured with the TensorFlow profiler).
     """
     vocab = logits.shape[-1]
 
