@@ -9,7 +9,7 @@ import keras
 from keras import ops
 
 from kyu_transformer.layers import (
-    NORM_POSITIONS, DecoderBlock, Embedding, EncoderBlock, Normalize, PositionalEncoding,
+    NORM_POSITIONS, DecoderBlock, Dropout, Embedding, EncoderBlock, Normalize, PositionalEncoding,
     _check_choice, _check_rate)
 
 # The model's own arguments; `from_hparams` picks these out of a larger dict.
@@ -70,8 +70,8 @@ class Transformer(keras.Model):
                                                    name="source_positions")
         self.target_positions = PositionalEncoding(maxlen2, d_model, sinusoid=sinusoid,
                                                    name="target_positions")
-        self.source_dropout = keras.layers.Dropout(dropout_rate)
-        self.target_dropout = keras.layers.Dropout(dropout_rate)
+        self.source_dropout = Dropout(dropout_rate)
+        self.target_dropout = Dropout(dropout_rate)
         block_args = dict(num_heads=num_heads, d_ff=d_ff, dropout_rate=dropout_rate,
                           norm_position=norm_position, epsilon=epsilon)
         self.encoder_blocks = [EncoderBlock(**block_args, name=f"encoder_{i}")

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from kyu_transformer.layers import (
-    DecoderBlock, Embedding, EncoderBlock, FeedForward, MultiHeadAttention, Normalize,
+    DecoderBlock, Dropout, Embedding, EncoderBlock, FeedForward, MultiHeadAttention, Normalize,
     PositionalEncoding, label_smoothing)
 from tests import reference
 
@@ -39,6 +39,111 @@ def test_normalize_weights_are_named_gamma_beta_and_start_at_one_zero():
     np.testing.assert_array_equal(layer.gamma, np.ones(6))
     np.testing.assert_array_equal(layer.beta, np.zeros(6))
     assert layer.epsilon == 1e-8
+
+
+def normalize_gradients(layer, x, upstream):
+    """Gradients of ``sum(upstream * layer(x))`` with respect to x, gamma and beta."""
+    x = tf.convert_to_tensor(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss = tf.reduce_sum(tf.cast(layer(x), tf.float32) * upstream)
+    return tape.gradient(loss, [x, layer.gamma.value, layer.beta.value])
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 8), (3, 16)])
+def test_normalize_gradient_equals_automatic_differentiation(rng, shape):
+    # The stated gradient against Keras' LayerNormalization differentiated by TensorFlow.
+    x = (rng.normal(size=shape) * 3 + 1).astype("float32")
+    upstream = rng.normal(size=shape).astype("float32")
+    ours, keras_layer = Normalize(), keras.layers.LayerNormalization(epsilon=1e-8)
+    for layer in (ours, keras_layer):
+        layer.build(shape)
+        layer.gamma.assign(np.linspace(0.5, 1.5, shape[-1]))
+        layer.beta.assign(np.linspace(-1, 1, shape[-1]))
+    for got, expected in zip(normalize_gradients(ours, x, upstream),
+                             normalize_gradients(keras_layer, x, upstream)):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_normalize_gradient_in_bfloat16_is_computed_in_float32(rng):
+    x = (rng.normal(size=(4, 6, 32)) * 3 + 1).astype("float32")
+    upstream = rng.normal(size=(4, 6, 32)).astype("float32")
+    reference_layer = Normalize()
+    reference_layer.build(x.shape)
+    expected = normalize_gradients(reference_layer, tf.cast(tf.cast(x, tf.bfloat16), tf.float32),
+                                   upstream)
+    layer = Normalize(dtype="mixed_bfloat16")
+    layer.build(x.shape)
+    got = normalize_gradients(layer, tf.cast(x, tf.bfloat16), upstream)
+    assert got[0].dtype == tf.bfloat16 and got[1].dtype == tf.float32
+    np.testing.assert_allclose(tf.cast(got[0], tf.float32), expected[0], rtol=2e-2, atol=2e-2)
+    # The upstream gradient arrives rounded to bfloat16 (the layer's output dtype).
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-2, atol=3e-2)
+    np.testing.assert_allclose(got[2], expected[2], rtol=1e-2, atol=3e-2)
+
+
+def test_normalize_over_another_axis_matches_numpy(rng):
+    x = rng.normal(size=(2, 5, 8)).astype("float32")
+    layer = Normalize(axis=1)
+    moved = np.moveaxis(x, 1, -1)
+    expected = np.moveaxis(reference.layer_norm(moved, 1.0, 0.0, 1e-8), -1, 1)
+    np.testing.assert_allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- Dropout
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dropout_drops_the_rate_and_scales_the_rest(dtype):
+    layer = Dropout(0.1, seed=3, dtype=dtype)
+    outputs = np.asarray(tf.cast(layer(tf.ones((101, 999), dtype), training=True), tf.float32))
+    kept_value = 65536 / (65536 - round(0.1 * 65536))
+    dropped = outputs == 0
+    # 100,899 draws: the dropped fraction's standard deviation is about 0.001.
+    assert abs(dropped.mean() - 0.1) < 0.005
+    np.testing.assert_allclose(outputs[~dropped], kept_value, rtol=1e-2 if dtype == "bfloat16"
+                               else 1e-6)
+    # The two halves of each 32-bit random word are drawn independently.
+    pairs = dropped.reshape(-1)[: dropped.size // 2 * 2].reshape(-1, 2)
+    assert abs(pairs.all(axis=1).mean() - 0.01) < 0.003
+
+
+def test_dropout_gradient_is_the_same_mask(rng):
+    layer = Dropout(0.3, seed=5)
+    x = tf.constant(rng.normal(size=(7, 13)).astype("float32"))
+    upstream = rng.normal(size=(7, 13)).astype("float32")
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        outputs = layer(x, training=True)
+        loss = tf.reduce_sum(outputs * upstream)
+    mask = np.asarray(outputs) / np.asarray(x)
+    values = np.unique(np.round(mask, 5))
+    np.testing.assert_allclose(values, [0.0, 65536 / (65536 - 19661)], rtol=1e-5)
+    np.testing.assert_allclose(tape.gradient(loss, x), upstream * mask, rtol=1e-6)
+
+
+def test_dropout_is_the_identity_outside_training_and_new_in_each_call(rng):
+    layer = Dropout(0.5, seed=1)
+    x = rng.normal(size=(4, 50)).astype("float32")
+    np.testing.assert_array_equal(layer(x), x)
+    np.testing.assert_array_equal(Dropout(0.0)(x, training=True), x)
+    first, second = layer(x, training=True), layer(x, training=True)
+    assert not np.array_equal(np.asarray(first) == 0, np.asarray(second) == 0)
+
+
+def test_dropout_with_unknown_batch_shape_and_odd_sizes():
+    layer = Dropout(0.25, seed=2)
+    drop = tf.function(lambda x: layer(x, training=True),
+                       input_signature=[tf.TensorSpec((None, None, 3))])
+    for shape in [(1, 1, 3), (5, 7, 3), (64, 33, 3)]:
+        outputs = drop(tf.ones(shape)).numpy()
+        assert outputs.shape == shape
+        assert set(np.unique(outputs)) <= {0.0, np.float32(65536 / (65536 - 16384))}
+    assert 0.15 < (drop(tf.ones((64, 33, 3))).numpy() == 0).mean() < 0.35
+
+
+def test_dropout_with_noise_shape_shares_the_mask_along_broadcast_axes():
+    outputs = np.asarray(Dropout(0.5, noise_shape=(4, 1), seed=0)(np.ones((4, 6)), training=True))
+    assert all(len(set(row)) == 1 for row in outputs)
 
 
 # ---------------------------------------------------------------- Embedding

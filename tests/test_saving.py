@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kyu_transformer.layers import (
-    DecoderBlock, Embedding, EncoderBlock, FeedForward, MultiHeadAttention, Normalize,
+    DecoderBlock, Dropout, Embedding, EncoderBlock, FeedForward, MultiHeadAttention, Normalize,
     PositionalEncoding, ScaledDotProductAttention)
 
 LAYERS = [
@@ -21,6 +21,7 @@ LAYERS = [
     (EncoderBlock(num_heads=2, d_ff=16, dropout_rate=0.1, norm_position="pre"), (2, 3, 8)),
     (DecoderBlock(num_heads=2, d_ff=16, dropout_rate=0.1), (2, 3, 8)),
     (ScaledDotProductAttention(dropout_rate=0.1, temperature=2.0), None),
+    (Dropout(0.2, seed=7), (2, 3, 8)),
 ]
 
 
