@@ -9,8 +9,10 @@ cross-entropy; the peer with `jit_compile`, ours as --variants says). The peer i
 keras-hub's `TokenAndPositionEmbedding`, `TransformerEncoder` and
 `TransformerDecoder` (install with `pip install -e .[bench]`).
 
-Prints each repetition, the medians, their ratio, and the model FLOP
-utilisation against a matrix-multiply peak measured in the same run.
+Repetitions take turns (each times every configuration once, so that the
+machine's drifts in speed reach all alike). Prints each repetition, the
+medians, their ratio, and the model FLOP utilisation against a
+matrix-multiply peak measured in the same run.
 """
 
 import argparse
@@ -110,20 +112,27 @@ def matmul_peak(dtype, size=2048, repeats=20):
     return 2 * size ** 3 * repeats / min(timings)
 
 
-def measure(name, step, features, labels, steps, repeats, warmup=3):
-    for _ in range(warmup):
-        step(features, labels).numpy()
-    rates = []
+def measure(steps_by_name, features, labels, steps, repeats, warmup=3):
+    """Median target tokens/s of each step function, timed in turns.
+
+    Each repetition times every configuration once, one after the other, so
+    that the machine's drifts in speed reach all of them alike.
+    """
+    for step in steps_by_name.values():
+        for _ in range(warmup):
+            step(features, labels).numpy()
+    rates = {name: [] for name in steps_by_name}
     for repeat in range(repeats):
-        started = time.perf_counter()
-        for _ in range(steps):
-            loss = step(features, labels)
-        loss.numpy()
-        seconds = time.perf_counter() - started
-        rates.append(BATCH * TARGET_LEN * steps / seconds)
-        print(f"  {name:10s} repeat {repeat + 1}: {rates[-1]:8.0f} target tokens/s "
-              f"({seconds / steps * 1000:.0f} ms/step)", flush=True)
-    return statistics.median(rates)
+        for name, step in steps_by_name.items():
+            started = time.perf_counter()
+            for _ in range(steps):
+                loss = step(features, labels)
+            loss.numpy()
+            seconds = time.perf_counter() - started
+            rates[name].append(BATCH * TARGET_LEN * steps / seconds)
+            print(f"  {name:10s} repeat {repeat + 1}: {rates[name][-1]:8.0f} target tokens/s "
+                  f"({seconds / steps * 1000:.0f} ms/step)", flush=True)
+    return {name: statistics.median(values) for name, values in rates.items()}
 
 
 def main():
@@ -136,23 +145,20 @@ def main():
     parser.add_argument("--skip_peer", action="store_true")
     args = parser.parse_args()
     features, labels = batch()
-    results = {}
+    steps_by_name = {}
     if not args.skip_peer:
         keras.config.set_dtype_policy("float32")
         keras.utils.set_random_seed(0)
-        peer = keras_hub_model()
-        results["keras-hub"] = measure("keras-hub", make_step(peer, True), features, labels,
-                                       args.steps, args.repeats)
+        steps_by_name["keras-hub"] = make_step(keras_hub_model(), True)
     for variant in args.variants.split(","):
         dtype, _, compiler = variant.partition("-")
         keras.config.set_dtype_policy({"fp32": "float32", "bf16": "mixed_bfloat16"}[dtype])
         keras.utils.set_random_seed(0)
         model = ours()
         model.build()
-        name = f"ours-{variant}"
-        results[name] = measure(name, make_step(model, compiler == "xla"), features, labels,
-                                args.steps, args.repeats)
+        steps_by_name[f"ours-{variant}"] = make_step(model, compiler == "xla")
     keras.config.set_dtype_policy("float32")
+    results = measure(steps_by_name, features, labels, args.steps, args.repeats)
 
     flops = training_flops_per_step()
     peaks = {"float32": matmul_peak(tf.float32)}
