@@ -29,6 +29,7 @@ import hparams as hp  # noqa: E402
 from train_throughput import BATCH, TARGET_LEN, batch, make_step, ours  # noqa: E402
 from kyu_transformer.corpus import Corpus  # noqa: E402
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
+from kyu_transformer.optimizers import Adam  # noqa: E402
 
 DEFAULT_DATA = os.path.join(ROOT, "..", "shared", "data", "multi30k")
 
@@ -74,7 +75,8 @@ def main():
             loss = loss_fn(labels, model(features, training=True))
         return tape.gradient(loss, model.trainable_variables)
 
-    step = make_step(model, jit_compile=False)  # the full step, as train_throughput.py times it
+    # The full step, as train_throughput.py times it (with the trainer's Adam).
+    step = make_step(model, jit_compile=False, optimizer_class=Adam)
 
     rows = [("encoder forward", timed(encoder, (features,), args.steps, args.repeats)),
             ("forward (logits)", timed(forward, (features,), args.steps, args.repeats)),

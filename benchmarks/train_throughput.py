@@ -5,7 +5,10 @@
 Both models: d_model 256, d_ff 1024, 3 encoder + 3 decoder blocks, 4 heads,
 vocabulary 8000, trained on the same fixed batch (64 pairs, 24 source and 24
 target tokens, no padding) by the same step function (Adam, label-smoothed
-cross-entropy; the peer with `jit_compile`, ours as --variants says). The peer is built from
+cross-entropy; the peer with `jit_compile`, ours as --variants says). Each
+trains with its own Adam, as its users would: the peer with Keras' Adam,
+ours with the trainer's (`kyu_transformer.optimizers.Adam`, the same update
+in one fused kernel; `--keras_adam` gives ours Keras' Adam too). The peer is built from
 keras-hub's `TokenAndPositionEmbedding`, `TransformerEncoder` and
 `TransformerDecoder` (install with `pip install -e .[bench]`).
 
@@ -30,6 +33,7 @@ import tensorflow as tf  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
+from kyu_transformer.optimizers import Adam  # noqa: E402
 
 SHAPE = dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4)
 BATCH, SOURCE_LEN, TARGET_LEN = 64, 24, 24
@@ -65,8 +69,8 @@ def batch():
     return features, labels
 
 
-def make_step(model, jit_compile):
-    optimizer = keras.optimizers.Adam(1e-4, beta_1=0.9, beta_2=0.98, epsilon=1e-9)
+def make_step(model, jit_compile, optimizer_class):
+    optimizer = optimizer_class(1e-4, beta_1=0.9, beta_2=0.98, epsilon=1e-9)
     loss_fn = LabelSmoothedCrossEntropy(0.1)
 
     @tf.function(jit_compile=jit_compile)
@@ -143,20 +147,23 @@ def main():
                         help="our configurations, comma-separated: fp32, bf16, fp32-xla, "
                              "bf16-xla (the peer always runs fp32 with XLA)")
     parser.add_argument("--skip_peer", action="store_true")
+    parser.add_argument("--keras_adam", action="store_true",
+                        help="train ours with Keras' Adam instead of the trainer's fused one")
     args = parser.parse_args()
     features, labels = batch()
     steps_by_name = {}
     if not args.skip_peer:
         keras.config.set_dtype_policy("float32")
         keras.utils.set_random_seed(0)
-        steps_by_name["keras-hub"] = make_step(keras_hub_model(), True)
+        steps_by_name["keras-hub"] = make_step(keras_hub_model(), True, keras.optimizers.Adam)
     for variant in args.variants.split(","):
         dtype, _, compiler = variant.partition("-")
         keras.config.set_dtype_policy({"fp32": "float32", "bf16": "mixed_bfloat16"}[dtype])
         keras.utils.set_random_seed(0)
         model = ours()
         model.build()
-        steps_by_name[f"ours-{variant}"] = make_step(model, compiler == "xla")
+        optimizer_class = keras.optimizers.Adam if args.keras_adam else Adam
+        steps_by_name[f"ours-{variant}"] = make_step(model, compiler == "xla", optimizer_class)
     keras.config.set_dtype_policy("float32")
     results = measure(steps_by_name, features, labels, args.steps, args.repeats)
 

@@ -29,6 +29,7 @@ from kyu_transformer.checkpoints import model_weights
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.metrics import masked_accuracy_counts
 from kyu_transformer.model import Transformer
+from kyu_transformer.optimizers import Adam
 from kyu_transformer.plots import plot_training
 from kyu_transformer.schedules import NoamSchedule
 
@@ -124,8 +125,7 @@ class Trainer:
             self.model.build()
             self.schedule = NoamSchedule(hparams["d_model"], hparams["warmup_steps"],
                                          hparams["lr"])
-            optimizer = keras.optimizers.Adam(self.schedule, beta_1=0.9, beta_2=0.98,
-                                              epsilon=1e-9)
+            optimizer = Adam(self.schedule, beta_1=0.9, beta_2=0.98, epsilon=1e-9)
             if hparams["mixed_precision"] == "fp16":
                 optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
             self.optimizer = optimizer
