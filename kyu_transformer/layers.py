@@ -263,6 +263,8 @@ class Embedding(keras.layers.Layer):
 
     def table(self):
         """The lookup table in the compute dtype, its padding row forced to zero."""
+        if not self.built:
+            self.build()
         table = ops.cast(self.embeddings, self.compute_dtype)  # (V, C)
         if self.zero_pad:
             # Multiplying (not only initializing) keeps row 0 at zero and its

@@ -93,16 +93,19 @@ class Transformer(keras.Model):
         dummy = ops.ones((1, 2), dtype="int32")
         self.call({"source": dummy, "target_in": dummy})
 
-    def _embed(self, ids, embedding, positions, dropout, training):
-        x = embedding(ids)  # (N, L, C)
+    def _embed(self, ids, embedding, positions, dropout, training, table=None):
+        x = embedding(ids, table=table)  # (N, L, C)
         x = x + positions(ids)
         return dropout(x, training=training)
 
-    def encode(self, source, training=None):
-        """Source ids `(N, S)` -> ``(memory (N, S, C), source_mask (N, S))``."""
+    def encode(self, source, training=None, table=None):
+        """Source ids `(N, S)` -> ``(memory (N, S, C), source_mask (N, S))``.
+
+        `table`: the source embedding's `table()`, if already made.
+        """
         source_mask = ops.not_equal(source, 0)  # (N, S)
         x = self._embed(source, self.source_embedding, self.source_positions,
-                        self.source_dropout, training)
+                        self.source_dropout, training, table)
         for block in self.encoder_blocks:
             x = block(x, mask=source_mask, training=training)
         if self.norm_position == "pre":
@@ -110,22 +113,25 @@ class Transformer(keras.Model):
         return x, source_mask
 
     def decode(self, target_in, memory, source_mask, training=None,
-               return_attention_scores=False):
+               return_attention_scores=False, table=None):
         """Target ids `(N, T)` and the encoder's output -> logits `(N, T, V)`.
 
         With `return_attention_scores`, also the last decoder block's
-        cross-attention averaged over heads `(N, T, S)`.
+        cross-attention averaged over heads `(N, T, S)`. `table`: the target
+        embedding's `table()`, if already made.
         """
+        if table is None:
+            table = self.target_embedding.table()  # (V, C), for the inputs and the logits
         target_mask = ops.not_equal(target_in, 0)  # (N, T)
         x = self._embed(target_in, self.target_embedding, self.target_positions,
-                        self.target_dropout, training)
+                        self.target_dropout, training, table)
         coverage = None
         for block in self.decoder_blocks:
             x, _, coverage = block(x, memory, mask=target_mask, memory_mask=source_mask,
                                    training=training, return_attention_scores=True)
         if self.norm_position == "pre":
             x = self.decoder_norm(x)
-        logits = self.target_embedding.attend(x)  # (N, T, V)
+        logits = self.target_embedding.attend(x, table=table)  # (N, T, V)
         if return_attention_scores:
             return logits, coverage
         return logits
@@ -190,8 +196,11 @@ class Transformer(keras.Model):
         return logits, {**cache, "self": new_self}, coverage
 
     def call(self, inputs, training=None):
-        memory, source_mask = self.encode(inputs["source"], training=training)
-        return self.decode(inputs["target_in"], memory, source_mask, training=training)
+        # A shared table is cast and masked once for its three uses, not each time.
+        table = self.target_embedding.table() if self.share_embeddings else None
+        memory, source_mask = self.encode(inputs["source"], training=training, table=table)
+        return self.decode(inputs["target_in"], memory, source_mask, training=training,
+                           table=table)
 
     def get_config(self):
         config = super().get_config()
