@@ -193,7 +193,9 @@ class Dropout(keras.layers.Dropout):
         if not training or self.rate == 0 or self.noise_shape is not None:
             return super().call(inputs, training=training)
         threshold = round(self.rate * self._DRAW_LEVELS)
-        keep = ops.greater_equal(self._draws(ops.shape(inputs)), threshold - 2 ** 15)
+        # The draws are signed: draw + 2**15 is uniform in [0, 65536).
+        keep = ops.greater_equal(self._draws(ops.shape(inputs)),
+                                 threshold - self._DRAW_LEVELS // 2)
         scale = ops.cast(self._DRAW_LEVELS / (self._DRAW_LEVELS - threshold), inputs.dtype)
         mask = ops.where(keep, scale, ops.zeros_like(scale))  # same shape as inputs
         return inputs * mask
