@@ -647,9 +647,12 @@ class MultiHeadAttention(keras.layers.Layer):
     def project_keys_values(self, keys, values=None):
         """Keys and values `(N, T_k, C)` -> per-head projections `(N, h, T_k, d_k)`.
 
-        For incremental decoding, which projects a memory once.
+        For incremental decoding, which projects a memory once. Without
+        `values`, one product by the side-by-side kernels; with `values` (even
+        the same tensor), one product each, faster for the few rows of a
+        decoding step, where joining the kernels costs more than it saves.
         """
-        if values is None or values is keys:
+        if values is None:
             return self._project((self.key_dense, self.value_dense), keys)
         return self._split_heads(self.key_dense(keys)), self._split_heads(self.value_dense(values))
 
@@ -671,13 +674,12 @@ class MultiHeadAttention(keras.layers.Layer):
         return tuple(self._split_heads(part) for part in ops.split(outputs, len(denses), axis=-1))
 
     def attend_projected(self, queries, k, v, key_mask=None, training=None,
-                         return_attention_scores=False, projected_queries=None):
+                         return_attention_scores=False):
         """Attention of `queries` `(N, T_q, C)` over projected keys/values `(N, h, T_k, d_k)`.
 
         The incremental-decoding counterpart of `call`: `key_mask` is boolean,
         `(N, T_k)` (the same keys for every query) or `(N, T_q, T_k)` (keys per
-        query), and no causality is applied. `projected_queries`: the
-        queries' projection `(N, h, T_q, d_k)` if already made (`project_self`).
+        query), and no causality is applied.
         """
         mask = None
         if key_mask is not None:
@@ -686,9 +688,7 @@ class MultiHeadAttention(keras.layers.Layer):
                 mask = key_mask[:, None, :, :]  # (N, 1, T_q, T_k)
             else:
                 mask = key_mask[:, None, None, :]  # (N, 1, 1, T_k)
-        q = projected_queries
-        if q is None:
-            q = self._split_heads(self.query_dense(self.normalize_queries(queries)))
+        q = self._split_heads(self.query_dense(self.normalize_queries(queries)))  # (N, h, T_q, d_k)
         return self._attend(queries, q, k, v, mask, training, return_attention_scores)
 
     def _attend(self, queries, q, k, v, mask, training, return_attention_scores):
@@ -946,15 +946,14 @@ class DecoderBlock(_Block):
         """
         attention = self.self_attention
         hypotheses = inputs.shape[1]
-        new_queries, new_keys, new_values = attention.project_self(
-            attention.normalize_queries(inputs))  # (N, h, K, d_k) each
+        normed = attention.normalize_queries(inputs)
+        new_keys, new_values = attention.project_keys_values(normed, normed)  # (N, h, K, d_k)
         keys = ops.concatenate([self_cache[0], ops.cast(new_keys, self_cache[0].dtype)], axis=2)
         values = ops.concatenate([self_cache[1], ops.cast(new_values, self_cache[1].dtype)],
                                  axis=2)  # (N, h, (position+1)*K, d_k)
         if history_mask is None:
             history_mask = own_history(position + 1, hypotheses)
-        outputs = attention.attend_projected(inputs, keys, values, key_mask=history_mask,
-                                             projected_queries=new_queries)
+        outputs = attention.attend_projected(inputs, keys, values, key_mask=history_mask)
         outputs, weights = self.cross_attention.attend_projected(
             outputs, *memory_keys_values, key_mask=memory_mask, return_attention_scores=True)
         return self.feed_forward(outputs), (keys, values), weights
