@@ -202,8 +202,9 @@ class Dropout(keras.layers.Dropout):
 
     def _draws(self, shape):
         """Uniform int16 draws of `shape` (two from each random 32-bit word)."""
-        count = math.prod(shape) if all(isinstance(dim, int) for dim in shape) else None
-        if count is None:
+        if all(isinstance(dim, int) for dim in shape):
+            count = math.prod(shape)
+        else:  # some dimensions known only when the graph runs
             count = ops.prod(ops.convert_to_tensor(shape))
         # A static last axis keeps `ops.view` working when the batch shape is dynamic.
         words = keras.random.randint(((count + 1) // 2, 1), -2 ** 31, 2 ** 31 - 1,
