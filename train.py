@@ -25,7 +25,7 @@ from kyu_transformer.training import (  # noqa: E402
 
 # Hyperparameters that may change when a run is resumed: none changes the model or the data.
 RESUMABLE = ("num_epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
-             "eval_sentences", "eval_batch_size", "jit_compile", "steps_per_epoch")
+             "eval_sentences", "eval_batch_size", "jit_compile", "xla_loss", "steps_per_epoch")
 
 
 def parse_args(argv):

@@ -30,6 +30,7 @@ from train_throughput import BATCH, TARGET_LEN, batch, make_step, ours  # noqa: 
 from kyu_transformer.corpus import Corpus  # noqa: E402
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
 from kyu_transformer.optimizers import Adam  # noqa: E402
+from kyu_transformer.training import loss_terms_function  # noqa: E402
 
 DEFAULT_DATA = os.path.join(ROOT, "..", "shared", "data", "multi30k")
 
@@ -58,7 +59,7 @@ def main():
     keras.config.set_dtype_policy(args.policy)
     model = ours()
     model.build()
-    loss_fn = LabelSmoothedCrossEntropy(0.1)
+    loss_terms = loss_terms_function(LabelSmoothedCrossEntropy(0.1))
     features, labels = batch()
 
     @tf.function
@@ -72,11 +73,11 @@ def main():
     @tf.function
     def gradients(features, labels):
         with tf.GradientTape() as tape:
-            loss = loss_fn(labels, model(features, training=True))
-        return tape.gradient(loss, model.trainable_variables)
+            loss_sum, _, tokens = loss_terms(labels, model(features, training=True))
+        return tape.gradient(loss_sum / tokens, model.trainable_variables)
 
-    # The full step, as train_throughput.py times it (with the trainer's Adam).
-    step = make_step(model, jit_compile=False, optimizer_class=Adam)
+    # The full step, as train_throughput.py times it (the trainer's Adam and XLA loss).
+    step = make_step(model, jit_compile=False, optimizer_class=Adam, xla_loss=True)
 
     rows = [("encoder forward", timed(encoder, (features,), args.steps, args.repeats)),
             ("forward (logits)", timed(forward, (features,), args.steps, args.repeats)),

@@ -6,9 +6,11 @@ Both models: d_model 256, d_ff 1024, 3 encoder + 3 decoder blocks, 4 heads,
 vocabulary 8000, trained on the same fixed batch (64 pairs, 24 source and 24
 target tokens, no padding) by the same step function (Adam, label-smoothed
 cross-entropy; the peer with `jit_compile`, ours as --variants says). Each
-trains with its own Adam, as its users would: the peer with Keras' Adam,
-ours with the trainer's (`kyu_transformer.optimizers.Adam`, the same update
-in one fused kernel; `--keras_adam` gives ours Keras' Adam too). The peer is built from
+trains as its users would: the peer with Keras' Adam, ours as the trainer
+does, with its Adam (`kyu_transformer.optimizers.Adam`, the same update in
+one fused kernel; `--keras_adam` gives ours Keras' Adam) and its loss compiled
+alone with XLA (`training.loss_terms_function`; `--no_xla_loss` leaves it to
+TensorFlow's kernels, as the rest of the step). The peer is built from
 keras-hub's `TokenAndPositionEmbedding`, `TransformerEncoder` and
 `TransformerDecoder` (install with `pip install -e .[bench]`).
 
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
 from kyu_transformer.optimizers import Adam  # noqa: E402
+from kyu_transformer.training import loss_terms_function  # noqa: E402
 
 SHAPE = dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4)
 BATCH, SOURCE_LEN, TARGET_LEN = 64, 24, 24
@@ -69,14 +72,16 @@ def batch():
     return features, labels
 
 
-def make_step(model, jit_compile, optimizer_class):
+def make_step(model, jit_compile, optimizer_class, xla_loss=False):
+    """A training step; `xla_loss`: the loss compiled apart, as the trainer does."""
     optimizer = optimizer_class(1e-4, beta_1=0.9, beta_2=0.98, epsilon=1e-9)
-    loss_fn = LabelSmoothedCrossEntropy(0.1)
+    loss_terms = loss_terms_function(LabelSmoothedCrossEntropy(0.1), xla=xla_loss)
 
     @tf.function(jit_compile=jit_compile)
     def step(features, labels):
         with tf.GradientTape() as tape:
-            loss = loss_fn(labels, model(features, training=True))
+            loss_sum, _, tokens = loss_terms(labels, model(features, training=True))
+            loss = loss_sum / tf.maximum(tokens, 1.0)
         gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         return loss
@@ -149,6 +154,8 @@ def main():
     parser.add_argument("--skip_peer", action="store_true")
     parser.add_argument("--keras_adam", action="store_true",
                         help="train ours with Keras' Adam instead of the trainer's fused one")
+    parser.add_argument("--no_xla_loss", action="store_true",
+                        help="leave our loss uncompiled (the trainer's xla_loss=false)")
     args = parser.parse_args()
     features, labels = batch()
     steps_by_name = {}
@@ -163,7 +170,8 @@ def main():
         model = ours()
         model.build()
         optimizer_class = keras.optimizers.Adam if args.keras_adam else Adam
-        steps_by_name[f"ours-{variant}"] = make_step(model, compiler == "xla", optimizer_class)
+        steps_by_name[f"ours-{variant}"] = make_step(model, compiler == "xla", optimizer_class,
+                                                     xla_loss=not args.no_xla_loss)
     keras.config.set_dtype_policy("float32")
     results = measure(steps_by_name, features, labels, args.steps, args.repeats)
 

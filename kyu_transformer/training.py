@@ -77,6 +77,28 @@ def is_chief(strategy):
     return resolver.task_type == "worker" and resolver.task_id == 0
 
 
+def batch_loss_terms(loss_fn, labels, logits):
+    """``(loss_sum, correct, tokens)``: summed token losses, argmax hits, non-padding tokens."""
+    token_losses = loss_fn.token_losses(labels, logits)  # (N, T)
+    correct, tokens = masked_accuracy_counts(labels, logits)
+    return tf.reduce_sum(token_losses), correct, tokens
+
+
+def loss_terms_function(loss_fn, xla=True):
+    """`batch_loss_terms` with `loss_fn`, as a function compiled with XLA if `xla`.
+
+    Only the loss is compiled, not the step: on CPU the loss makes several
+    element-wise passes over the `(N, T, V)` logits, which XLA fuses into a
+    few loops (forward and backward at the benchmark shape in bf16: 28 -> 20
+    ms), while the matrix products stay on TensorFlow's oneDNN kernels, faster
+    than XLA's in bfloat16.
+    """
+    def loss_terms(labels, logits):
+        return batch_loss_terms(loss_fn, labels, logits)
+
+    return tf.function(loss_terms, jit_compile=True) if xla else loss_terms
+
+
 def replica_slices(dataset, num_replicas, first_replica, local_replicas):
     """Each global batch -> the slices of `local_replicas` replicas, in order.
 
@@ -134,6 +156,7 @@ class Trainer:
             self.step_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False,
                                              name="step_in_epoch")
         self.loss_fn = LabelSmoothedCrossEntropy(hparams["smoothing"])
+        self._loss_terms = loss_terms_function(self.loss_fn, xla=hparams["xla_loss"])
         self.checkpoint = tf.train.Checkpoint(weights=model_weights(self.model),
                                               optimizer=self.optimizer,
                                               epoch=self.epoch, step_in_epoch=self.step_in_epoch)
@@ -155,9 +178,7 @@ class Trainer:
         replica = tf.distribute.get_replica_context()
         with tf.GradientTape() as tape:
             logits = self.model(features, training=True)  # (n, T, V)
-            token_losses = self.loss_fn.token_losses(labels, logits)  # (n, T)
-            loss_sum = tf.reduce_sum(token_losses)
-            correct, tokens = masked_accuracy_counts(labels, logits)
+            loss_sum, correct, tokens = self._loss_terms(labels, logits)
             global_tokens = replica.all_reduce(tf.distribute.ReduceOp.SUM, tokens)
             loss = loss_sum / tf.maximum(global_tokens, 1.0)
             scaled_loss = (self.optimizer.scale_loss(loss)

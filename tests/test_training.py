@@ -15,7 +15,8 @@ import hparams as hp
 from kyu_transformer.corpus import Corpus
 from kyu_transformer.metrics import masked_accuracy
 from kyu_transformer.schedules import NoamSchedule
-from kyu_transformer.training import Trainer, TrainingError, replica_slices
+from kyu_transformer.losses import LabelSmoothedCrossEntropy
+from kyu_transformer.training import Trainer, TrainingError, loss_terms_function, replica_slices
 from tests.test_data import MULTI30K
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +39,38 @@ def test_noam_schedule_formula():
     for step in (1, 50, 100, 101, 1000):
         expected = 2.0 * 256 ** -0.5 * min(step ** -0.5, step * 100 ** -1.5)
         assert float(schedule(step - 1)) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loss_compiled_with_xla_equals_the_uncompiled_loss(dtype):
+    rng = np.random.default_rng(3)
+    labels = rng.integers(1, 50, (4, 7)).astype("int32")
+    labels[1, 4:] = 0  # padding
+    labels[3, :] = 0
+    logits = tf.constant(rng.normal(size=(4, 7, 50)) * 3, dtype=dtype)
+    loss_fn = LabelSmoothedCrossEntropy(0.1)
+    results = {}
+    for xla in (False, True):
+        terms = loss_terms_function(loss_fn, xla=xla)
+
+        @tf.function
+        def value_and_gradient(logits, terms=terms):
+            with tf.GradientTape() as tape:
+                tape.watch(logits)
+                loss_sum, correct, tokens = terms(labels, logits)
+            return loss_sum, correct, tokens, tape.gradient(loss_sum, logits)
+
+        results[xla] = [np.asarray(tf.cast(t, tf.float32)) for t in value_and_gradient(logits)]
+    (plain_loss, plain_correct, plain_tokens, plain_gradient) = results[False]
+    (xla_loss, xla_correct, xla_tokens, xla_gradient) = results[True]
+    expected_tokens = float((labels != 0).sum())
+    assert plain_tokens == xla_tokens == expected_tokens
+    assert plain_correct == xla_correct
+    np.testing.assert_allclose(xla_loss, plain_loss, rtol=1e-5)
+    atol = 1e-6 if dtype == "float32" else 4e-3  # bf16 rounding of the gradient
+    np.testing.assert_allclose(xla_gradient, plain_gradient, atol=atol)
+    assert np.all(xla_gradient[3] == 0) and np.all(xla_gradient[1, 4:] == 0)
+    assert np.abs(xla_gradient[0]).sum() > 0
 
 
 def test_replica_slices_cut_each_global_batch_in_order():
