@@ -194,8 +194,9 @@ class Dropout(keras.layers.Dropout):
             return super().call(inputs, training=training)
         threshold = round(self.rate * self._DRAW_LEVELS)
         # The draws are signed: draw + 2**15 is uniform in [0, 65536).
-        keep = ops.greater_equal(self._draws(ops.shape(inputs)),
-                                 threshold - self._DRAW_LEVELS // 2)
+        # An int16 bound: an int32 one would convert every draw first.
+        lowest_kept = ops.convert_to_tensor(threshold - self._DRAW_LEVELS // 2, "int16")
+        keep = ops.greater_equal(self._draws(ops.shape(inputs)), lowest_kept)
         scale = ops.cast(self._DRAW_LEVELS / (self._DRAW_LEVELS - threshold), inputs.dtype)
         mask = ops.where(keep, scale, ops.zeros_like(scale))  # same shape as inputs
         return inputs * mask
