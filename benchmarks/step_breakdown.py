@@ -74,7 +74,8 @@ def main():
     def gradients(features, labels):
         with tf.GradientTape() as tape:
             loss_sum, _, tokens = loss_terms(labels, model(features, training=True))
-        return tape.gradient(loss_sum / tokens, model.trainable_variables)
+            loss = loss_sum / tokens
+        return tape.gradient(loss, model.trainable_variables)
 
     # The full step, as train_throughput.py times it (the trainer's Adam and XLA loss).
     step = make_step(model, jit_compile=False, optimizer_class=Adam, xla_loss=True)
