@@ -77,24 +77,20 @@ def is_chief(strategy):
     return resolver.task_type == "worker" and resolver.task_id == 0
 
 
-def batch_loss_terms(loss_fn, labels, logits):
-    """``(loss_sum, correct, tokens)``: summed token losses, argmax hits, non-padding tokens."""
-    token_losses = loss_fn.token_losses(labels, logits)  # (N, T)
-    correct, tokens = masked_accuracy_counts(labels, logits)
-    return tf.reduce_sum(token_losses), correct, tokens
-
-
 def loss_terms_function(loss_fn, xla=True):
-    """`batch_loss_terms` with `loss_fn`, as a function compiled with XLA if `xla`.
+    """``loss_terms(labels, logits)`` -> ``(loss_sum, correct, tokens)``, compiled with XLA if `xla`.
 
-    Only the loss is compiled, not the step: on CPU the loss makes several
-    element-wise passes over the `(N, T, V)` logits, which XLA fuses into a
-    few loops (forward and backward at the benchmark shape in bf16: 28 -> 20
-    ms), while the matrix products stay on TensorFlow's oneDNN kernels, faster
-    than XLA's in bfloat16.
+    The summed token losses of `loss_fn`, the argmax hits and the non-padding
+    tokens of a batch. Only this is compiled, not the step: on CPU the loss
+    makes several element-wise passes over the `(N, T, V)` logits, which XLA
+    fuses into a few loops (forward and backward at the benchmark shape in
+    bf16: 28 -> 20 ms), while the matrix products stay on TensorFlow's oneDNN
+    kernels, faster than XLA's in bfloat16.
     """
     def loss_terms(labels, logits):
-        return batch_loss_terms(loss_fn, labels, logits)
+        token_losses = loss_fn.token_losses(labels, logits)  # (N, T)
+        correct, tokens = masked_accuracy_counts(labels, logits)
+        return tf.reduce_sum(token_losses), correct, tokens
 
     return tf.function(loss_terms, jit_compile=True) if xla else loss_terms
 

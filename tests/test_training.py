@@ -13,9 +13,9 @@ import tensorflow as tf
 
 import hparams as hp
 from kyu_transformer.corpus import Corpus
+from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.metrics import masked_accuracy
 from kyu_transformer.schedules import NoamSchedule
-from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.training import Trainer, TrainingError, loss_terms_function, replica_slices
 from tests.test_data import MULTI30K
 
