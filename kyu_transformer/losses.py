@@ -72,8 +72,12 @@ def _smoothed_cross_entropy(logits, labels, epsilon):
     about a seventh of a float32 training step on CPU (measured with the
     TensorFlow profiler). Every pass over `(N, T, V)` costs about as much as
     the rest of the loss, so the gradient reuses the forward pass's
-    exponentials and touches the label entries alone with a scatter, instead
-    of building a one-hot tensor.
+    exponentials, and the one-hot term is a comparison of each class index
+    with the label inside the same expression: compiled with XLA (as the
+    trainer and Keras' `fit` compile it), the gradient is one fused pass
+    (forward and backward with the accuracy, bf16 at the benchmark shape:
+    18.8 -> 14.8 ms against a scatter of the label entries; uncompiled, the
+    scatter was faster, 27.9 against 32.1 ms).
     """
     vocab = logits.shape[-1]
 
@@ -91,18 +95,12 @@ def _smoothed_cross_entropy(logits, labels, epsilon):
         def grad(*args, upstream=None):
             if upstream is None:
                 (upstream,) = args
-            # (softmax - eps / V) * upstream, in two passes.
+            is_label = ops.equal(ops.arange(vocab, dtype="int32"), labels[..., None])  # (N, T, V)
+            label_term = ((1.0 - epsilon) * upstream)[..., None]  # (N, T, 1)
             gradient = (exponentials * (upstream / normalizer)[..., None]
-                        - (epsilon / vocab * upstream)[..., None])  # (N, T, V)
-            # Minus (1 - eps) * upstream at each label.
-            rows = ops.reshape(gradient, (-1, vocab))  # (N*T, V)
-            row_labels = ops.reshape(labels, (-1,))  # (N*T,)
-            at_labels = (ops.take_along_axis(rows, row_labels[:, None], axis=1)[:, 0]
-                         - (1.0 - epsilon) * ops.reshape(upstream, (-1,)))  # (N*T,)
-            indices = ops.stack([ops.arange(ops.shape(rows)[0], dtype="int32"), row_labels],
-                                axis=1)  # (N*T, 2)
-            rows = ops.scatter_update(rows, indices, at_labels)
-            return ops.cast(ops.reshape(rows, ops.shape(logits)), logits.dtype)
+                        - (epsilon / vocab * upstream)[..., None]
+                        - ops.where(is_label, label_term, ops.zeros_like(label_term)))  # (N, T, V)
+            return ops.cast(gradient, logits.dtype)
 
         return losses, grad
 
