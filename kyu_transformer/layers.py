@@ -474,11 +474,17 @@ class ScaledDotProductAttention(keras.layers.Layer):
         q = q * ops.cast(1.0 / temperature, q.dtype)
         scores = ops.matmul(q, ops.swapaxes(k, -1, -2))  # (N, h, T_q, T_k)
         if mask is not None:
-            scores = ops.where(mask, scores, ops.cast(_masked_score(scores.dtype), scores.dtype))
+            # Hidden keys get a large negative score, added rather than
+            # selected: the bias is built at the mask's size (no head axis)
+            # and an addition passes its gradient through unchanged.
+            hidden_score = ops.cast(_masked_score(scores.dtype), scores.dtype)
+            bias = ops.where(mask, ops.zeros_like(hidden_score), hidden_score)  # (N|1, 1, T_q|1, T_k)
+            scores = scores + bias
         weights = ops.softmax(scores, axis=-1)  # (N, h, T_q, T_k)
         if mask is not None:
-            # A fully masked row came out uniform: make it exactly zero.
-            weights = ops.where(mask, weights, ops.zeros_like(weights))
+            # A query that sees no key came out uniform: make its row exactly zero.
+            sees_a_key = ops.any(mask, axis=-1, keepdims=True)  # (N|1, 1, T_q|1, 1)
+            weights = weights * ops.cast(sees_a_key, weights.dtype)
         outputs = ops.matmul(self.dropout(weights, training=training), v)  # (N, h, T_q, d_v)
         return outputs, weights
 
@@ -673,7 +679,13 @@ class MultiHeadAttention(keras.layers.Layer):
             bias = ops.concatenate([dense.bias for dense in denses], axis=-1)  # (n*C,)
             outputs = outputs + ops.cast(bias, self.compute_dtype)
         outputs = self.projection_activation(outputs)
-        return tuple(self._split_heads(part) for part in ops.split(outputs, len(denses), axis=-1))
+        # One transpose for all of them, then views along the leading axis
+        # (splitting the last axis first would copy every element once more).
+        batch, length = ops.shape(outputs)[0], ops.shape(outputs)[1]
+        head_width = outputs.shape[-1] // (len(denses) * self.num_heads)
+        heads = ops.reshape(outputs, (batch, length, len(denses), self.num_heads, head_width))
+        heads = ops.transpose(heads, (2, 0, 3, 1, 4))  # (n, N, h, T, d_k)
+        return tuple(ops.unstack(heads, len(denses), axis=0))
 
     def attend_projected(self, queries, k, v, key_mask=None, training=None,
                          return_attention_scores=False):
