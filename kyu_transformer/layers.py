@@ -471,8 +471,11 @@ class ScaledDotProductAttention(keras.layers.Layer):
 
     def call(self, q, k, v, mask=None, training=None):
         temperature = self.temperature or math.sqrt(q.shape[-1])
-        q = q * ops.cast(1.0 / temperature, q.dtype)
+        # Scaled after the product: the scores are smaller than the queries
+        # when T_k < d_k, and oneDNN fuses the product, the scaling and the
+        # mask's addition into one kernel.
         scores = ops.matmul(q, ops.swapaxes(k, -1, -2))  # (N, h, T_q, T_k)
+        scores = scores * ops.cast(1.0 / temperature, scores.dtype)
         if mask is not None:
             # Hidden keys get a large negative score, added rather than
             # selected: the bias is built at the mask's size (no head axis)
