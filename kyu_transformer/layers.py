@@ -605,9 +605,22 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _split_heads(self, x):
         """`(N, T, C)` -> `(N, h, T, C/h)`, head h taking columns h*d_k:(h+1)*d_k."""
-        head_width = x.shape[-1] // self.num_heads
-        x = ops.reshape(x, (ops.shape(x)[0], ops.shape(x)[1], self.num_heads, head_width))
-        return ops.transpose(x, (0, 2, 1, 3))
+        return self._split_parts_into_heads(x, 1)[0]
+
+    def _split_parts_into_heads(self, x, parts):
+        """`(N, T, parts*C)` -> `parts` tensors `(N, h, T, C/h)`, side by side in `x`.
+
+        One transpose for all parts, then views along the leading axis
+        (splitting the last axis first would copy every element once more).
+        """
+        batch, length = ops.shape(x)[0], ops.shape(x)[1]
+        head_width = x.shape[-1] // (parts * self.num_heads)
+        if parts == 1:  # no leading axis to take apart (a decoding step's queries)
+            x = ops.reshape(x, (batch, length, self.num_heads, head_width))
+            return (ops.transpose(x, (0, 2, 1, 3)),)
+        x = ops.reshape(x, (batch, length, parts, self.num_heads, head_width))
+        x = ops.transpose(x, (2, 0, 3, 1, 4))  # (parts, N, h, T, d_k)
+        return tuple(ops.unstack(x, parts, axis=0))
 
     def _merge_heads(self, x):
         """`(N, h, T, d)` -> `(N, T, h*d)`."""
@@ -682,13 +695,7 @@ class MultiHeadAttention(keras.layers.Layer):
             bias = ops.concatenate([dense.bias for dense in denses], axis=-1)  # (n*C,)
             outputs = outputs + ops.cast(bias, self.compute_dtype)
         outputs = self.projection_activation(outputs)
-        # One transpose for all of them, then views along the leading axis
-        # (splitting the last axis first would copy every element once more).
-        batch, length = ops.shape(outputs)[0], ops.shape(outputs)[1]
-        head_width = outputs.shape[-1] // (len(denses) * self.num_heads)
-        heads = ops.reshape(outputs, (batch, length, len(denses), self.num_heads, head_width))
-        heads = ops.transpose(heads, (2, 0, 3, 1, 4))  # (n, N, h, T, d_k)
-        return tuple(ops.unstack(heads, len(denses), axis=0))
+        return self._split_parts_into_heads(outputs, len(denses))
 
     def attend_projected(self, queries, k, v, key_mask=None, training=None,
                          return_attention_scores=False):
