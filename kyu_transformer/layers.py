@@ -41,9 +41,20 @@ _MASKED_SCORE = {"float16": -3.0e4}
 _MASKED_SCORE_DEFAULT = -1.0e9
 
 
+# Keras' own accessors of the mask it attaches to a tensor. Tensors that cannot
+# hold a Python attribute (JAX tracers under `jax.jit`, numpy arrays) keep
+# their mask in a table of Keras' that only these functions read, so reading
+# the `_keras_mask` attribute directly would silently lose the mask there.
+# Keras 3.15 exports them from `keras.src.backend` only; the public path is
+# used when a Keras version provides it.
+_get_keras_mask = getattr(keras.backend, "get_keras_mask", None)
+if _get_keras_mask is None:
+    from keras.src.backend import get_keras_mask as _get_keras_mask
+
+
 def _keras_mask(tensor):
     """The Keras mask attached to ``tensor`` by an upstream layer, or None."""
-    return getattr(tensor, "_keras_mask", None)
+    return _get_keras_mask(tensor)
 
 
 def _masked_score(dtype):
