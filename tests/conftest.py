@@ -1,11 +1,55 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# TensorFlow unless the caller chose another backend: `KERAS_BACKEND=jax python
+# -m pytest tests/test_layers.py tests/test_model.py tests/test_saving.py` runs
+# the layer, model and saving tests on JAX.
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+BACKEND = keras.backend.backend()
+
+# Modules built on TensorFlow itself (tf.data, tf.distribute, tf.train
+# checkpoints, the training and decoding programs): under another backend they
+# are skipped whole, without being imported.
+TENSORFLOW_ONLY_MODULES = {
+    "test_data.py": "the tf.data pipeline",
+    "test_decoding.py": "decoding and the eval.py program on TensorFlow checkpoints",
+    "test_faults.py": "the training and eval.py programs",
+    "test_multi_worker.py": "tf.distribute multi-worker training",
+    "test_optimizers.py": "the fused TensorFlow Adam kernel, tf.function and tf.distribute",
+    "test_training.py": "the tf.distribute training loop",
+}
+
+
+class _TensorFlowOnlyModule(pytest.File):
+    """Stands for a TensorFlow-only test module under another backend: skips it whole."""
+
+    def collect(self):
+        pytest.skip(f"{self.path.name} needs TensorFlow "
+                    f"({TENSORFLOW_ONLY_MODULES[self.path.name]}); KERAS_BACKEND is {BACKEND}")
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    if BACKEND != "tensorflow" and module_path.name in TENSORFLOW_ONLY_MODULES:
+        return _TensorFlowOnlyModule.from_parent(parent, path=module_path)
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "tensorflow_only(reason): the test needs TensorFlow itself; skipped on "
+        "other backends with that reason")
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("tensorflow_only")
+    if marker is not None and BACKEND != "tensorflow":
+        reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "")
+        pytest.skip(f"needs TensorFlow itself ({reason}); KERAS_BACKEND is {BACKEND}")
 
 
 @pytest.fixture(autouse=True)
@@ -20,3 +64,58 @@ def _fresh_keras_state():
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+def value_and_gradients(loss_fn, tensors, variables=()):
+    """Runs ``loss_fn(*tensors) -> (loss, aux)`` once, differentiated by the backend.
+
+    Returns ``(aux, gradients)``: the gradients of the scalar `loss` with
+    respect to each of `tensors`, then each of the Keras `variables`. `aux`
+    comes from the same run, so a random draw (dropout) is the one the
+    gradients went through.
+    """
+    tensors = [keras.ops.convert_to_tensor(tensor) for tensor in tensors]
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            tape.watch(tensors)
+            loss, aux = loss_fn(*tensors)
+        return aux, tape.gradient(loss, tensors + [variable.value for variable in variables])
+    if BACKEND == "jax":
+        import jax
+
+        def pure(tensors, values):
+            # The variables read the traced values; assignments made inside
+            # (a seed generator's state) stay in the scope instead of leaking
+            # tracers into the variables.
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                return loss_fn(*tensors)
+
+        (_, aux), (tensor_grads, variable_grads) = jax.value_and_grad(
+            pure, argnums=(0, 1), has_aux=True)(tensors, [v.value for v in variables])
+        return aux, list(tensor_grads) + list(variable_grads)
+    pytest.skip(f"no gradient helper for the {BACKEND} backend")
+
+
+@pytest.fixture(name="value_and_gradients")
+def _value_and_gradients_fixture():
+    return value_and_gradients
+
+
+def compiled(fn):
+    """`fn` traced and compiled by the backend (tf.function, jax.jit), as `fit` and `predict` run it."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(fn)
+    if BACKEND == "jax":
+        import jax
+
+        return jax.jit(fn)
+    return fn
+
+
+@pytest.fixture(name="compiled")
+def _compiled_fixture():
+    return compiled
