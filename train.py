@@ -22,6 +22,8 @@ from kyu_transformer.corpus import Corpus  # noqa: E402
 from kyu_transformer.evaluation import ValidationBleu  # noqa: E402
 from kyu_transformer.training import (  # noqa: E402
     STRATEGIES, Trainer, TrainingError, copy_aside, is_chief, make_strategy, seed_everything)
+from kyu_transformer.workers import (  # noqa: E402
+    WorkerDisagreement, barrier, check_agreement, short_digest)
 
 # Hyperparameters that may change when a run is resumed: none changes the model or the data.
 RESUMABLE = ("num_epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
@@ -114,28 +116,69 @@ def subword_dir(logdir, chief):
     return tempfile.mkdtemp(prefix="worker-subwords-")
 
 
+def prepare_run(args, strategy, chief):
+    """``(hparams, corpus)``: the logdir settled, the subword model ready.
+
+    The chief goes first: it alone moves an old logdir aside (``--overwrite``)
+    and writes the subword model and `hparams.json`; the other workers wait
+    for it, then read what it wrote (on a shared file system) or make the same
+    themselves, and every worker checks that it agrees with the chief.
+    """
+    hparams, corpus, failure = None, None, None
+    try:
+        hparams = hp.from_args(args)
+        prepare_data_dir(hparams["data_dir"])
+        if chief:
+            hparams, corpus = prepare_logdir(hparams, args.overwrite, chief)
+    except (hp.HParamsError, data.DataError, SystemExit) as error:
+        failure = str(error).removeprefix("error: ")
+    barrier(strategy, failure)  # the chief has moved, trained and written what it had to
+    if not chief:
+        try:
+            hparams, corpus = prepare_logdir(hparams, False, chief)
+        except (data.DataError, SystemExit) as error:
+            failure = str(error).removeprefix("error: ")
+    barrier(strategy, failure)  # every worker has its hparams and subword model
+    check_agreement(strategy, {
+        "hyperparameters digest": short_digest(json.dumps(
+            {key: value for key, value in hparams.items() if key not in ("logdir", "data_dir")},
+            sort_keys=True)),
+        "corpus digest": short_digest(json.dumps(corpus_fingerprint(hparams), sort_keys=True)),
+        "subword vocabulary digest": subword_digest(corpus.subwords)})
+    return hparams, corpus
+
+
+def subword_digest(subwords):
+    """A digest of the subword vocabulary (pieces and scores; the model file also holds
+    the path it was trained in, which differs between workers)."""
+    processor = subwords.processor
+    return short_digest(json.dumps([(processor.id_to_piece(i), processor.get_score(i))
+                                    for i in range(processor.get_piece_size())]))
+
+
+def prepare_logdir(hparams, overwrite, chief):
+    hparams = settle_logdir(hparams, overwrite)
+    logdir = hparams["logdir"]
+    if chief:
+        check_writable(logdir, "the logdir")
+    corpus = Corpus(hparams["data_dir"], subword_dir(logdir, chief), hparams)
+    if chief:
+        record_run(hparams)
+    return hparams, corpus
+
+
 def main(argv=None):
     args = parse_args(argv)
     # Multi-worker collectives must be set up before TensorFlow runs anything else.
     strategy = make_strategy(args.strategy)
     chief = is_chief(strategy)
     try:
-        hparams = hp.from_args(args)
-        prepare_data_dir(hparams["data_dir"])
-        hparams = settle_logdir(hparams, args.overwrite and chief)
-    except (hp.HParamsError, data.DataError) as error:
+        hparams, corpus = prepare_run(args, strategy, chief)
+    except WorkerDisagreement as error:
         raise SystemExit(f"error: {error}")
     logdir = hparams["logdir"]
-    if chief:
-        check_writable(logdir, "the logdir")
     seed_everything(hparams["seed"], args.deterministic)
     print(f"strategy: {type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)")
-    try:
-        corpus = Corpus(hparams["data_dir"], subword_dir(logdir, chief), hparams)
-    except data.DataError as error:
-        raise SystemExit(f"error: {error}")
-    if chief:
-        record_run(hparams)
 
     hooks = []
     if hparams["eval_sentences"]:
@@ -146,7 +189,7 @@ def main(argv=None):
     started = time.time()
     try:
         result = trainer.fit(corpus.train_batches, hparams["steps_per_epoch"] or None)
-    except TrainingError as error:
+    except (TrainingError, WorkerDisagreement) as error:
         raise SystemExit(f"error: {error}")
     minutes = (time.time() - started) / 60
     if result["resumed_from"]:

@@ -32,6 +32,7 @@ from kyu_transformer.model import Transformer
 from kyu_transformer.optimizers import Adam
 from kyu_transformer.plots import plot_training
 from kyu_transformer.schedules import NoamSchedule
+from kyu_transformer.workers import check_agreement
 
 STRATEGIES = ("auto", "default", "mirrored", "multi_worker")
 PRECISION_POLICIES = {"no": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
@@ -152,11 +153,19 @@ class Trainer:
             self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
             self.step_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False,
                                              name="step_in_epoch")
+            # Seconds of training behind the checkpoint: `max_minutes` is the run's
+            # total, however often it is resumed.
+            self.train_seconds = tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                             name="train_seconds")
+        self._clock = _TrainingClock(0.0)
         self.loss_fn = LabelSmoothedCrossEntropy(hparams["smoothing"])
         self._loss_terms = loss_terms_function(self.loss_fn, xla=hparams["xla_loss"])
-        self.checkpoint = tf.train.Checkpoint(weights=model_weights(self.model),
-                                              optimizer=self.optimizer,
-                                              epoch=self.epoch, step_in_epoch=self.step_in_epoch)
+        self.checkpoint = tf.train.Checkpoint(
+            weights=model_weights(self.model), optimizer=self.optimizer,
+            epoch=self.epoch, step_in_epoch=self.step_in_epoch,
+            # `model.weights` leaves out the dropout layers' random states: without
+            # them a resumed run would draw the masks of step 1 again.
+            random_states=random_states(self.model), train_seconds=self.train_seconds)
         self.checkpoint_dir = os.path.join(self.logdir, "checkpoints")
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, self._writable_dir(self.checkpoint_dir),
@@ -232,10 +241,23 @@ class Trainer:
         if latest is None and not self.chief:
             latest = tf.train.latest_checkpoint(self.checkpoint_dir)
         if latest:
-            self.checkpoint.restore(latest).assert_existing_objects_matched()
+            try:
+                self.checkpoint.restore(latest).assert_existing_objects_matched()
+            except AssertionError:
+                self._restore_without_run_state(latest)
         return latest
 
+    def _restore_without_run_state(self, path):
+        """Restores a checkpoint written before random states and training time were saved."""
+        tf.train.Checkpoint(weights=model_weights(self.model), optimizer=self.optimizer,
+                            epoch=self.epoch, step_in_epoch=self.step_in_epoch
+                            ).restore(path).assert_existing_objects_matched()
+        if self.chief:
+            print(f"note: {path} holds no dropout random state or training time (an older "
+                  "checkpoint): dropout masks and the time budget start afresh", flush=True)
+
     def save(self):
+        self.train_seconds.assign(self._clock.seconds())
         path = self.manager.save(checkpoint_number=self.global_step())
         return path if self.chief else None
 
@@ -269,11 +291,11 @@ class Trainer:
                     tf.summary.scalar(f"{record.get('kind', 'train')}/{key}", value)
         self.writer.flush()
 
-    def _out_of_time(self, started, budget):
+    def _out_of_time(self, budget):
         """Whether the time budget is spent, agreed by all workers (who stop together)."""
         if budget == math.inf:
             return False
-        spent = time.time() - started > budget
+        spent = self._clock.seconds() > budget
         if not self.strategy.extended._in_multi_worker_mode():  # pylint: disable=protected-access
             return spent
         votes = self.strategy.reduce(
@@ -292,7 +314,8 @@ class Trainer:
 
         Returns:
           A dict: ``resumed_from``, ``steps``, ``epochs``, ``stopped``
-          (``"done"`` or ``"time"``), ``last_loss``.
+          (``"done"`` or ``"time"``), ``last_loss``, ``train_seconds`` (the
+          run's training time, resumed runs included: what `max_minutes` limits).
         """
         hparams = self.hparams
         if self.chief:
@@ -300,9 +323,14 @@ class Trainer:
         self.writer = (tf.summary.create_file_writer(os.path.join(self.logdir, "train"))
                        if self.chief else tf.summary.create_noop_writer())
         resumed_from = self.restore()
-        started = time.time()
+        check_agreement(self.strategy, {"restored step": self.global_step()})
+        self._clock = _TrainingClock(float(self.train_seconds.numpy()))
         budget = hparams["max_minutes"] * 60.0 or math.inf
-        stopped, last_loss = "done", None
+        if resumed_from and self.chief:
+            print(_resume_line(resumed_from, self.global_step(), self._clock.seconds(),
+                               budget), flush=True)
+        # A run killed after its budget was spent (and saved) trains no further.
+        stopped, last_loss = ("time" if self._out_of_time(budget) else "done"), None
         while int(self.epoch.numpy()) < hparams["num_epochs"] and stopped == "done":
             epoch = int(self.epoch.numpy())
             skip = int(self.step_in_epoch.numpy())
@@ -314,8 +342,7 @@ class Trainer:
                 return dataset.skip(skip)
 
             iterator = iter(self.distribute(batches))
-            stopped, last_loss = self._run_epoch(iterator, epoch, skip, steps_per_epoch,
-                                                 started, budget)
+            stopped, last_loss = self._run_epoch(iterator, epoch, skip, steps_per_epoch, budget)
             if stopped == "done":
                 logs = {"kind": "epoch", "step": self.global_step(),
                         "epoch": epoch + 1}
@@ -334,9 +361,10 @@ class Trainer:
         else:  # a worker's checkpoints were only its part of the collective save
             shutil.rmtree(self.manager.directory, ignore_errors=True)
         return {"resumed_from": resumed_from, "steps": self.global_step(),
-                "epochs": int(self.epoch.numpy()), "stopped": stopped, "last_loss": last_loss}
+                "epochs": int(self.epoch.numpy()), "stopped": stopped, "last_loss": last_loss,
+                "train_seconds": self._clock.seconds()}
 
-    def _run_epoch(self, iterator, epoch, skip, steps_per_epoch, started, budget):
+    def _run_epoch(self, iterator, epoch, skip, steps_per_epoch, budget):
         hparams = self.hparams
         progress = _Progress(epoch, hparams["num_epochs"], skip, steps_per_epoch,
                              enabled=self.verbose and self.chief)
@@ -367,10 +395,41 @@ class Trainer:
                 window = _Window()
             if hparams["checkpoint_every"] and step % hparams["checkpoint_every"] == 0:
                 self.save()
-            if self._out_of_time(started, budget):
+            if self._out_of_time(budget):
                 progress.finish(f"stopping: the budget of {hparams['max_minutes']} minutes "
                                 "is used")
                 return "time", last_loss
+
+
+class _TrainingClock:
+    """Seconds of training of the run: those behind the restored checkpoint, plus this process'."""
+
+    def __init__(self, restored_seconds):
+        self.restored = restored_seconds
+        self.started = time.time()
+
+    def seconds(self):
+        return self.restored + time.time() - self.started
+
+
+def _resume_line(path, step, seconds, budget):
+    line = f"resuming from {path} at step {step}, after {seconds / 60:.1f} min of training"
+    if budget == math.inf:
+        return line
+    left = max(budget - seconds, 0.0) / 60
+    return line + f"; {left:.1f} of the {budget / 60:g} min budget left"
+
+
+def random_states(model):
+    """The random-number states the model's layers draw from (dropout's seed generators).
+
+    Listed in the order of `model.variables`, which depends on the model's
+    structure only (their names also count the generators made before in the
+    process, so they cannot serve as checkpoint keys).
+    """
+    weights = {id(weight) for weight in model.weights}
+    return [variable for variable in model.variables
+            if id(variable) not in weights and "seed_generator" in variable.path]
 
 
 class _Window:

@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT
 
@@ -20,40 +22,72 @@ def free_ports(count):
     return ports
 
 
-def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_path):
+def run_workers(tmp_path, logdirs, *extra):
+    """train.py on two loopback workers; returns their ``(return code, output)``."""
     workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
-    logdir = tmp_path / "log"
     processes = []
-    for index in range(2):
+    for index, logdir in enumerate(logdirs):
         scratch = tmp_path / f"tmp{index}"
-        scratch.mkdir()
+        scratch.mkdir(exist_ok=True)
         config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
         environment = {**os.environ, "TF_CONFIG": json.dumps(config), "TMPDIR": str(scratch),
                        "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
         command = [sys.executable, os.path.join(ROOT, "train.py"), "--strategy", "multi_worker",
                    "--hparams", "tiny", "--data_dir", MULTI30K, "--logdir", str(logdir),
-                   "--num_epochs", "2", "--steps_per_epoch", "6", "--log_every", "3"]
+                   "--num_epochs", "2", "--steps_per_epoch", "6", "--log_every", "3", *extra]
         processes.append(subprocess.Popen(command, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                           env=environment))
-    outputs = []
-    for process in processes:
-        try:
+    results = []
+    try:
+        for process in processes:
             output, _ = process.communicate(timeout=420)
-        finally:
-            for other in processes:
-                if other.poll() is None and process.returncode is None:
-                    other.kill()
-        outputs.append(output)
-        assert process.returncode == 0, output[-4000:]
-    digests = [line for output in outputs for line in output.splitlines()
-               if line.startswith("weights sha256:")]
-    assert len(digests) == 2 and digests[0] == digests[1], digests
-    assert all("Strategy with 2 replica(s)" in out for out in outputs)
-    assert all("done: 2 epochs, 12 steps" in out for out in outputs)
+            results.append((process.returncode, output))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    return results
+
+
+def digests(results):
+    return [line for _, output in results for line in output.splitlines()
+            if line.startswith("weights sha256:")]
+
+
+@pytest.mark.slow
+def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_path):
+    logdir = tmp_path / "log"
+    results = run_workers(tmp_path, [logdir, logdir])
+    for code, output in results:
+        assert code == 0, output[-4000:]
+    assert len(digests(results)) == 2 and len(set(digests(results))) == 1, digests(results)
+    assert all("Strategy with 2 replica(s)" in out for _, out in results)
+    assert all("done: 2 epochs, 12 steps" in out for _, out in results)
     # the chief's files, once; nothing left behind by the other worker
     assert sorted(os.listdir(logdir / "checkpoints")) == [
         "checkpoint", "ckpt-12.data-00000-of-00001", "ckpt-12.index",
         "ckpt-6.data-00000-of-00001", "ckpt-6.index"]
     assert len(os.listdir(logdir / "train")) == 1
     assert os.listdir(tmp_path / "tmp1") == []
+
+    # --overwrite: the chief alone moves the old logdir aside, the other worker waits
+    # for it (instead of reading the old hparams.json and refusing, or racing the move).
+    results = run_workers(tmp_path, [logdir, logdir], "--overwrite", "--d_model", "64")
+    for code, output in results:
+        assert code == 0, output[-4000:]
+    assert len(set(digests(results))) == 1
+    assert "--overwrite: moved the old logdir" in results[0][1]
+    assert "--overwrite" not in results[1][1]
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("log.old-")]) == 1
+    assert json.loads((logdir / "hparams.json").read_text())["d_model"] == 64
+
+    # A worker that does not see the chief's logdir (no shared file system) would start
+    # from step 0 while the chief resumes from step 12: both stop, saying so.
+    results = run_workers(tmp_path, [logdir, tmp_path / "elsewhere"], "--d_model", "64",
+                          "--num_epochs", "3")
+    expected = "the workers do not agree with the chief: worker 1 has restored step 0 but the chief 12"
+    for code, output in results:
+        assert code != 0 and expected in output, output[-4000:]
+        assert "Traceback" not in output, output[-4000:]
+    assert (logdir / "checkpoints" / "ckpt-12.index").exists()  # nothing lost

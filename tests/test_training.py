@@ -205,32 +205,79 @@ def digest(output):
     return [line for line in output.splitlines() if line.startswith("weights sha256:")]
 
 
-def test_killed_run_resumes_from_its_checkpoint(tmp_path):
-    logdir = tmp_path / "log"
-    flags = ["--num_epochs", "3", "--steps_per_epoch", "40", "--deterministic"]
-    process = run_train(logdir, *flags, wait=False)
-    index = logdir / "checkpoints" / "checkpoint"
-    deadline = time.time() + 300
-    while not index.exists() and process.poll() is None and time.time() < deadline:
+def kill_when(process, condition, timeout=300):
+    """SIGKILLs `process` as soon as `condition()` holds (or it ended, or time ran out)."""
+    deadline = time.time() + timeout
+    while not condition() and process.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
+    output = process.stdout.read()
     process.wait()
-    assert index.exists(), process.stdout.read()
-    assert process.returncode == -signal.SIGKILL
-    saved = tf.train.latest_checkpoint(str(logdir / "checkpoints"))
-    saved_step = int(saved.rsplit("-", 1)[1])
-    assert 40 <= saved_step < 120
+    assert process.returncode == -signal.SIGKILL, output
+    return output
+
+
+def latest_step(checkpoints):
+    saved = tf.train.latest_checkpoint(str(checkpoints))
+    return int(saved.rsplit("-", 1)[1]) if saved else 0
+
+
+@pytest.mark.slow
+def test_run_killed_twice_with_dropout_ends_as_an_uninterrupted_run(tmp_path):
+    """Resumption restores the weights, the optimizer, the data position and the
+    dropout layers' random states: the masks of a resumed step are those the
+    uninterrupted run draws at that step."""
+    logdir = tmp_path / "log"
+    checkpoints = logdir / "checkpoints"
+    flags = ["--num_epochs", "3", "--steps_per_epoch", "40", "--dropout_rate", "0.1",
+             "--deterministic"]
+    kill_when(run_train(logdir, *flags, wait=False), lambda: latest_step(checkpoints) >= 40)
+    first_kill = latest_step(checkpoints)
+    assert 40 <= first_kill < 120
+    resumed = run_train(logdir, *flags, wait=False)
+    kill_when(resumed, lambda: latest_step(checkpoints) > first_kill)
+    second_kill = latest_step(checkpoints)
+    assert first_kill < second_kill < 120
 
     again = run_train(logdir, *flags)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert f"resumed from {saved}" in again.stdout
+    assert f"ckpt-{second_kill} at step {second_kill}, after" in again.stdout, again.stdout
     assert "epoch 1/3" not in again.stdout  # the first epoch is not trained again
     assert "done: 3 epochs, 120 steps" in again.stdout
-    # The resumed run skipped exactly the batches it had trained on, with the
-    # weights and optimizer state it had: it ends where an uninterrupted run ends.
     uninterrupted = run_train(tmp_path / "straight", *flags)
     assert uninterrupted.returncode == 0, uninterrupted.stderr
     assert digest(again.stdout) == digest(uninterrupted.stdout) != []
+
+
+def train_seconds(checkpoint):
+    """The training time a checkpoint records (0 while there is none)."""
+    if checkpoint is None:
+        return 0.0
+    return float(tf.train.load_checkpoint(checkpoint).get_tensor(
+        "train_seconds/.ATTRIBUTES/VARIABLE_VALUE"))
+
+
+@pytest.mark.slow
+def test_time_budget_is_the_runs_total_across_resumptions(tmp_path):
+    logdir = tmp_path / "log"
+    checkpoints = logdir / "checkpoints"
+    budget = 0.3 * 60
+    flags = ["--max_minutes", "0.3", "--num_epochs", "100", "--checkpoint_every", "5"]
+    process = run_train(logdir, *flags, wait=False)
+    kill_when(process,
+              lambda: train_seconds(tf.train.latest_checkpoint(str(checkpoints))) > budget / 3)
+    restored = train_seconds(tf.train.latest_checkpoint(str(checkpoints)))
+    assert budget / 3 < restored < budget
+
+    again = run_train(logdir, *flags)
+    assert again.returncode == 0, again.stdout + again.stderr
+    left = (budget - restored) / 60
+    assert f"of training; {left:.1f} of the 0.3 min budget left" in again.stdout, again.stdout
+    assert "stopping: the budget of 0.3 minutes is used" in again.stdout
+    total = train_seconds(tf.train.latest_checkpoint(str(checkpoints)))
+    # One step (and its checkpoint) past the budget at most; today's steps take well
+    # under a second. A budget restarted on resumption would end near restored + budget.
+    assert budget <= total < budget + 3.0, (restored, total)
 
 
 def test_logdir_with_other_hparams_is_refused_then_moved_aside(tmp_path):
