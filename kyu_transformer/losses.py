@@ -2,6 +2,10 @@
 
 import keras
 from keras import ops
+# `Loss.__call__` reads the mask of `call`'s output with this module's
+# `get_keras_mask`; Keras 3 exports no public setter, and a plain attribute
+# cannot be set on a JAX array (this setter falls back to a table for those).
+from keras.src.backend import set_keras_mask
 
 from kyu_transformer.layers import _check_rate
 
@@ -15,25 +19,51 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
     ``-sum_v q_v log p_v = logsumexp - (1 - eps) * logit_y - eps * mean_v logit_v``.
     Computed in float32 whatever the compute dtype of the logits.
 
+    `call` returns the per-token losses `(N, T)` with the Keras mask
+    ``labels != pad_id`` attached, and Keras reduces them: with the default
+    ``reduction="sum_over_batch_size"`` Keras divides the sum by the number of
+    unmasked tokens, which makes the loss the mean over non-padding tokens.
+    When the logits carry a Keras mask of their own (e.g. from an `Embedding`
+    upstream), Keras combines the two, and a token counts only where both keep
+    it. Under a `tf.distribute` strategy Keras also divides each replica's
+    mean by the number of replicas and sums the gradients, so `model.fit`
+    minimizes (and reports) the mean of the replicas' means: the same as on one
+    device when the replicas hold equal numbers of tokens, not otherwise. As
+    with Keras' own losses, a direct call inside a strategy's scope is divided
+    by the number of replicas too. The project's `Trainer` normalizes by the
+    token count of the whole global batch instead, from `token_losses`.
+
     Args:
       epsilon: Smoothing rate.
       pad_id: Label id that is padding (ignored in the mean).
       from_logits: If False, `y_pred` holds probabilities.
+      reduction: Keras' reduction of the masked per-token losses:
+        ``"sum_over_batch_size"`` (default) or ``"mean"``, the mean over
+        non-padding tokens; ``"sum"``, their sum;
+        ``"mean_with_sample_weight"``, the sum divided by the sample weights
+        summed over non-padding tokens (without weights, their count);
+        ``"none"`` or None, the `(N, T)` losses, 0 at padding.
+      name: Name of the loss.
+      **kwargs: Other `keras.losses.Loss` arguments (`dtype`).
 
     Call arguments:
       y_true: Integer labels `(N, T)`.
       y_pred: Logits (or probabilities) `(N, T, V)`.
+      sample_weight: Optional weights, `(N, 1)` per sequence or `(N, T)` per
+        token, multiplied into the masked per-token losses as Keras does; the
+        default reduction still divides by the number of non-padding tokens.
 
     Returns:
-      The scalar mean loss per non-padding token (0 if there is none).
+      With the default reduction, the scalar mean loss per non-padding token
+      (0 if there is none); otherwise as `reduction` says.
       `token_losses` gives the `(N, T)` per-token losses (0 at padding), for
       callers that normalize across replicas themselves.
     """
 
     def __init__(self, epsilon=0.1, pad_id=0, from_logits=True,
-                 name="label_smoothed_cross_entropy", **kwargs):
-        kwargs["reduction"] = "none"  # `call` already returns the masked mean
-        super().__init__(name=name, **kwargs)
+                 reduction="sum_over_batch_size", name="label_smoothed_cross_entropy",
+                 **kwargs):
+        super().__init__(name=name, reduction=reduction, **kwargs)
         _check_rate("epsilon", epsilon)
         self.epsilon = float(epsilon)
         self.pad_id = int(pad_id)
@@ -52,12 +82,17 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
         return ops.where(ops.not_equal(labels, self.pad_id), losses, ops.zeros_like(losses))
 
     def call(self, y_true, y_pred):
-        num_tokens = ops.sum(ops.cast(ops.not_equal(y_true, self.pad_id), "float32"))
-        return ops.sum(self.token_losses(y_true, y_pred)) / ops.maximum(num_tokens, 1.0)
+        losses = self.token_losses(y_true, y_pred)  # (N, T)
+        # Keras turns this mask into weights (and ANDs it with any mask of the
+        # logits), divides by the kept tokens and scales for distribution.
+        # Reducing here would hide the token count from Keras: it would neither
+        # divide the mean by the number of replicas nor apply a mask of the
+        # logits before reducing (it would multiply the reduced value by it).
+        set_keras_mask(losses, ops.not_equal(ops.cast(y_true, "int32"), self.pad_id))
+        return losses
 
     def get_config(self):
-        config = super().get_config()
-        config.pop("reduction", None)
+        config = super().get_config()  # name, reduction; configs without it get the default
         config.update(epsilon=self.epsilon, pad_id=self.pad_id, from_logits=self.from_logits)
         return config
 

@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from keras.src.backend import set_keras_mask
 
 from kyu_transformer.layers import label_smoothing
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
@@ -79,11 +80,74 @@ def test_loss_is_float32_for_bfloat16_logits(rng):
 
 
 def test_loss_config_round_trip():
-    loss = LabelSmoothedCrossEntropy(epsilon=0.2, pad_id=1, from_logits=False)
+    loss = LabelSmoothedCrossEntropy(epsilon=0.2, pad_id=1, from_logits=False, reduction="sum")
     again = keras.losses.deserialize(keras.losses.serialize(loss))
     assert (again.epsilon, again.pad_id, again.from_logits) == (0.2, 1, False)
+    assert again.reduction == "sum"
+
+
+def test_configs_saved_without_a_reduction_load_with_the_mean(rng):
+    # Earlier versions left `reduction` out of their config.
+    config = {"name": "label_smoothed_cross_entropy", "epsilon": 0.2, "pad_id": 0,
+              "from_logits": True}
+    loss = LabelSmoothedCrossEntropy.from_config(config)
+    assert loss.reduction == "sum_over_batch_size"
+    labels = np.array([[3, 4, 0]])
+    logits = rng.normal(size=(1, 3, 6)).astype("float32")
+    expected, _ = explicit_loss(labels, logits.astype("float64"), 0.2)
+    assert float(loss(labels, logits)) == pytest.approx(expected, rel=1e-5)
 
 
 def test_loss_rejects_bad_epsilon():
     with pytest.raises(ValueError, match="epsilon"):
         LabelSmoothedCrossEntropy(epsilon=1.0)
+
+
+def masked(logits, mask):
+    """`logits` as a tensor carrying the Keras mask `mask`, as a layer's output does."""
+    tensor = keras.ops.convert_to_tensor(logits)
+    set_keras_mask(tensor, keras.ops.convert_to_tensor(mask))
+    return tensor
+
+
+def test_logits_with_a_keras_mask_give_the_same_scalar(rng):
+    labels = rng.integers(1, 9, size=(3, 6))
+    labels[0, 4:] = 0
+    labels[1, 2:] = 0
+    logits = (rng.normal(size=(3, 6, 9)) * 2).astype("float32")
+    loss = LabelSmoothedCrossEntropy()
+    plain = loss(labels, logits)
+    with_mask = loss(labels, masked(logits, labels != 0))
+    assert tuple(with_mask.shape) == ()
+    expected, _ = explicit_loss(labels, logits.astype("float64"), 0.1)
+    assert float(with_mask) == pytest.approx(float(plain), rel=1e-6)
+    assert float(with_mask) == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_mask_of_the_logits_and_the_padding_of_the_labels_combine(rng):
+    labels = rng.integers(1, 9, size=(2, 5))
+    labels[0, 3:] = 0
+    logits = rng.normal(size=(2, 5, 9)).astype("float32")
+    mask = np.ones((2, 5), dtype=bool)
+    mask[1, 0] = False  # a real label that the logits' own mask leaves out
+    value = LabelSmoothedCrossEntropy()(labels, masked(logits, mask))
+    _, per_token = explicit_loss(labels, logits.astype("float64"), 0.1)
+    keep = (labels != 0) & mask
+    assert float(value) == pytest.approx(per_token[keep].sum() / keep.sum(), rel=1e-5)
+
+
+def test_reductions_mean_what_keras_says(rng):
+    labels = rng.integers(1, 7, size=(3, 5))
+    labels[2, 1:] = 0
+    logits = rng.normal(size=(3, 5, 7)).astype("float32")
+    _, per_token = explicit_loss(labels, logits.astype("float64"), 0.1)
+    tokens = (labels != 0).sum()
+    none = LabelSmoothedCrossEntropy(reduction="none")(labels, logits)
+    assert tuple(none.shape) == (3, 5)
+    np.testing.assert_allclose(none, per_token, rtol=1e-5, atol=1e-6)
+    total = LabelSmoothedCrossEntropy(reduction="sum")(labels, logits)
+    assert float(total) == pytest.approx(per_token.sum(), rel=1e-5)
+    weights = np.array([[1.0], [2.0], [0.5]])  # one weight per sequence
+    weighted = LabelSmoothedCrossEntropy()(labels, logits, sample_weight=weights)
+    assert float(weighted) == pytest.approx((per_token * weights).sum() / tokens, rel=1e-5)
+
