@@ -15,6 +15,7 @@ import glob
 import gzip
 import hashlib
 import html
+import http.client
 import os
 import re
 import shutil
@@ -169,24 +170,48 @@ def fingerprint(data_dir, split="train", source_lang="de", target_lang="en"):
     return digests
 
 
-def ensure_multi30k(data_dir, base_url=MULTI30K_URL, timeout=30):
-    """Downloads the six raw Multi30k files into `data_dir` if it does not exist."""
+def ensure_multi30k(data_dir, base_url=None, timeout=30):
+    """Downloads the six raw Multi30k files into `data_dir` if it does not exist.
+
+    `base_url` defaults to the ``MULTI30K_URL`` environment variable, else the
+    public repository. The files are fetched into a staging folder next to
+    `data_dir` and checked (complete gzip streams, aligned line counts) before
+    the folder takes its name: a failed or truncated download leaves nothing
+    that a later run could take for the corpus.
+    """
     if os.path.exists(data_dir):
         return data_dir
-    staging = tempfile.mkdtemp(prefix=".multi30k-", dir=os.path.dirname(os.path.abspath(data_dir)))
+    base_url = base_url or os.environ.get("MULTI30K_URL", MULTI30K_URL)
+    parent = os.path.dirname(os.path.abspath(data_dir))
+    os.makedirs(parent, exist_ok=True)  # `data/` of a fresh clone
+    staging = tempfile.mkdtemp(prefix=".multi30k-", dir=parent)
     try:
         for name in MULTI30K_FILES:
-            with urllib.request.urlopen(f"{base_url}/{name}", timeout=timeout) as response, \
-                    open(os.path.join(staging, name), "wb") as handle:
-                shutil.copyfileobj(response, handle)
-    except OSError as error:
+            _download(f"{base_url}/{name}", os.path.join(staging, name), timeout)
+        for split in ("train", "val", "test_2016_flickr"):
+            load_split(staging, split)
+    except DataError as error:
         shutil.rmtree(staging, ignore_errors=True)
         raise DataError(
-            f"{data_dir} does not exist and Multi30k could not be downloaded ({error}). "
-            f"Put the six files {', '.join(MULTI30K_FILES)} (from the `data/task1/raw/` folder "
-            f"of the multi30k/dataset repository) in {data_dir}, or pass --data_dir.") from None
+            f"{data_dir} does not exist and Multi30k could not be downloaded from {base_url} "
+            f"({error}). Put the six files {', '.join(MULTI30K_FILES)} (from the "
+            f"`data/task1/raw/` folder of the multi30k/dataset repository) in {data_dir}, "
+            "or pass --data_dir.") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     os.replace(staging, data_dir)  # all six files or none
     return data_dir
+
+
+def _download(url, path, timeout):
+    """`url` to `path`, or `DataError` naming the URL (HTTP errors, cut connections)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response, \
+                open(path, "wb") as handle:
+            shutil.copyfileobj(response, handle)
+    except (OSError, http.client.HTTPException) as error:
+        raise DataError(f"{url}: {error or type(error).__name__}") from None
 
 
 # ----------------------------------------------------------------- subwords

@@ -4,6 +4,9 @@ import functools
 import gzip
 import http.server
 import os
+import shutil
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -13,6 +16,7 @@ from kyu_transformer import data
 
 # The first lines of Multi30k's splits, shipped with the tests (see tests/data/README.md).
 MULTI30K = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "multi30k")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write(path, text, mode="w"):
@@ -95,18 +99,29 @@ def test_iwslt_layout(tmp_path):
 
 @pytest.fixture
 def file_server(tmp_path):
-    """A loopback HTTP server over a folder holding the six Multi30k files."""
+    """A loopback HTTP server over a copy of the shipped Multi30k sample."""
     served = tmp_path / "served"
-    served.mkdir()
-    for name in data.MULTI30K_FILES:
-        write(served / name, "Satz.\n" if name.endswith(".de.gz") else "Sentence.\n")
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
-    http.server.SimpleHTTPRequestHandler.log_message = lambda *args: None
+    shutil.copytree(MULTI30K, served)
+    for name in os.listdir(served):
+        os.chmod(served / name, 0o644)
+    handler = functools.partial(_QuietHandler, directory=str(served))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", served
     server.shutdown()
+    server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def nothing_left(parent, name):
+    """No corpus folder `name` in `parent`, and no staging folder either."""
+    return not (parent / name).exists() and not [
+        entry for entry in os.listdir(parent) if entry.startswith(".multi30k-")]
 
 
 def test_multi30k_download_when_missing(tmp_path, file_server):
@@ -114,13 +129,62 @@ def test_multi30k_download_when_missing(tmp_path, file_server):
     target = tmp_path / "multi30k"
     data.ensure_multi30k(str(target), base_url=url, timeout=5)
     assert sorted(os.listdir(target)) == sorted(data.MULTI30K_FILES)
-    assert data.load_split(str(target), "val")[:2] == (["Satz."], ["Sentence."])
-    os.remove(served / "val.en.gz")  # a failed download leaves no half folder behind
-    other = tmp_path / "other"
-    with pytest.raises(data.DataError, match=r"could not be downloaded.*Put the six files"):
-        data.ensure_multi30k(str(other), base_url=url, timeout=5)
-    assert not other.exists()
-    assert not [name for name in os.listdir(tmp_path) if name.startswith(".multi30k-")]
+    for name in data.MULTI30K_FILES:
+        assert (target / name).read_bytes() == (served / name).read_bytes()
+    assert data.load_split(str(target), "val") == data.load_split(MULTI30K, "val")
+
+
+def test_broken_downloads_leave_no_corpus_behind(tmp_path, file_server, monkeypatch):
+    url, served = file_server
+    os.remove(served / "val.en.gz")  # HTTP 404
+    with pytest.raises(data.DataError, match=r"could not be downloaded from http://127.0.0.1:"
+                       r"\d+ \(http://127.0.0.1:\d+/val.en.gz: HTTP Error 404.*Put the six files"):
+        data.ensure_multi30k(str(tmp_path / "multi30k"), base_url=url, timeout=5)
+    assert nothing_left(tmp_path, "multi30k")
+
+    shutil.copy(MULTI30K + "/val.en.gz", served / "val.en.gz")
+    whole = (served / "train.de.gz").read_bytes()
+    (served / "train.de.gz").write_bytes(whole[:len(whole) // 2])  # a cut-off transfer
+    with pytest.raises(data.DataError, match=r"train.de.gz: cannot read"):
+        data.ensure_multi30k(str(tmp_path / "multi30k"), base_url=url, timeout=5)
+    assert nothing_left(tmp_path, "multi30k")
+
+    # Files of different lengths (one side of another version) are not a corpus either.
+    write(served / "train.de.gz", "Nur ein Satz.\n")
+    monkeypatch.setenv("MULTI30K_URL", url)  # the default base URL comes from here
+    with pytest.raises(data.DataError, match=r"train.de.gz has 1 lines but .*train.en.gz has 2400"):
+        data.ensure_multi30k(str(tmp_path / "multi30k"), timeout=5)
+    assert nothing_left(tmp_path, "multi30k")
+
+    (served / "train.de.gz").write_bytes(whole)  # the server mended, the same call succeeds
+    data.ensure_multi30k(str(tmp_path / "multi30k"), timeout=5)
+    assert sorted(os.listdir(tmp_path / "multi30k")) == sorted(data.MULTI30K_FILES)
+
+
+@pytest.mark.slow
+def test_train_py_downloads_multi30k_on_first_use(tmp_path, file_server):
+    """`python train.py --hparams ...` without --data_dir, as README's first command."""
+    url, served = file_server
+    environment = {**os.environ, "MULTI30K_URL": url, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    command = [sys.executable, os.path.join(ROOT, "train.py"), "--hparams", "tiny",
+               "--steps_per_epoch", "2", "--logdir", "log"]
+    whole = (served / "test_2016_flickr.en.gz").read_bytes()
+    (served / "test_2016_flickr.en.gz").write_bytes(whole[:100])
+    broken = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True,
+                            text=True, timeout=300)
+    assert broken.returncode != 0
+    assert "error: data/multi30k does not exist and Multi30k could not be downloaded" in \
+        broken.stderr and "test_2016_flickr.en.gz: cannot read" in broken.stderr, broken.stderr
+    assert "Traceback" not in broken.stderr
+    assert nothing_left(tmp_path / "data", "multi30k")
+
+    (served / "test_2016_flickr.en.gz").write_bytes(whole)
+    first = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "data/multi30k is missing: downloading Multi30k" in first.stdout
+    assert "done: 1 epochs, 2 steps" in first.stdout
+    assert sorted(os.listdir(tmp_path / "data" / "multi30k")) == sorted(data.MULTI30K_FILES)
 
 
 def test_subwords_train_once_then_reuse(tmp_path):
