@@ -18,7 +18,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest"],
+        "test": ["pytest", "jax"],
         "bench": ["keras-hub"],
     },
 )

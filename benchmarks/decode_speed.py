@@ -39,9 +39,9 @@ from kyu_transformer import data  # noqa: E402
 from kyu_transformer.decoding import (beam_search, greedy_search,  # noqa: E402
                                       recompute_greedy_search)
 from kyu_transformer.model import Transformer  # noqa: E402
+from prerequisites import DEFAULT_DATA, require, require_data  # noqa: E402
 
 SHAPE = dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4)
-DEFAULT_DATA = os.path.join(ROOT, "..", "shared", "data", "multi30k")
 
 
 class KerasHubTranslator:
@@ -153,6 +153,9 @@ def main():
     parser.add_argument("--skip_peer", action="store_true")
     parser.add_argument("--skip_recompute", action="store_true")
     args = parser.parse_args()
+    if not args.skip_peer:
+        require("keras_hub")
+    require_data(args.data_dir)
 
     train_sources, train_targets, _ = data.load_split(args.data_dir, "train")
     subwords = data.Subwords.train_or_load(tempfile.mkdtemp(), train_sources + train_targets,

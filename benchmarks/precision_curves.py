@@ -19,8 +19,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from kyu_transformer.plots import plt, read_history  # noqa: E402
+from prerequisites import DEFAULT_DATA, require_data  # noqa: E402
 
-DEFAULT_DATA = os.path.join(ROOT, "..", "shared", "data", "multi30k")
 
 
 def train(logdir, precision, epochs, data_dir):
@@ -45,6 +45,7 @@ def main():
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "precision_loss.png"))
     parser.add_argument("--reuse_bf16", default=None, help="logdir of a bf16 run of `small`")
     args = parser.parse_args()
+    require_data(args.data_dir)
     scratch = tempfile.mkdtemp(prefix="precision-")
     curves = {"float32": train(os.path.join(scratch, "fp32"), "no", args.epochs, args.data_dir)}
     curves["bfloat16"] = (history(args.reuse_bf16, args.epochs) if args.reuse_bf16 else

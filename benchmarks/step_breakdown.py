@@ -28,11 +28,11 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import hparams as hp  # noqa: E402
 from train_throughput import BATCH, TARGET_LEN, batch, make_step, ours  # noqa: E402
 from kyu_transformer.corpus import Corpus  # noqa: E402
+from prerequisites import DEFAULT_DATA, require_data  # noqa: E402
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
 from kyu_transformer.optimizers import Adam  # noqa: E402
 from kyu_transformer.training import loss_terms_function  # noqa: E402
 
-DEFAULT_DATA = os.path.join(ROOT, "..", "shared", "data", "multi30k")
 
 
 def timed(function, arguments, steps, repeats):
@@ -56,6 +56,7 @@ def main():
     parser.add_argument("--data_dir", default=DEFAULT_DATA)
     parser.add_argument("--trace", default=None)
     args = parser.parse_args()
+    require_data(args.data_dir)
     keras.config.set_dtype_policy(args.policy)
     model = ours()
     model.build()

@@ -37,6 +37,7 @@ from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
 from kyu_transformer.optimizers import Adam  # noqa: E402
 from kyu_transformer.training import loss_terms_function  # noqa: E402
+from prerequisites import require  # noqa: E402
 
 SHAPE = dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4)
 BATCH, SOURCE_LEN, TARGET_LEN = 64, 24, 24
@@ -157,6 +158,8 @@ def main():
     parser.add_argument("--no_xla_loss", action="store_true",
                         help="leave our loss uncompiled (the trainer's xla_loss=false)")
     args = parser.parse_args()
+    if not args.skip_peer:
+        require("keras_hub")
     features, labels = batch()
     steps_by_name = {}
     if not args.skip_peer:
