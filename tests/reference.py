@@ -19,13 +19,23 @@ def dense(layer, x, activation=None):
     return np.maximum(y, 0) if activation == "relu" else y
 
 
-def multihead_attention(layer, queries, keys, query_mask=None, key_mask=None,
-                        causality=False, activation=None):
-    """Post-norm attention computed element by element from the layer's weights."""
+def multihead_attention(layer, queries, keys=None, query_mask=None, key_mask=None,
+                        causality=False, activation=None, norm_position="post"):
+    """Attention computed element by element from the layer's weights.
+
+    ``"post"``: ``LN(q + Attn(q, k, v))``; ``"pre"``: ``q + Attn(LN(q), k, v)``,
+    where self-attention (`keys` None) also takes ``LN(q)`` as keys and values.
+    """
+    gamma, beta = np.asarray(layer.norm.gamma), np.asarray(layer.norm.beta)
+    attending = queries
+    if norm_position == "pre":
+        attending = layer_norm(queries, gamma, beta, layer.epsilon)
+    if keys is None:
+        keys = attending
     n, t_q, _ = queries.shape
     t_k = keys.shape[1]
     h = layer.num_heads
-    q = dense(layer.query_dense, queries, activation)
+    q = dense(layer.query_dense, attending, activation)
     k = dense(layer.key_dense, keys, activation)
     v = dense(layer.value_dense, keys, activation)
     d = q.shape[-1] // h
@@ -47,6 +57,6 @@ def multihead_attention(layer, queries, keys, query_mask=None, key_mask=None,
             heads[b, :, cols] = w @ v[b, :, cols]
     if getattr(layer, "output_projection", False):
         heads = dense(layer.output_dense, heads)
-    outputs = layer_norm(queries + heads, np.asarray(layer.norm.gamma),
-                         np.asarray(layer.norm.beta), layer.epsilon)
-    return outputs, weights
+    if norm_position == "pre":
+        return queries + heads, weights
+    return layer_norm(queries + heads, gamma, beta, layer.epsilon), weights
