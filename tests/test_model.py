@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 
+from kyu_transformer.layers import Embedding
 from kyu_transformer.model import Transformer
 
 SIZE = dict(vocab_size=60, d_model=16, d_ff=32, num_blocks=2, num_heads=2, maxlen1=20,
@@ -39,13 +40,62 @@ def test_shared_table_by_default_and_separate_as_an_option(batch):
     assert separate.count_params() - shared.count_params() == 60 * 16
 
 
-def test_logits_use_the_tied_embedding(batch):
+class SeparateOutputEmbedding(Embedding):
+    """An embedding whose logits come from a second table: an untied output projection."""
+
+    def build(self, input_shape=None):
+        super().build(input_shape)
+        self.output_table = self.add_weight(
+            name="output_table", shape=(self.vocab_size, self.num_units),
+            initializer="glorot_uniform")
+
+    def attend(self, inputs, table=None):
+        return keras.ops.matmul(inputs, keras.ops.transpose(self.output_table))
+
+
+def decoder_states(model, batch):
+    """What the output projection receives: the decoder stack's output `(N, T, C)`."""
+    memory, source_mask = model.encode(batch["source"])
+    target = batch["target_in"]
+    x = model.target_embedding(target) + model.target_positions(target)
+    for block in model.decoder_blocks:
+        x = block(x, memory, mask=target != 0, memory_mask=source_mask)
+    if model.norm_position == "pre":
+        x = model.decoder_norm(x)
+    return np.asarray(x)
+
+
+def logits_project_onto(model, batch, table):
+    """Whether the model's logits are its decoder states times `table`^T (no scale)."""
+    logits = np.asarray(model(batch))
+    return np.allclose(logits, decoder_states(model, batch) @ np.asarray(table).T,
+                       rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_logits_use_the_shared_embedding_table(batch, norm_position):
+    model = Transformer(**SIZE, norm_position=norm_position)
+    model.build()
+    table = model.target_embedding.embeddings
+    assert model.source_embedding.embeddings is table  # one table embeds both sides
+    assert logits_project_onto(model, batch, table)
+
+
+def test_separate_source_table_leaves_the_output_tied_to_the_target_table(batch):
+    model = Transformer(**SIZE, share_embeddings=False)
+    model.build()
+    assert logits_project_onto(model, batch, model.target_embedding.embeddings)
+    assert not logits_project_onto(model, batch, model.source_embedding.embeddings)
+
+
+def test_the_tied_weight_check_fails_for_an_untied_model(batch):
+    # The control: a model whose output projection has its own table.
     model = Transformer(**SIZE)
-    memory, source_mask = model.encode(batch["source"])
-    logits = np.asarray(model.decode(batch["target_in"], memory, source_mask))
-    model.target_embedding.embeddings.assign(np.asarray(model.target_embedding.embeddings) * 2)
-    memory, source_mask = model.encode(batch["source"])
-    assert not np.allclose(model.decode(batch["target_in"], memory, source_mask), logits)
+    model.target_embedding = model.source_embedding = SeparateOutputEmbedding(
+        60, 16, name="untied_embedding")
+    model.build()
+    assert not logits_project_onto(model, batch, model.target_embedding.embeddings)
+    assert logits_project_onto(model, batch, model.target_embedding.output_table)
 
 
 def test_future_targets_and_source_padding_do_not_leak(batch):
