@@ -18,7 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
 from kyu_transformer import data  # noqa: E402
-from kyu_transformer.checkpoints import CheckpointError, load_model  # noqa: E402
+from kyu_transformer.checkpoints import CheckpointError, describe, load_model  # noqa: E402
 from kyu_transformer.decoding import Translator  # noqa: E402
 from kyu_transformer.evaluation import score  # noqa: E402
 from kyu_transformer.training import set_precision  # noqa: E402
@@ -31,7 +31,8 @@ def parse_args(argv):
                         help="checkpoint path, or 'best' (best validation BLEU); "
                              "default: the latest")
     parser.add_argument("--average_last", type=int, default=0, metavar="N",
-                        help="average the weights of the last N checkpoints")
+                        help="average the weights of the last N checkpoints (all N must "
+                             "exist; not with --ckpt)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--split", default=None,
                         help="split of the data folder to translate (default test_2016_flickr)")
@@ -53,6 +54,11 @@ def parse_args(argv):
         parser.error("--ref goes with --src")
     if args.beam_size < 1:
         parser.error(f"--beam_size must be at least 1, got {args.beam_size}")
+    if args.average_last < 0:
+        parser.error(f"--average_last must be at least 0, got {args.average_last}")
+    if args.ckpt and args.average_last:
+        parser.error(f"--ckpt ({args.ckpt}) and --average_last ({args.average_last}) exclude "
+                     "each other: give one checkpoint, or the number of last ones to average")
     return args
 
 
@@ -133,7 +139,7 @@ def main(argv=None):
         subwords = data.Subwords(os.path.join(args.logdir, data.Subwords.FILE_NAME))
         precision = args.mixed_precision or hparams["mixed_precision"]
         set_precision(precision)
-        model, checkpoint = load_model(hparams, args.logdir, args.ckpt, args.average_last)
+        model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
     except (hp.HParamsError, data.DataError, CheckpointError) as error:
         raise SystemExit(f"error: {error}")
     translator = Translator(model, beam_size=args.beam_size, alpha=args.alpha)
@@ -154,7 +160,7 @@ def main(argv=None):
     write_lines(hypothesis_path, hypotheses)
     print(f"{len(sources)} sentences translated in {decode_seconds:.1f} s "
           f"({len(sources) / max(decode_seconds, 1e-9):.0f} sentences/s), "
-          f"beam {args.beam_size}, checkpoint {checkpoint}")
+          f"beam {args.beam_size}, checkpoint {describe(checkpoints)}")
     print(f"translations: {hypothesis_path}")
     if translator.truncated:
         print(f"note: {translator.truncated} sentences were longer than maxlen1="
@@ -165,8 +171,8 @@ def main(argv=None):
             print(f"attention: {path}")
     if references is not None:
         result = score(hypotheses, references)
-        result.update(checkpoint=checkpoint, beam_size=args.beam_size, alpha=args.alpha,
-                      mixed_precision=precision,
+        result.update(checkpoint=describe(checkpoints), checkpoints=checkpoints,
+                      beam_size=args.beam_size, alpha=args.alpha, mixed_precision=precision,
                       num_sentences=len(sources), seconds=round(time.time() - started, 2),
                       decode_seconds=round(decode_seconds, 2))
         write_lines(os.path.join(out_dir, f"{name}.json"), [json.dumps(result, indent=2)])

@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import tensorflow as tf
 
 from kyu_transformer.model import Transformer
@@ -69,29 +70,79 @@ def _restore_into(model, path):
             f"({first_line})") from None
 
 
+def checkpoints_to_average(logdir, count):
+    """The last `count` rolling checkpoints of `logdir`, oldest first.
+
+    Args:
+      logdir: A logdir written by training.
+      count: How many checkpoints to average.
+
+    Returns:
+      Their paths (without suffix).
+
+    Raises:
+      CheckpointError: Fewer than `count` exist; the message lists those that do.
+    """
+    available = list_checkpoints(logdir)
+    if len(available) < count:
+        names = ", ".join(os.path.basename(path) for path in available) or "none"
+        raise CheckpointError(
+            f"{checkpoint_dir(logdir)}: asked to average the last {count} checkpoints "
+            f"(average_last={count}), but {len(available)} exist: {names}")
+    return available[-count:]
+
+
+def _average_into(model, paths):
+    """Sets the model's weights to the mean of the checkpoints at `paths`."""
+    total = None
+    for path in paths:
+        _restore_into(model, path)
+        # Summed in float64: the mean of many float32 checkpoints loses nothing to rounding.
+        weights = [np.asarray(weight, np.float64) for weight in model.get_weights()]
+        total = weights if total is None else [t + w for t, w in zip(total, weights)]
+    model.set_weights([t / len(paths) for t in total])
+
+
+def describe(paths):
+    """A checkpoint path, or ``average of N checkpoints (names)`` for several."""
+    if len(paths) == 1:
+        return paths[0]
+    names = ", ".join(os.path.basename(path) for path in paths)
+    return f"average of {len(paths)} checkpoints ({names})"
+
+
 def load_model(hparams, logdir, ckpt=None, average_last=0):
     """A `Transformer` built from `hparams` with the weights of a checkpoint.
 
-    With ``average_last=N`` the weights are the mean of the last N rolling
-    checkpoints (the checkpoint averaging of the Transformer paper).
+    Args:
+      hparams: The logdir's hyperparameters.
+      logdir: A logdir written by training.
+      ckpt: A checkpoint path, or "best"; default: the latest.
+      average_last: With N > 1, the weights are the mean of the last N rolling
+        checkpoints (the checkpoint averaging of the Transformer paper);
+        excludes `ckpt`.
 
-    Returns ``(model, description)``, the description naming the checkpoint(s).
+    Returns:
+      ``(model, paths)``, `paths` listing the checkpoints it holds the weights
+      of (one, or those averaged; see `describe`).
+
+    Raises:
+      ValueError: `ckpt` and `average_last` both given, or `average_last` < 0.
+      CheckpointError: No such checkpoint, fewer than `average_last`, or one
+        that does not fit the model.
     """
+    average_last = int(average_last or 0)
+    if average_last < 0:
+        raise ValueError(f"`average_last` must be at least 0, got {average_last}")
+    if ckpt and average_last:
+        raise ValueError(f"`ckpt` ({ckpt}) and `average_last` ({average_last}) exclude each "
+                         "other: give one checkpoint, or the number of last ones to average")
     model = Transformer.from_hparams(hparams, name="transformer")
     model.build()
-    if average_last and average_last > 1:
-        paths = list_checkpoints(logdir)[-average_last:]
-        if not paths:
-            raise CheckpointError(f"{logdir}: no checkpoint to average")
-        total = None
-        for path in paths:
-            _restore_into(model, path)
-            weights = model.get_weights()
-            total = weights if total is None else [t + w for t, w in zip(total, weights)]
-        model.set_weights([t / len(paths) for t in total])
-        names = ", ".join(os.path.basename(p) for p in paths)
-        return model, f"average of {len(paths)} checkpoints ({names})"
+    if average_last > 1:
+        paths = checkpoints_to_average(logdir, average_last)
+        _average_into(model, paths)
+        return model, paths
     path = resolve(logdir, ckpt)
     _restore_into(model, path)
-    return model, path
-
+    return model, [path]
