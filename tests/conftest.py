@@ -45,11 +45,15 @@ def pytest_configure(config):
         "other backends with that reason")
 
 
-def pytest_runtest_setup(item):
-    marker = item.get_closest_marker("tensorflow_only")
-    if marker is not None and BACKEND != "tensorflow":
-        reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "")
-        pytest.skip(f"needs TensorFlow itself ({reason}); KERAS_BACKEND is {BACKEND}")
+def pytest_collection_modifyitems(config, items):
+    if BACKEND == "tensorflow":
+        return
+    for item in items:
+        marker = item.get_closest_marker("tensorflow_only")
+        if marker is not None:
+            reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "")
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs TensorFlow itself ({reason}); KERAS_BACKEND is {BACKEND}"))
 
 
 @pytest.fixture(autouse=True)
