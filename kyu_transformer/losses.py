@@ -3,8 +3,9 @@
 import keras
 from keras import ops
 # `Loss.__call__` reads the mask of `call`'s output with this module's
-# `get_keras_mask`; Keras 3 exports no public setter, and a plain attribute
-# cannot be set on a JAX array (this setter falls back to a table for those).
+# `get_keras_mask`. Keras 3 exports no public setter, and a JAX value traced by
+# `jit` (as `fit` runs the loss) refuses a plain attribute: this setter then
+# keeps the mask in the table that `get_keras_mask` reads.
 from keras.src.backend import set_keras_mask
 
 from kyu_transformer.layers import _check_rate
