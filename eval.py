@@ -42,24 +42,33 @@ def parse_args(argv):
     parser.add_argument("--beam_size", type=int, default=4, help="1 for greedy search")
     parser.add_argument("--alpha", type=float, default=0.6, help="length-penalty exponent")
     parser.add_argument("--batch_size", type=int, default=128, help="sentences per batch")
+    parser.add_argument("--length_margin", type=int, default=16, metavar="M",
+                        help="a translation has at most its source's length + M subwords "
+                             "(EOS included, at most maxlen2)")
     parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
                         help="precision of decoding (default: the one the model was trained "
                              "in; bf16 runs at about twice the float32 speed on CPUs with "
                              "AVX512-BF16)")
     parser.add_argument("--plot_attention", type=int, default=0, metavar="K",
-                        help="save cross-attention heatmaps of the first K sentences")
+                        help="save cross-attention heatmaps of the first K sentences, "
+                             "decoded greedily whatever --beam_size")
     parser.add_argument("--name", default=None, help="name of the output files")
     args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser, args):
+    """Stops with an error naming the flag, for a value out of range or flags that clash."""
     if args.ref and not args.src:
         parser.error("--ref goes with --src")
-    if args.beam_size < 1:
-        parser.error(f"--beam_size must be at least 1, got {args.beam_size}")
-    if args.average_last < 0:
-        parser.error(f"--average_last must be at least 0, got {args.average_last}")
+    for flag, least in (("beam_size", 1), ("batch_size", 1), ("length_margin", 0),
+                        ("average_last", 0)):
+        if getattr(args, flag) < least:
+            parser.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
     if args.ckpt and args.average_last:
         parser.error(f"--ckpt ({args.ckpt}) and --average_last ({args.average_last}) exclude "
                      "each other: give one checkpoint, or the number of last ones to average")
-    return args
 
 
 def load_inputs(args, hparams):
@@ -131,6 +140,17 @@ def plot_attention(model, translator, subwords, sources, count, out_dir, name):
     return paths
 
 
+def print_truncation_notes(translator, hparams):
+    """Says how many sources were cut to maxlen1 and outputs to their length limit."""
+    if translator.truncated_sources:
+        print(f"note: {translator.truncated_sources} sentences were longer than maxlen1="
+              f"{hparams['maxlen1']} subwords and were cut to it")
+    if translator.truncated_outputs:
+        print(f"note: {translator.truncated_outputs} translations reached their length limit "
+              f"(source length + {translator.length_margin} subwords, at most "
+              f"{translator.max_length}) before ending and were cut there")
+
+
 def main(argv=None):
     started = time.time()
     args = parse_args(argv)
@@ -142,7 +162,8 @@ def main(argv=None):
         model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
     except (hp.HParamsError, data.DataError, CheckpointError) as error:
         raise SystemExit(f"error: {error}")
-    translator = Translator(model, beam_size=args.beam_size, alpha=args.alpha)
+    translator = Translator(model, beam_size=args.beam_size, alpha=args.alpha,
+                            length_margin=args.length_margin)
     if args.src == "-":
         translate_stdin(translator, subwords)
         return 0
@@ -162,17 +183,19 @@ def main(argv=None):
           f"({len(sources) / max(decode_seconds, 1e-9):.0f} sentences/s), "
           f"beam {args.beam_size}, checkpoint {describe(checkpoints)}")
     print(f"translations: {hypothesis_path}")
-    if translator.truncated:
-        print(f"note: {translator.truncated} sentences were longer than maxlen1="
-              f"{hparams['maxlen1']} subwords and were cut to it")
+    print_truncation_notes(translator, hparams)
     if args.plot_attention:
-        for path in plot_attention(model, Translator(model), subwords, sources,
+        greedy = Translator(model, length_margin=args.length_margin)  # coverage needs greedy
+        for path in plot_attention(model, greedy, subwords, sources,
                                    args.plot_attention, out_dir, name):
             print(f"attention: {path}")
     if references is not None:
         result = score(hypotheses, references)
         result.update(checkpoint=describe(checkpoints), checkpoints=checkpoints,
                       beam_size=args.beam_size, alpha=args.alpha, mixed_precision=precision,
+                      length_margin=args.length_margin,
+                      truncated_sources=translator.truncated_sources,
+                      truncated_outputs=translator.truncated_outputs,
                       num_sentences=len(sources), seconds=round(time.time() - started, 2),
                       decode_seconds=round(decode_seconds, 2))
         write_lines(os.path.join(out_dir, f"{name}.json"), [json.dumps(result, indent=2)])

@@ -6,8 +6,10 @@ the cache instead of recomputing the prefix. Both searches are loops of
 `keras.ops.while_loop`, compiled as a whole by `Translator` (`tf.function`),
 and stop as soon as every sentence is finished.
 
-Outputs are id matrices `(N, L)`: each row the generated ids, EOS included,
-then padding (0).
+Each sentence has its own output limit (EOS included), whatever shares its
+batch. Outputs are id matrices `(N, L)`, `L` the largest limit: each row the
+generated ids, EOS included (none if cut at the sentence's limit), then
+padding (0).
 """
 
 import numpy as np
@@ -24,29 +26,47 @@ def length_penalty(length, alpha):
     return ops.power((5.0 + ops.cast(length, "float32")) / 6.0, alpha)
 
 
+def _limits(max_length, batch):
+    """``(limits (N,), bound)``: each sentence's most output tokens, and the largest.
+
+    `max_length` is one Python int for the whole batch, or an int tensor `(N,)`
+    with one limit per sentence.
+    """
+    if isinstance(max_length, (int, np.integer)):
+        if max_length < 1:
+            raise ValueError(f"`max_length` must be at least 1, got {max_length}")
+        return ops.full((batch,), int(max_length), "int32"), int(max_length)
+    limits = ops.cast(max_length, "int32")
+    return limits, ops.max(limits)
+
+
 def greedy_search(model, source, max_length):
     """The most likely next token, step by step.
 
     Args:
       model: A `Transformer`.
       source: Source ids `(N, S)` (with EOS, padded with 0).
-      max_length: Most output tokens (EOS included), a Python int.
+      max_length: Most output tokens per sentence, EOS included (at least 1):
+        a Python int for all, or an int tensor `(N,)` with each sentence's own.
+        A sentence that reaches its limit is finished.
 
     Returns:
-      ``(ids (N, max_length), coverage (N, max_length, S))``: ids end with EOS
-      then 0; coverage is the last block's cross-attention averaged over heads.
+      ``(ids (N, L), coverage (N, L, S))`` with `L` the largest limit: ids end
+      with EOS then 0 (or fill the sentence's limit without EOS, then 0);
+      coverage is the last block's cross-attention averaged over heads.
     """
     memory, source_mask = model.encode(source, training=False)
     batch = ops.shape(source)[0]
+    limits, bound = _limits(max_length, batch)
     cache = model.init_cache(memory, source_mask)
     cache["self"] = _relaxed(cache["self"])  # it grows
-    outputs = ops.zeros((batch, max_length), "int32")
-    coverage = ops.zeros((batch, max_length, ops.shape(source)[1]), "float32")
+    outputs = ops.zeros((batch, bound), "int32")
+    coverage = ops.zeros((batch, bound, ops.shape(source)[1]), "float32")
     finished = ops.zeros((batch,), "bool")
     last = ops.full((batch,), BOS_ID, "int32")
 
     def unfinished(step, *_):
-        return step < max_length
+        return step < bound
 
     def body(step, last, outputs, coverage, finished, cache):
         logits, cache, attention = model.decode_step(last, step, cache)
@@ -55,9 +75,10 @@ def greedy_search(model, source, max_length):
         outputs = ops.slice_update(outputs, (0, step), chosen[:, None])
         coverage = ops.slice_update(coverage, (0, step, 0),
                                     ops.cast(attention, "float32")[:, None, :])
-        finished = ops.logical_or(finished, ops.equal(chosen, EOS_ID))
+        finished = ops.logical_or(finished, ops.logical_or(ops.equal(chosen, EOS_ID),
+                                                           ops.greater_equal(step + 1, limits)))
         # Once all are finished, jump to the end (the loop condition is on `step`).
-        step = ops.where(ops.all(finished), max_length, step + 1)
+        step = ops.where(ops.all(finished), bound, step + 1)
         return step, chosen, outputs, coverage, finished, cache
 
     _, _, outputs, coverage, _, _ = ops.while_loop(
@@ -165,51 +186,58 @@ def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
     taken: those ending in EOS compete (scored ``log p / length_penalty``) for
     the ``K`` finished slots, the others for the ``K`` alive slots, so finished
     hypotheses never starve the beam. A sentence is done when its worst
-    finished score beats the best its alive hypotheses could still reach.
+    finished score beats the best its alive hypotheses could still reach, or
+    at its own length limit: there its extensions without EOS compete for the
+    finished slots too, scored with the length penalty of that limit.
 
     Args:
       model: A `Transformer`.
       source: Source ids `(N, S)`.
-      max_length: Most output tokens (EOS included), a Python int.
+      max_length: Most output tokens per sentence, EOS included (at least 1):
+        a Python int for all, or an int tensor `(N,)` with each sentence's own.
       beam_size: `K`.
       alpha: Length-penalty exponent (0: plain log-probability).
-      n_best: How many hypotheses to return per sentence (<= K).
+      n_best: How many hypotheses to return per sentence (at most `K`).
 
     Returns:
-      ``(ids (N, n_best, max_length), scores (N, n_best))``, best first. A
-      sentence with fewer finished hypotheses than `n_best` is completed from
-      its alive ones (cut at `max_length`).
+      ``(ids (N, n_best, L), scores (N, n_best))`` with `L` the largest limit,
+      best first. Hypotheses cut at their sentence's limit have no EOS.
     """
+    if n_best > beam_size:
+        raise ValueError(f"`n_best` ({n_best}) must be at most `beam_size` ({beam_size}): "
+                         "the search keeps only `beam_size` hypotheses")
     k = beam_size
     memory, source_mask = model.encode(source, training=False)
     batch = ops.shape(source)[0]
+    limits, bound = _limits(max_length, batch)
     cache = model.init_cache(memory, source_mask)
     table = cache.pop("target_table")  # shared by all sentences
     # Everything per sentence; `rows` says which sentence of `source` each row
     # is, as finished sentences leave the batch (see `_retire`).
     state = {
         "rows": ops.arange(batch),
+        "limits": limits,
         "last": ops.full((batch, k), BOS_ID, "int32"),
         # The K hypotheses of a sentence share its memory; the cache grows by K
         # slots a position and is never reordered: `history` says which slots
         # each alive hypothesis descends from (see `DecoderBlock.step`).
         "history": ops.zeros((batch, k, 0), "bool"),
-        "alive_ids": ops.zeros((batch, k, max_length), "int32"),
+        "alive_ids": ops.zeros((batch, k, bound), "int32"),
         # Only the first beam is live at the start: the others would duplicate it.
         "alive_scores": ops.tile(ops.convert_to_tensor([[0.0] + [_NEG_INF] * (k - 1)]),
                                  (batch, 1)),
-        "finished_ids": ops.zeros((batch, k, max_length), "int32"),
+        "finished_ids": ops.zeros((batch, k, bound), "int32"),
         "finished_scores": ops.full((batch, k), _NEG_INF),
         "done": ops.zeros((batch,), "bool"),
         "cache": cache,
     }
-    results = (ops.zeros((batch, n_best, max_length), "int32"), ops.full((batch, n_best), _NEG_INF))
+    results = (ops.zeros((batch, n_best, bound), "int32"), ops.full((batch, n_best), _NEG_INF))
 
     def unfinished(step, *_):
-        return step < max_length
+        return step < bound
 
     def body(step, state, results):
-        state = _beam_step(model, table, step, state, max_length, k, alpha)
+        state = _beam_step(model, table, step, state, k, alpha)
         all_done = ops.all(state["done"])
         # Finished sentences leave the batch once they are a quarter of it:
         # each step costs in proportion to the rows, leaving costs one copy.
@@ -218,20 +246,15 @@ def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
                                    >= ops.shape(state["done"])[0])
         state, results = ops.cond(worth_it, lambda: _retire(state, results, n_best),
                                   lambda: (state, results))
-        return ops.where(all_done, max_length, step + 1), state, results
+        return ops.where(all_done, bound, step + 1), state, results
 
     _, state, results = ops.while_loop(unfinished, body, (0, _relaxed(state), results))
-
-    # The sentences still here take their best; those short of finished
-    # hypotheses take alive ones, as they are.
-    alive_final = state["alive_scores"] / length_penalty(max_length, alpha)
-    pool_scores = ops.concatenate([state["finished_scores"], alive_final], axis=1)
-    pool_ids = ops.concatenate([state["finished_ids"], state["alive_ids"]], axis=1)
-    best_scores, best_pick = ops.top_k(pool_scores, n_best)
-    return _write_results(results, state["rows"], _gather_beams(pool_ids, best_pick), best_scores)
+    # Every sentence still here is done: at the latest, its limit came.
+    return _write_results(results, state["rows"], state["finished_ids"][:, :n_best],
+                          state["finished_scores"][:, :n_best])
 
 
-def _beam_step(model, table, step, state, max_length, k, alpha):
+def _beam_step(model, table, step, state, k, alpha):
     """One position of beam search for every sentence of `state`."""
     batch = ops.shape(state["last"])[0]
     own_slots = ops.broadcast_to(ops.eye(k, dtype="bool")[None], (batch, k, k))  # (N, K, K)
@@ -250,9 +273,12 @@ def _beam_step(model, table, step, state, max_length, k, alpha):
     history = _gather_beams(history, _gather_beams(top_beams, alive_pick))
     last = _gather_beams(top_tokens, alive_pick)
 
-    # Finished: the K best of those kept so far and those ending here.
-    done = state["done"]
-    ended_scores = ops.where(ends, top_scores / length_penalty(step + 1, alpha), _NEG_INF)
+    # Finished: the K best of those kept so far and those ending here; at a
+    # sentence's limit every extension ends (its penalty is that of the limit).
+    done, limits = state["done"], state["limits"]
+    at_limit = ops.greater_equal(step + 1, limits)  # (N,)
+    ending = ops.logical_or(ends, at_limit[:, None])
+    ended_scores = ops.where(ending, top_scores / length_penalty(step + 1, alpha), _NEG_INF)
     ended_scores = ops.where(done[:, None], _NEG_INF, ended_scores)
     pool_scores = ops.concatenate([state["finished_scores"], ended_scores], axis=1)  # (N, 3K)
     pool_ids = ops.concatenate([state["finished_ids"], top_ids], axis=1)
@@ -260,13 +286,13 @@ def _beam_step(model, table, step, state, max_length, k, alpha):
     finished_ids = _gather_beams(pool_ids, finished_pick)
 
     # Done: the best alive score can only fall; with the largest penalty
-    # it may still get (at max_length) it cannot beat the worst finished.
-    best_possible = alive_scores[:, 0] / length_penalty(max_length, alpha)
+    # it may still get (at its own limit) it cannot beat the worst finished.
+    best_possible = alive_scores[:, 0] / length_penalty(limits, alpha)
     worst_finished = finished_scores[:, k - 1]
-    done = ops.logical_or(done, ops.logical_and(worst_finished > _NEG_INF / 2,
-                                                best_possible < worst_finished))
-    return {"rows": state["rows"], "last": last, "history": history, "alive_ids": alive_ids,
-            "alive_scores": alive_scores, "finished_ids": finished_ids,
+    beaten = ops.logical_and(worst_finished > _NEG_INF / 2, best_possible < worst_finished)
+    done = ops.logical_or(done, ops.logical_or(at_limit, beaten))
+    return {"rows": state["rows"], "limits": limits, "last": last, "history": history,
+            "alive_ids": alive_ids, "alive_scores": alive_scores, "finished_ids": finished_ids,
             "finished_scores": finished_scores, "done": done, "cache": cache}
 
 
@@ -310,14 +336,23 @@ def _pad_ids(sequences, width=None):
 class Translator:
     """Batched translation of subword ids or text with a trained `Transformer`.
 
+    Each sentence's output is limited on its own, whatever shares its batch:
+    at most ``min(max_length, source length + length_margin)`` tokens, EOS
+    included, the source length being the one the encoder reads (EOS
+    included, after cutting to `maxlen1`).
+
     Args:
       model: The `Transformer`.
       beam_size: 1 for greedy search, else beam search.
       alpha: Length-penalty exponent of beam search.
-      max_length: Most output tokens; the model's `maxlen2` when None.
-      length_margin: Outputs are also limited to source length + this margin
-        (per batch).
+      max_length: Most output tokens (at most the model's `maxlen2`, which is
+        the default).
+      length_margin: How many tokens an output may have beyond its source's.
       jit_compile: Compile the search with XLA.
+
+    After each `translate_ids` or `translate`, `truncated_sources` counts the
+    sources cut to `maxlen1` and `truncated_outputs` the outputs stopped at
+    their limit without EOS.
     """
 
     def __init__(self, model, beam_size=1, alpha=0.6, max_length=None, length_margin=16,
@@ -327,64 +362,97 @@ class Translator:
         self.alpha = float(alpha)
         self.max_length = int(max_length or model.maxlen2)
         self.length_margin = int(length_margin)
-        self.truncated = 0
-        if self.beam_size < 1:
-            raise ValueError(f"`beam_size` must be at least 1, got {beam_size}")
-        # One trace serves every batch: source shape and output length are
-        # dynamic (a retrace per batch shape would cost more than decoding).
-        signature = [tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((), tf.int32)]
+        self.truncated_sources = 0
+        self.truncated_outputs = 0
+        _check_settings(self.beam_size, self.max_length, self.length_margin, model.maxlen2)
+        # One trace serves every batch: source shape and limits are dynamic (a
+        # retrace per batch shape would cost more than decoding).
+        signature = [tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((None,), tf.int32)]
         self._greedy = tf.function(self._greedy_fn, jit_compile=jit_compile,
                                    input_signature=signature)
         self._beam = tf.function(self._beam_fn, jit_compile=jit_compile,
                                  input_signature=signature)
 
-    def _greedy_fn(self, source, max_length):
-        return greedy_search(self.model, source, max_length)
+    def _greedy_fn(self, source, limits):
+        return greedy_search(self.model, source, limits)
 
-    def _beam_fn(self, source, max_length):
-        ids, _ = beam_search(self.model, source, max_length, self.beam_size, self.alpha)
+    def _beam_fn(self, source, limits):
+        ids, _ = beam_search(self.model, source, limits, self.beam_size, self.alpha)
         return ids[:, 0]
 
-    def _limit(self, source):
-        """Output length for a batch: source length + margin, rounded up to 8 (at most
-        `max_length`)."""
-        wanted = min(self.max_length, source.shape[1] + self.length_margin)
-        return int(min(self.max_length, -(-wanted // 8) * 8))
+    def _limits(self, source):
+        """Each sentence's most output tokens `(N,)`, from its encoder input `source` `(N, S)`."""
+        lengths = np.count_nonzero(source, axis=1)
+        return np.minimum(self.max_length, lengths + self.length_margin).astype("int32")
+
+    def _decode(self, batch, with_coverage):
+        """``(ids (N, L), coverage (N, L, S) or None)`` of a batch of id lists (EOS not added)."""
+        source = _pad_ids([list(ids) + [EOS_ID] for ids in batch])
+        source = source[:, :self.model.maxlen1]  # the encoder's limit
+        limits = tf.constant(self._limits(source))
+        if self.beam_size > 1:
+            return self._beam(tf.constant(source), limits).numpy(), None
+        ids, coverage = self._greedy(tf.constant(source), limits)
+        return ids.numpy(), (coverage.numpy() if with_coverage else None)
 
     def translate_ids(self, source_ids, batch_size=64, with_coverage=False):
         """Lists of output ids (EOS and padding removed), in the order given.
 
-        Sentences are decoded in batches of similar source length. Empty
-        sources give empty outputs without being decoded.
+        Sentences are decoded in batches of similar source length; which
+        sentences share a batch does not change any output. Empty sources give
+        empty outputs without being decoded.
+
+        Args:
+          source_ids: Lists of subword ids, without EOS.
+          batch_size: Most sentences decoded together.
+          with_coverage: Also return each output's cross-attention `(L, S)`
+            (greedy search only: a beam Translator refuses it).
+
+        Returns:
+          The output lists, and with `with_coverage` also the coverages (None
+          for empty sources).
         """
+        if with_coverage and self.beam_size > 1:
+            raise ValueError(f"`with_coverage` needs greedy search, but this Translator has "
+                             f"beam_size={self.beam_size}: the beam's own attention is not "
+                             "recorded; use a Translator with beam_size=1")
+        if batch_size < 1:
+            raise ValueError(f"`batch_size` must be at least 1, got {batch_size}")
         results = [[] for _ in source_ids]
         coverages = [None for _ in source_ids]
         # Sources the encoder cannot take whole are cut to its `maxlen1` (and counted).
-        self.truncated = sum(len(ids) + 1 > self.model.maxlen1 for ids in source_ids)
+        self.truncated_sources = sum(len(ids) + 1 > self.model.maxlen1 for ids in source_ids)
+        self.truncated_outputs = 0
         order = sorted((i for i, ids in enumerate(source_ids) if ids),
                        key=lambda i: len(source_ids[i]))
         for first in range(0, len(order), batch_size):
             rows = order[first:first + batch_size]
-            source = _pad_ids([list(source_ids[i]) + [EOS_ID] for i in rows])
-            source = source[:, :self.model.maxlen1]  # the encoder's limit
-            max_length = self._limit(source)
-            if self.beam_size == 1 or with_coverage:
-                ids, coverage = self._greedy(tf.constant(source), tf.constant(max_length))
-            if self.beam_size > 1:
-                ids = self._beam(tf.constant(source), tf.constant(max_length))
-            ids = ids.numpy()
+            ids, coverage = self._decode([source_ids[i] for i in rows], with_coverage)
             for row, index in enumerate(rows):
                 output = ids[row].tolist()
-                output = output[:output.index(EOS_ID)] if EOS_ID in output else output
+                ended = EOS_ID in output
+                self.truncated_outputs += not ended  # it stopped at its limit
+                output = output[:output.index(EOS_ID)] if ended else output
                 results[index] = [i for i in output if i != PAD_ID]
                 if with_coverage:
-                    coverages[index] = coverage.numpy()[row]
+                    coverages[index] = coverage[row]
         return (results, coverages) if with_coverage else results
 
     def translate(self, sentences, subwords, batch_size=64):
         """Detokenized translations of raw `sentences` (empty in, empty out)."""
         source_ids = subwords.encode(sentences)
         return [subwords.decode(ids) for ids in self.translate_ids(source_ids, batch_size)]
+
+
+def _check_settings(beam_size, max_length, length_margin, maxlen2):
+    """Raises ValueError naming a `Translator` setting out of range."""
+    if beam_size < 1:
+        raise ValueError(f"`beam_size` must be at least 1, got {beam_size}")
+    if not 1 <= max_length <= maxlen2:
+        raise ValueError(f"`max_length` must be in [1, {maxlen2}] (the model's maxlen2), "
+                         f"got {max_length}")
+    if length_margin < 0:
+        raise ValueError(f"`length_margin` must be at least 0, got {length_margin}")
 
 
 def recompute_greedy_search(model, source, max_length):

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import hparams as hp
 from kyu_transformer import data
-from kyu_transformer.checkpoints import CheckpointError, load_model
+from kyu_transformer.checkpoints import CheckpointError, list_checkpoints, load_model
 from kyu_transformer.decoding import (Translator, _top_k_rows, beam_search, greedy_search,
                                       recompute_greedy_search, sequence_log_probs)
 from kyu_transformer.model import Transformer
@@ -49,6 +49,24 @@ def trained(tmp_path_factory):
 def _pad(sequences):
     width = max(len(s) for s in sequences)
     return np.array([s + [0] * (width - len(s)) for s in sequences], dtype="int32")
+
+
+@pytest.fixture(scope="module")
+def mixed_lengths(trained):
+    """300 val and test sources (without EOS), and 6 of 5 joined sentences, longer than maxlen1."""
+    val, _, _ = data.load_split(MULTI30K, "val")
+    test, _, _ = data.load_split(MULTI30K, "test_2016_flickr")
+    encode = trained["subwords"].encode
+    joined = [sum(encode(val[first:first + 5]), []) for first in range(200, 230, 5)]
+    assert all(len(ids) >= trained["model"].maxlen1 for ids in joined)
+    return encode(val[:150] + test[:150]) + joined
+
+
+def _limits(translator, sources):
+    """Each source's output limit, as `Translator` documents it."""
+    maxlen1 = translator.model.maxlen1
+    return [min(translator.max_length, min(len(ids) + 1, maxlen1) + translator.length_margin)
+            for ids in sources]
 
 
 @pytest.mark.parametrize("norm_position", ["post", "pre"])
@@ -163,17 +181,93 @@ def test_beam_search_finds_likelier_outputs_than_greedy(trained):
 def test_finished_sentences_stay_padded(trained, beam_size):
     translator = Translator(trained["model"], beam_size=beam_size)
     source = tf.constant(_pad(trained["sources"][:32]))
-    ids = (translator._greedy(source, 40)[0] if beam_size == 1
-           else translator._beam(source, 40)).numpy()
-    finished = 0
-    for row in ids:
+    limits = np.array([40, 12, 25, 6] * 8, dtype="int32")
+    ids = (translator._greedy(source, limits)[0] if beam_size == 1
+           else translator._beam(source, limits)).numpy()
+    assert ids.shape == (32, 40)
+    finished = cut = 0
+    for row, limit in zip(ids, limits):
         ends = np.flatnonzero(row == data.EOS_ID)
-        if len(ends) == 0:  # cut at the length limit: no padding anywhere
-            assert np.all(row != 0)
+        if len(ends) == 0:  # cut at its own length limit: padding only after it
+            cut += 1
+            assert np.all(row[:limit] != 0) and np.all(row[limit:] == 0)
             continue
         finished += 1
+        assert ends[0] < limit
         assert np.all(row[ends[0] + 1:] == 0) and np.all(row[:ends[0]] != 0)
-    assert finished >= 8  # the small model stops on enough sentences to test this
+    assert finished >= 8 and cut >= 4  # the small model gives enough of both to test this
+
+
+def test_each_sentence_stops_at_its_own_limit(trained):
+    """A sentence of a batch with mixed limits gets what a batch of its own limit gives it."""
+    model = trained["model"]
+    source = tf.constant(_pad(trained["sources"][:24]))
+    limits = np.array([3, 9, 40] * 8, dtype="int32")
+    greedy, _ = greedy_search(model, source, tf.constant(limits))
+    beam, scores = beam_search(model, source, tf.constant(limits), beam_size=3, n_best=2)
+    assert greedy.shape == (24, 40) and beam.shape == (24, 2, 40)
+    for limit in (3, 9, 40):
+        rows = limits == limit
+        alike, _ = greedy_search(model, source, limit)
+        np.testing.assert_array_equal(np.asarray(greedy)[rows], _widen(alike, 40)[rows])
+        alike, alike_scores = beam_search(model, source, limit, beam_size=3, n_best=2)
+        np.testing.assert_array_equal(np.asarray(beam)[rows], _widen(alike, 40)[rows])
+        np.testing.assert_allclose(np.asarray(scores)[rows], np.asarray(alike_scores)[rows],
+                                   atol=1e-5)
+
+
+def _widen(ids, width):
+    """`ids` padded with 0 on its last axis to `width`."""
+    ids = np.asarray(ids)
+    padding = [(0, 0)] * (ids.ndim - 1) + [(0, width - ids.shape[-1])]
+    return np.pad(ids, padding)
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_a_translation_does_not_depend_on_its_batch(trained, mixed_lengths, beam_size):
+    """Alone, or in one batch with much shorter and longer sources: the same output."""
+    # A small margin makes many outputs stop at their limit, where a limit
+    # shared by the batch would show.
+    translator = Translator(trained["model"], beam_size=beam_size, length_margin=2)
+    together = translator.translate_ids(mixed_lengths, batch_size=len(mixed_lengths))
+    cut = translator.truncated_outputs
+    alone = [translator.translate_ids([ids])[0] for ids in mixed_lengths]
+    assert [i for i, (a, b) in enumerate(zip(together, alone)) if a != b] == []
+    assert len({tuple(output) for output in together}) >= 30  # real, varied outputs
+    assert cut >= 10  # and limits were reached
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_translator_counts_cut_sources_and_cut_outputs(trained, mixed_lengths, beam_size):
+    model = trained["model"]
+    counts = []
+    for margin in (0, 16):
+        translator = Translator(model, beam_size=beam_size, length_margin=margin)
+        outputs = translator.translate_ids(mixed_lengths, batch_size=100)
+        limits = _limits(translator, mixed_lengths)
+        # An output that ended has at most limit - 1 tokens besides its EOS.
+        assert all(len(output) <= limit for output, limit in zip(outputs, limits))
+        at_limit = sum(len(output) == limit for output, limit in zip(outputs, limits))
+        assert translator.truncated_outputs == at_limit
+        assert translator.truncated_sources == sum(len(ids) >= model.maxlen1
+                                                   for ids in mixed_lengths) >= 6
+        counts.append(translator.truncated_outputs)
+    assert counts[0] > counts[1]
+
+
+def test_impossible_requests_are_refused(trained):
+    model = trained["model"]
+    source = tf.constant(_pad(trained["sources"][:2]))
+    with pytest.raises(ValueError, match=r"`n_best` \(5\) must be at most `beam_size` \(4\)"):
+        beam_search(model, source, 10, beam_size=4, n_best=5)
+    with pytest.raises(ValueError, match="`with_coverage` needs greedy search.*beam_size=3"):
+        Translator(model, beam_size=3).translate_ids([[5, 6, 7]], with_coverage=True)
+    outputs, coverages = Translator(model).translate_ids([[5, 6, 7], []], with_coverage=True)
+    assert coverages[0].shape[1] == 4 and coverages[1] is None  # greedy coverage still works
+    with pytest.raises(ValueError, match=rf"`max_length` must be in \[1, {model.maxlen2}\]"):
+        Translator(model, max_length=model.maxlen2 + 1)
+    with pytest.raises(ValueError, match="`length_margin` must be at least 0, got -1"):
+        Translator(model, length_margin=-1)
 
 
 def test_empty_source_lines_give_empty_translations(trained):
@@ -206,13 +300,14 @@ def test_eval_scores_a_split_with_sacrebleu(trained):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "BLEU|nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp" in result.stdout
     scores = json.loads((logdir / "eval" / "val.json").read_text())
-    for key in ("bleu", "chrf", "signature", "checkpoint", "beam_size", "num_sentences",
-                "seconds"):
+    for key in ("bleu", "chrf", "signature", "checkpoint", "checkpoints", "beam_size",
+                "num_sentences", "seconds", "truncated_sources", "truncated_outputs"):
         assert key in scores
-    assert scores["num_sentences"] == 1014 and scores["beam_size"] == 2
-    hypotheses = (logdir / "eval" / "val.hyp.txt").read_text(encoding="utf-8").splitlines()
+    assert scores["checkpoints"] == list_checkpoints(str(logdir))[-1:]
     _, references, _ = data.load_split(MULTI30K, "val")
-    assert len(hypotheses) == 1014
+    assert scores["num_sentences"] == len(references) == 300 and scores["beam_size"] == 2
+    hypotheses = (logdir / "eval" / "val.hyp.txt").read_text(encoding="utf-8").splitlines()
+    assert len(hypotheses) == 300
     expected = sacrebleu.corpus_bleu(hypotheses, [references]).score
     assert scores["bleu"] == pytest.approx(expected, abs=0.01) and scores["bleu"] > 1.0
     assert (logdir / "eval" / "val.attention.1.png").is_file()
@@ -221,16 +316,31 @@ def test_eval_scores_a_split_with_sacrebleu(trained):
 
 def test_eval_translates_files_and_standard_input(trained, tmp_path):
     logdir = trained["logdir"]
-    source = tmp_path / "mine.de"
-    source.write_text("Ein Mann fährt Fahrrad.\n\nZwei Hunde spielen im Schnee.\n", "utf-8")
-    reference = tmp_path / "mine.en"
-    reference.write_text("A man rides a bike.\n\nTwo dogs play in the snow.\n", "utf-8")
+    val, val_references, _ = data.load_split(MULTI30K, "val")
+    sources = ["Ein Mann fährt Fahrrad.", "", "Zwei Hunde spielen im Schnee.",
+               " ".join(val[:5])]  # longer than maxlen1
+    references = ["A man rides a bike.", "", "Two dogs play in the snow.",
+                  " ".join(val_references[:5])]
+    source, reference = tmp_path / "mine.de", tmp_path / "mine.en"
+    source.write_text("".join(line + "\n" for line in sources), "utf-8")
+    reference.write_text("".join(line + "\n" for line in references), "utf-8")
     result = run("eval.py", "--logdir", logdir, "--src", source, "--ref", reference,
-                 "--average_last", 2, "--beam_size", 1)
+                 "--average_last", 2, "--beam_size", 1, "--length_margin", 0)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "average of 2 checkpoints" in result.stdout
     lines = (logdir / "eval" / "mine.hyp.txt").read_text(encoding="utf-8").split("\n")
-    assert len(lines) == 4 and lines[1] == "" and lines[0] and lines[2]
+    assert len(lines) == 5 and lines[1] == "" and lines[0] and lines[2]
+    scores = json.loads((logdir / "eval" / "mine.json").read_text())
+    assert scores["checkpoints"] == list_checkpoints(str(logdir))[-2:]
+    # The counts are those of the same translation made here.
+    model, _ = load_model(hp.load(str(logdir / "hparams.json")), str(logdir), average_last=2)
+    translator = Translator(model, length_margin=0)
+    translator.translate(sources, trained["subwords"])
+    assert scores["truncated_sources"] == translator.truncated_sources == 1
+    assert scores["truncated_outputs"] == translator.truncated_outputs
+    assert "note: 1 sentences were longer than maxlen1" in result.stdout
+    assert (f"note: {translator.truncated_outputs} translations reached their length limit"
+            in result.stdout) == (translator.truncated_outputs > 0)
     typed = run("eval.py", "--logdir", logdir, "--src", "-",
                 stdin="Ein Hund rennt.\nEine Frau singt.\n")
     assert typed.returncode == 0, typed.stderr
@@ -250,6 +360,13 @@ def test_eval_errors_are_clear(trained, tmp_path):
     assert result.returncode != 0 and "no checkpoint in" in result.stderr
     result = run("eval.py", "--logdir", tmp_path / "nothing")
     assert result.returncode != 0 and "hparams.json: no such file" in result.stderr
+    result = run("eval.py", "--logdir", trained["logdir"], "--ckpt", "best", "--average_last", 2)
+    assert result.returncode != 0
+    assert "--ckpt (best) and --average_last (2) exclude each other" in result.stderr
+    result = run("eval.py", "--logdir", trained["logdir"], "--average_last", 9)
+    names = ", ".join(os.path.basename(path) for path in list_checkpoints(str(trained["logdir"])))
+    assert result.returncode != 0
+    assert f"last 9 checkpoints (average_last=9), but 3 exist: {names}" in result.stderr
     other = hp.load(str(trained["logdir"] / "hparams.json"))
     other["d_model"] = 32
     with pytest.raises(CheckpointError, match="does not fit the model"):
