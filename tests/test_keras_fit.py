@@ -21,6 +21,8 @@ from kyu_transformer.layers import DecoderBlock, Embedding, EncoderBlock, Positi
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
 
+pytestmark = pytest.mark.slow  # every test here trains a model, most in a subprocess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 40
 EPSILON = 0.1
