@@ -8,11 +8,16 @@ import shutil
 import signal
 import time
 
+import pytest
+
 import hparams as hp
 from kyu_transformer.checkpoints import list_checkpoints, load_model
 from tests.test_data import MULTI30K
 from tests.test_decoding import run
 from tests.test_training import digest, run_train
+
+
+pytestmark = pytest.mark.slow  # every test here starts train.py or eval.py
 
 
 def wait_for(predicate, process, seconds=300):
@@ -25,7 +30,7 @@ def test_repeated_kills_including_during_checkpoint_writes_lose_nothing(tmp_path
     logdir = tmp_path / "log"
     checkpoints = logdir / "checkpoints"
     flags = ["--num_epochs", "2", "--steps_per_epoch", "60", "--checkpoint_every", "4",
-             "--deterministic"]
+             "--dropout_rate", "0.1", "--deterministic"]
     chooser = random.Random(5)
     kills = 0
     for attempt in range(4):

@@ -12,6 +12,9 @@ from tests.test_data import MULTI30K
 from tests.test_training import ROOT
 
 
+pytestmark = pytest.mark.slow  # two train.py processes per test
+
+
 def free_ports(count):
     sockets = [socket.socket() for _ in range(count)]
     for sock in sockets:
@@ -55,7 +58,6 @@ def digests(results):
             if line.startswith("weights sha256:")]
 
 
-@pytest.mark.slow
 def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_path):
     logdir = tmp_path / "log"
     results = run_workers(tmp_path, [logdir, logdir])
@@ -91,3 +93,10 @@ def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_pa
         assert code != 0 and expected in output, output[-4000:]
         assert "Traceback" not in output, output[-4000:]
     assert (logdir / "checkpoints" / "ckpt-12.index").exists()  # nothing lost
+
+    # The chief refuses the logdir (other hyperparameters): the other worker does not wait
+    # for it in a collective forever, it stops too and says why.
+    results = run_workers(tmp_path, [logdir, logdir], "--d_model", "32")
+    assert results[0][0] != 0 and "was trained with other hyperparameters" in results[0][1]
+    assert results[1][0] != 0
+    assert "error: the chief stopped before training (see its output)" in results[1][1]

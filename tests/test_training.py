@@ -82,6 +82,7 @@ def test_replica_slices_cut_each_global_batch_in_order():
     assert pieces == [[2, 3], [4, 5, 6]]  # rows 7*1//3..7*2//3 and 7*2//3..7
 
 
+@pytest.mark.slow
 def test_tiny_preset_loss_falls_on_multi30k(tmp_path, multi30k_tiny):
     hparams = tiny(tmp_path, num_epochs=1, log_every=5)
     trainer = Trainer(hparams, verbose=False)
@@ -99,6 +100,7 @@ def test_tiny_preset_loss_falls_on_multi30k(tmp_path, multi30k_tiny):
     assert {"train/loss", "train/accuracy", "train/lr"} <= tags
 
 
+@pytest.mark.slow
 def test_a_64_pair_subset_is_learnt(tmp_path, multi30k_tiny):
     sources, targets_in, targets_out, _ = multi30k_tiny.train
     subset = [part[:64] for part in (sources, targets_in, targets_out)]
@@ -118,6 +120,7 @@ def test_a_64_pair_subset_is_learnt(tmp_path, multi30k_tiny):
     assert float(masked_accuracy(target_out, logits)) > 0.9
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, multi30k_tiny):
     def poison(trainer, epoch, logs):  # after epoch 1 and its checkpoint
         weights = trainer.model.target_embedding.embeddings
@@ -168,11 +171,13 @@ for name, strategy in (("default", tf.distribute.get_strategy()),
             _, loss_sum, _, tokens = trainer._train_step(iterator)
             losses.append(float(loss_sum) / float(tokens))
     results[name] = {"replicas": strategy.num_replicas_in_sync, "losses": losses,
-                     "weights": {w.path: float(np.abs(w.numpy()).sum()) for w in trainer.model.weights}}
+                     "weights": {w.path.split("/", 1)[1]: w.numpy().tolist()
+                                 for w in trainer.model.weights}}
 print(json.dumps(results))
 """
 
 
+@pytest.mark.slow
 def test_mirrored_two_devices_equals_default_strategy(tmp_path):
     output = subprocess.run([sys.executable, "-c", MIRRORED_SCRIPT, ROOT, str(tmp_path)],
                             capture_output=True, text=True, timeout=300,
@@ -186,8 +191,11 @@ def test_mirrored_two_devices_equals_default_strategy(tmp_path):
     # Key biases are left out: their true gradient is zero (a softmax does not change when
     # one number is added to all its scores), so Adam steps them by rounding noise alone.
     names = [name for name in results["default"]["weights"] if "key_dense/bias" not in name]
-    np.testing.assert_allclose([results["mirrored"]["weights"][name] for name in names],
-                               [results["default"]["weights"][name] for name in names], rtol=1e-4)
+    assert set(results["mirrored"]["weights"]) == set(results["default"]["weights"])
+    for name in names:
+        np.testing.assert_allclose(results["mirrored"]["weights"][name],
+                                   results["default"]["weights"][name], rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
 
 
 def run_train(logdir, *extra, wait=True):
@@ -280,6 +288,7 @@ def test_time_budget_is_the_runs_total_across_resumptions(tmp_path):
     assert budget <= total < budget + 3.0, (restored, total)
 
 
+@pytest.mark.slow
 def test_logdir_with_other_hparams_is_refused_then_moved_aside(tmp_path):
     logdir = tmp_path / "log"
     first = run_train(logdir, "--steps_per_epoch", "2")
@@ -303,6 +312,7 @@ def test_logdir_with_other_hparams_is_refused_then_moved_aside(tmp_path):
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("log.old-")]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains(tmp_path, multi30k_tiny, precision):
     import keras
