@@ -16,6 +16,7 @@ BACKEND = keras.backend.backend()
 # checkpoints, the training and decoding programs): under another backend they
 # are skipped whole, without being imported.
 TENSORFLOW_ONLY_MODULES = {
+    "test_benchmarks.py": "the benchmark programs, TensorFlow's",
     "test_data.py": "the tf.data pipeline",
     "test_decoding.py": "decoding and the eval.py program on TensorFlow checkpoints",
     "test_faults.py": "the training and eval.py programs",
