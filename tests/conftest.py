@@ -46,7 +46,14 @@ def pytest_configure(config):
         "other backends with that reason")
 
 
+# Fixtures that train a model with train.py: the tests that use them are slow.
+TRAINING_FIXTURES = {"trained", "trained_logdir"}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if TRAINING_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
     if BACKEND == "tensorflow":
         return
     for item in items:
