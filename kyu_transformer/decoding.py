@@ -12,6 +12,8 @@ generated ids, EOS included (none if cut at the sentence's limit), then
 padding (0).
 """
 
+import collections
+
 import numpy as np
 import tensorflow as tf
 from keras import ops
@@ -325,6 +327,22 @@ def sequence_log_probs(model, source, outputs):
     return ops.sum(ops.where(ops.equal(outputs, PAD_ID), 0.0, picked), axis=1)
 
 
+class ScoredOutput(collections.namedtuple("ScoredOutput",
+                                          "log_prob tokens score truncated")):
+    """An output's log-probability, its length in tokens and its score (see `Translator`).
+
+    `tokens` counts EOS; `truncated` says the output was cut to the
+    Translator's `max_length` (then without EOS).
+    """
+
+
+def _strip(ids):
+    """A decoded row as a list, EOS and what follows removed (padding included)."""
+    output = ids.tolist()
+    output = output[:output.index(EOS_ID)] if EOS_ID in output else output
+    return [i for i in output if i != PAD_ID]
+
+
 def _pad_ids(sequences, width=None):
     width = width or max(len(s) for s in sequences)
     padded = np.zeros((len(sequences), width), dtype="int32")
@@ -352,7 +370,11 @@ class Translator:
 
     After each `translate_ids` or `translate`, `truncated_sources` counts the
     sources cut to `maxlen1` and `truncated_outputs` the outputs stopped at
-    their limit without EOS.
+    their limit without EOS (the best hypothesis of each, with `n_best`).
+
+    A hypothesis' score (`translate_ids` with `n_best`) is the one beam search
+    ranks by: its log-probability, EOS included, divided by GNMT's length
+    penalty of its length (EOS included) with `alpha` (`length_penalty`).
     """
 
     def __init__(self, model, beam_size=1, alpha=0.6, max_length=None, length_margin=16,
@@ -372,6 +394,12 @@ class Translator:
                                    input_signature=signature)
         self._beam = tf.function(self._beam_fn, jit_compile=jit_compile,
                                  input_signature=signature)
+        # All `beam_size` hypotheses and their scores; `n_best` slices them,
+        # so one trace serves every `n_best`.
+        self._beam_all = tf.function(self._beam_all_fn, jit_compile=jit_compile,
+                                     input_signature=signature)
+        self._log_probs = tf.function(self._log_probs_fn, jit_compile=jit_compile,
+                                      input_signature=signature[:1] * 2)
 
     def _greedy_fn(self, source, limits):
         return greedy_search(self.model, source, limits)
@@ -380,22 +408,49 @@ class Translator:
         ids, _ = beam_search(self.model, source, limits, self.beam_size, self.alpha)
         return ids[:, 0]
 
+    def _beam_all_fn(self, source, limits):
+        return beam_search(self.model, source, limits, self.beam_size, self.alpha,
+                           n_best=self.beam_size)
+
+    def _log_probs_fn(self, source, outputs):
+        return sequence_log_probs(self.model, source, outputs)
+
     def _limits(self, source):
         """Each sentence's most output tokens `(N,)`, from its encoder input `source` `(N, S)`."""
         lengths = np.count_nonzero(source, axis=1)
         return np.minimum(self.max_length, lengths + self.length_margin).astype("int32")
 
+    def _encoder_input(self, batch):
+        """Padded source ids `(N, S)` of a batch of id lists: EOS added, cut to `maxlen1`."""
+        return _pad_ids([list(ids) + [EOS_ID] for ids in batch])[:, :self.model.maxlen1]
+
     def _decode(self, batch, with_coverage):
         """``(ids (N, L), coverage (N, L, S) or None)`` of a batch of id lists (EOS not added)."""
-        source = _pad_ids([list(ids) + [EOS_ID] for ids in batch])
-        source = source[:, :self.model.maxlen1]  # the encoder's limit
+        source = self._encoder_input(batch)
         limits = tf.constant(self._limits(source))
         if self.beam_size > 1:
             return self._beam(tf.constant(source), limits).numpy(), None
         ids, coverage = self._greedy(tf.constant(source), limits)
         return ids.numpy(), (coverage.numpy() if with_coverage else None)
 
-    def translate_ids(self, source_ids, batch_size=64, with_coverage=False):
+    def _decode_n_best(self, batch, n_best):
+        """``(ids (N, n_best, L), scores (N, n_best))`` of a batch of id lists, best first."""
+        source = self._encoder_input(batch)
+        limits = tf.constant(self._limits(source))
+        if self.beam_size > 1:
+            ids, scores = self._beam_all(tf.constant(source), limits)
+            return ids.numpy()[:, :n_best], scores.numpy()[:, :n_best]
+        # Greedy search keeps no score: the model gives it, as beam search would.
+        ids = self._greedy(tf.constant(source), limits)[0].numpy()
+        scores = self._normalized(self._log_probs(source, ids).numpy(),
+                                  np.count_nonzero(ids, axis=1))
+        return ids[:, None], scores[:, None]
+
+    def _normalized(self, log_probs, lengths):
+        """`log_probs` divided by GNMT's length penalty of `lengths` (EOS included)."""
+        return np.asarray(log_probs) / np.asarray(length_penalty(lengths, self.alpha), "float64")
+
+    def translate_ids(self, source_ids, batch_size=64, with_coverage=False, n_best=None):
         """Lists of output ids (EOS and padding removed), in the order given.
 
         Sentences are decoded in batches of similar source length; which
@@ -407,36 +462,120 @@ class Translator:
           batch_size: Most sentences decoded together.
           with_coverage: Also return each output's cross-attention `(L, S)`
             (greedy search only: a beam Translator refuses it).
+          n_best: Return the `n_best` best hypotheses of each sentence (at most
+            `beam_size`) and their scores instead of the best one.
 
         Returns:
           The output lists, and with `with_coverage` also the coverages (None
-          for empty sources).
+          for empty sources). With `n_best`, ``(hypotheses, scores)``: per
+          sentence a list of `n_best` output lists, best first, and their
+          scores (see the class); an empty source has one empty hypothesis,
+          scored None (it is not decoded).
         """
-        if with_coverage and self.beam_size > 1:
-            raise ValueError(f"`with_coverage` needs greedy search, but this Translator has "
-                             f"beam_size={self.beam_size}: the beam's own attention is not "
-                             "recorded; use a Translator with beam_size=1")
-        if batch_size < 1:
-            raise ValueError(f"`batch_size` must be at least 1, got {batch_size}")
+        self._check_request(batch_size, with_coverage, n_best)
+        if n_best:
+            return self._translate_n_best(source_ids, batch_size, n_best)
         results = [[] for _ in source_ids]
         coverages = [None for _ in source_ids]
+        for rows in self._batches(source_ids, batch_size):
+            ids, coverage = self._decode([source_ids[i] for i in rows], with_coverage)
+            for row, index in enumerate(rows):
+                results[index] = self._output(ids[row])
+                if with_coverage:
+                    coverages[index] = coverage[row]
+        return (results, coverages) if with_coverage else results
+
+    def _translate_n_best(self, source_ids, batch_size, n_best):
+        """``(hypotheses, scores)`` of `translate_ids` with `n_best`."""
+        hypotheses = [[[]] for _ in source_ids]
+        scores = [[None] for _ in source_ids]
+        for rows in self._batches(source_ids, batch_size):
+            ids, batch_scores = self._decode_n_best([source_ids[i] for i in rows], n_best)
+            for row, index in enumerate(rows):
+                hypotheses[index], scores[index] = self._hypotheses(ids[row], batch_scores[row])
+        return hypotheses, scores
+
+    def _batches(self, source_ids, batch_size):
+        """Yields the indices of the non-empty sources, in batches of similar length.
+
+        Starts the counts of truncated sources and outputs afresh.
+        """
         # Sources the encoder cannot take whole are cut to its `maxlen1` (and counted).
         self.truncated_sources = sum(len(ids) + 1 > self.model.maxlen1 for ids in source_ids)
         self.truncated_outputs = 0
         order = sorted((i for i, ids in enumerate(source_ids) if ids),
                        key=lambda i: len(source_ids[i]))
         for first in range(0, len(order), batch_size):
+            yield order[first:first + batch_size]
+
+    def _check_request(self, batch_size, with_coverage, n_best):
+        """Raises ValueError naming a `translate_ids` argument this Translator cannot honour."""
+        if with_coverage and self.beam_size > 1:
+            raise ValueError(f"`with_coverage` needs greedy search, but this Translator has "
+                             f"beam_size={self.beam_size}: the beam's own attention is not "
+                             "recorded; use a Translator with beam_size=1")
+        if batch_size < 1:
+            raise ValueError(f"`batch_size` must be at least 1, got {batch_size}")
+        if n_best is None:
+            return
+        if not 1 <= n_best <= self.beam_size:
+            raise ValueError(f"`n_best` ({n_best}) must be between 1 and `beam_size` "
+                             f"({self.beam_size}): the search keeps only `beam_size` "
+                             "hypotheses")
+        if with_coverage:
+            raise ValueError("`with_coverage` and `n_best` exclude each other: coverage is "
+                             "recorded for the greedy output only")
+
+    def _output(self, ids):
+        """A decoded row as a list, EOS and padding removed; counts it if cut at its limit."""
+        self.truncated_outputs += EOS_ID not in ids  # it stopped at its limit
+        return _strip(ids)
+
+    def _hypotheses(self, ids, scores):
+        """``(outputs, scores)`` of one sentence's rows `(n_best, L)`; the best one is counted.
+
+        Rows scored as impossible (fewer real hypotheses than asked) are left out.
+        """
+        kept = [0] + [row for row in range(1, len(ids)) if scores[row] > _NEG_INF / 2]
+        outputs = [self._output(ids[0])] + [_strip(ids[row]) for row in kept[1:]]
+        return outputs, [float(scores[row]) for row in kept]
+
+    def score_ids(self, source_ids, target_ids, batch_size=64):
+        """The model's scores of given outputs (forced decoding), in the order given.
+
+        A source is read as for translation (EOS added, cut to `maxlen1`); a
+        target gets EOS and is cut to `max_length` tokens if longer, EOS then
+        left out, as beam search scores a hypothesis cut at its limit.
+
+        Args:
+          source_ids: Lists of source subword ids, without EOS.
+          target_ids: As many lists of output subword ids, without EOS.
+          batch_size: Most sentences scored together.
+
+        Returns:
+          A `ScoredOutput` per sentence. `truncated_sources` counts the sources
+          cut, `truncated_outputs` the targets cut.
+        """
+        if len(source_ids) != len(target_ids):
+            raise ValueError(f"{len(source_ids)} sources but {len(target_ids)} targets")
+        if batch_size < 1:
+            raise ValueError(f"`batch_size` must be at least 1, got {batch_size}")
+        targets = [(list(ids) + [EOS_ID])[:self.max_length] for ids in target_ids]
+        self.truncated_sources = sum(len(ids) + 1 > self.model.maxlen1 for ids in source_ids)
+        self.truncated_outputs = sum(len(ids) + 1 > self.max_length for ids in target_ids)
+        # Sorted by length, so a batch pads little.
+        log_probs = np.zeros(len(targets))
+        order = sorted(range(len(targets)), key=lambda i: len(targets[i]))
+        for first in range(0, len(order), batch_size):
             rows = order[first:first + batch_size]
-            ids, coverage = self._decode([source_ids[i] for i in rows], with_coverage)
-            for row, index in enumerate(rows):
-                output = ids[row].tolist()
-                ended = EOS_ID in output
-                self.truncated_outputs += not ended  # it stopped at its limit
-                output = output[:output.index(EOS_ID)] if ended else output
-                results[index] = [i for i in output if i != PAD_ID]
-                if with_coverage:
-                    coverages[index] = coverage[row]
-        return (results, coverages) if with_coverage else results
+            source = self._encoder_input([source_ids[i] for i in rows])
+            outputs = _pad_ids([targets[i] for i in rows])
+            log_probs[rows] = self._log_probs(source, outputs).numpy()
+        lengths = np.array([len(ids) for ids in targets])
+        scores = self._normalized(log_probs, lengths)
+        cut = [len(ids) + 1 > self.max_length for ids in target_ids]
+        return [ScoredOutput(*values) for values in
+                zip(log_probs.tolist(), lengths.tolist(), scores.tolist(), cut)]
 
     def translate(self, sentences, subwords, batch_size=64):
         """Detokenized translations of raw `sentences` (empty in, empty out)."""
