@@ -3,13 +3,19 @@
     python eval.py --logdir log/small --split test_2016_flickr --beam_size 4
     python eval.py --logdir log/small --src my.de --ref my.en
     echo "Ein Hund rennt." | python eval.py --logdir log/small --src -
+    python eval.py --logdir log/small --src my.de --n_best 4
+    python eval.py --logdir log/small --src my.de --score my.en
 
 The model, its hyperparameters and its subword model all come from the logdir.
 Translations go to <logdir>/eval/<name>.hyp.txt and, with references, the
-scores to <logdir>/eval/<name>.json.
+scores to <logdir>/eval/<name>.json; with --n_best, the K best hypotheses and
+their scores to <name>.nbest.jsonl. --score FILE translates nothing: it writes
+the model's score of each line of FILE, as a translation of the same line of
+the source, to <name>.scores.jsonl.
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -52,6 +58,14 @@ def parse_args(argv):
     parser.add_argument("--plot_attention", type=int, default=0, metavar="K",
                         help="save cross-attention heatmaps of the first K sentences, "
                              "decoded greedily whatever --beam_size")
+    parser.add_argument("--n_best", type=int, default=None, metavar="K",
+                        help="also write the K best hypotheses of each sentence and their "
+                             "scores to <name>.nbest.jsonl (K at most --beam_size)")
+    parser.add_argument("--score", default=None, metavar="FILE",
+                        help="instead of translating, score the translations in FILE (one "
+                             "per line of --src or --split): log-probability, EOS included, "
+                             "and that divided by GNMT's length penalty with --alpha, to "
+                             "<name>.scores.jsonl")
     parser.add_argument("--name", default=None, help="name of the output files")
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -69,10 +83,32 @@ def check_args(parser, args):
     if args.ckpt and args.average_last:
         parser.error(f"--ckpt ({args.ckpt}) and --average_last ({args.average_last}) exclude "
                      "each other: give one checkpoint, or the number of last ones to average")
+    if args.n_best is not None and not 1 <= args.n_best <= args.beam_size:
+        parser.error(f"--n_best ({args.n_best}) must be between 1 and --beam_size "
+                     f"({args.beam_size}): the search keeps only --beam_size hypotheses")
+    for first, second, why in EXCLUSIVE_FLAGS:
+        if _given(args, first) and _given(args, second):
+            parser.error(f"--{first} and --{second} exclude each other: {why}")
+    if args.src == "-" and (args.score or args.n_best):
+        parser.error(f"--src - translates standard input line by line; --"
+                     f"{'score' if args.score else 'n_best'} needs a file (--src FILE) "
+                     "or --split")
+
+
+# (flag, flag, why): pairs of flags that cannot be given together.
+EXCLUSIVE_FLAGS = (
+    ("score", "ref", "--score rates FILE by the model, not by references"),
+    ("score", "n_best", "--score translates nothing"),
+    ("score", "plot_attention", "--score translates nothing"),
+)
+
+
+def _given(args, flag):
+    return getattr(args, flag) not in (None, 0, False, "")
 
 
 def load_inputs(args, hparams):
-    """``(name, sources, references or None)``."""
+    """``(name, sources, references or None, source file)``."""
     languages = (hparams["src_lang"], hparams["tgt_lang"])
     if args.src:
         sources = data.read_lines(args.src)
@@ -83,7 +119,7 @@ def load_inputs(args, hparams):
         if not sources:
             raise data.DataError(f"{args.src}: no sentence to translate (the file is empty)")
         name = args.name or os.path.basename(args.src).split(".")[0]
-        return name, sources, references
+        return name, sources, references, args.src
     split = args.split or "test_2016_flickr"
     data_dir = args.data_dir or hparams["data_dir"]
     data.check_data_dir(data_dir)
@@ -92,7 +128,7 @@ def load_inputs(args, hparams):
     if len(sources) != len(references):
         raise data.DataError(f"{source_path} has {len(sources)} lines but {target_path} has "
                              f"{len(references)}")
-    return args.name or split, sources, references
+    return args.name or split, sources, references, source_path
 
 
 def write_lines(path, lines):
@@ -151,58 +187,137 @@ def print_truncation_notes(translator, hparams):
               f"{translator.max_length}) before ending and were cut there")
 
 
+def load_translator(args, hparams):
+    """``(translator, facts)``: a Translator of the logdir's model; `facts` go to the json."""
+    precision = args.mixed_precision or hparams["mixed_precision"]
+    set_precision(precision)
+    model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
+    translator = Translator(model, beam_size=args.beam_size, alpha=args.alpha,
+                            length_margin=args.length_margin)
+    return translator, {"engine": "keras", "checkpoint": describe(checkpoints),
+                        "checkpoints": checkpoints, "mixed_precision": precision}
+
+
+def translate(translator, subwords, sources, args):
+    """``(hypotheses, n-best rows or None)``: the best translations, and with --n_best
+    one row per sentence for <name>.nbest.jsonl."""
+    if not args.n_best:
+        return translator.translate(sources, subwords, args.batch_size), None
+    outputs, scores = translator.translate_ids(subwords.encode(sources), args.batch_size,
+                                               n_best=args.n_best)
+    rows = []
+    for source, ids_list, sentence_scores in zip(sources, outputs, scores):
+        hypotheses = [{"text": subwords.decode(ids), "score": score}
+                      for ids, score in zip(ids_list, sentence_scores)]
+        rows.append({"source": source, "hypotheses": hypotheses})
+    return [row["hypotheses"][0]["text"] for row in rows], rows
+
+
+def score_translations(translator, subwords, sources, source_file, args):
+    """The rows of <name>.scores.jsonl: the model's score of each line of --score."""
+    targets = data.read_lines(args.score)
+    if len(targets) != len(sources):
+        raise data.DataError(f"{args.score} has {len(targets)} lines but {source_file} has "
+                             f"{len(sources)}: --score needs one translation per source line")
+    scored = translator.score_ids(subwords.encode(sources), subwords.encode(targets),
+                                  args.batch_size)
+    return [{"source": source, "target": target, **result._asdict()}
+            for source, target, result in zip(sources, targets, scored)]
+
+
+def write_scores(rows, translator, hparams, out_dir, name):
+    """Writes <name>.scores.jsonl and says what the scores are."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.scores.jsonl")
+    write_json_lines(path, rows)
+    tokens = sum(row["tokens"] for row in rows)
+    log_prob = sum(row["log_prob"] for row in rows)
+    print(f"{len(rows)} translations scored: {tokens} subwords (EOS included), "
+          f"log-probability {log_prob:.2f}, perplexity {math.exp(-log_prob / tokens):.2f}; "
+          f"score = log_prob / ((5 + tokens) / 6) ** {translator.alpha} (--alpha)")
+    if translator.truncated_sources:
+        print(f"note: {translator.truncated_sources} sources were longer than maxlen1="
+              f"{hparams['maxlen1']} subwords and were cut to it")
+    if translator.truncated_outputs:
+        print(f"note: {translator.truncated_outputs} translations were longer than "
+              f"{translator.max_length} subwords with EOS (maxlen2): only their first "
+              f"{translator.max_length} were scored, without EOS (\"truncated\": true)")
+    print(f"scores: {path}")
+
+
+def write_json_lines(path, rows):
+    write_lines(path, [json.dumps(row, ensure_ascii=False) for row in rows])
+
+
 def main(argv=None):
     started = time.time()
     args = parse_args(argv)
     try:
         hparams = hp.load(os.path.join(args.logdir, "hparams.json"))
         subwords = data.Subwords(os.path.join(args.logdir, data.Subwords.FILE_NAME))
-        precision = args.mixed_precision or hparams["mixed_precision"]
-        set_precision(precision)
-        model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
+        translator, facts = load_translator(args, hparams)
+        if args.src == "-":
+            translate_stdin(translator, subwords)
+            return 0
+        name, sources, references, source_file = load_inputs(args, hparams)
+        out_dir = os.path.join(args.logdir, "eval")
+        if args.score:
+            rows = score_translations(translator, subwords, sources, source_file, args)
+            write_scores(rows, translator, hparams, out_dir, name)
+            return 0
     except (hp.HParamsError, data.DataError, CheckpointError) as error:
         raise SystemExit(f"error: {error}")
-    translator = Translator(model, beam_size=args.beam_size, alpha=args.alpha,
-                            length_margin=args.length_margin)
-    if args.src == "-":
-        translate_stdin(translator, subwords)
-        return 0
-    try:
-        name, sources, references = load_inputs(args, hparams)
-    except data.DataError as error:
-        raise SystemExit(f"error: {error}")
-
-    decode_started = time.time()
-    hypotheses = translator.translate(sources, subwords, args.batch_size)
-    decode_seconds = time.time() - decode_started
-    out_dir = os.path.join(args.logdir, "eval")
     os.makedirs(out_dir, exist_ok=True)
-    hypothesis_path = os.path.join(out_dir, f"{name}.hyp.txt")
-    write_lines(hypothesis_path, hypotheses)
-    print(f"{len(sources)} sentences translated in {decode_seconds:.1f} s "
-          f"({len(sources) / max(decode_seconds, 1e-9):.0f} sentences/s), "
-          f"beam {args.beam_size}, checkpoint {describe(checkpoints)}")
-    print(f"translations: {hypothesis_path}")
+    hypotheses, decode_seconds = write_translations(translator, facts, subwords, sources,
+                                                    args, out_dir, name)
     print_truncation_notes(translator, hparams)
     if args.plot_attention:
+        model = translator.model
         greedy = Translator(model, length_margin=args.length_margin)  # coverage needs greedy
-        for path in plot_attention(model, greedy, subwords, sources,
-                                   args.plot_attention, out_dir, name):
+        for path in plot_attention(model, greedy, subwords, sources, args.plot_attention,
+                                   out_dir, name):
             print(f"attention: {path}")
     if references is not None:
         result = score(hypotheses, references)
-        result.update(checkpoint=describe(checkpoints), checkpoints=checkpoints,
-                      beam_size=args.beam_size, alpha=args.alpha, mixed_precision=precision,
-                      length_margin=args.length_margin,
+        result.update(**facts, beam_size=args.beam_size, alpha=args.alpha,
+                      length_margin=args.length_margin, n_best=args.n_best,
                       truncated_sources=translator.truncated_sources,
                       truncated_outputs=translator.truncated_outputs,
                       num_sentences=len(sources), seconds=round(time.time() - started, 2),
                       decode_seconds=round(decode_seconds, 2))
-        write_lines(os.path.join(out_dir, f"{name}.json"), [json.dumps(result, indent=2)])
-        print(result["score_line"])
-        print(f"chrF2 = {result['chrf']:.2f}")
-        print(f"scores: {os.path.join(out_dir, name + '.json')}")
+        write_result(result, os.path.join(out_dir, f"{name}.json"))
     return 0
+
+
+def write_result(result, path):
+    write_lines(path, [json.dumps(result, indent=2)])
+    print(result["score_line"])
+    print(f"chrF2 = {result['chrf']:.2f}")
+    print(f"scores: {path}")
+
+
+def write_translations(translator, facts, subwords, sources, args, out_dir, name):
+    """Translates, writes <name>.hyp.txt (and <name>.nbest.jsonl); ``(hypotheses, seconds)``."""
+    decode_started = time.time()
+    hypotheses, n_best_rows = translate(translator, subwords, sources, args)
+    decode_seconds = time.time() - decode_started
+    hypothesis_path = os.path.join(out_dir, f"{name}.hyp.txt")
+    write_lines(hypothesis_path, hypotheses)
+    print(f"{len(sources)} sentences translated in {decode_seconds:.1f} s "
+          f"({len(sources) / max(decode_seconds, 1e-9):.0f} sentences/s), "
+          f"beam {args.beam_size}, {describe_engine(facts)}")
+    print(f"translations: {hypothesis_path}")
+    if n_best_rows is not None:
+        n_best_path = os.path.join(out_dir, f"{name}.nbest.jsonl")
+        write_json_lines(n_best_path, n_best_rows)
+        print(f"the {args.n_best} best hypotheses and their scores: {n_best_path}")
+    return hypotheses, decode_seconds
+
+
+def describe_engine(facts):
+    if facts["engine"] == "keras":
+        return f"checkpoint {facts['checkpoint']}"
+    return f"CTranslate2 model {facts['model_dir']}"
 
 
 if __name__ == "__main__":

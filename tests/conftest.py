@@ -19,6 +19,7 @@ TENSORFLOW_ONLY_MODULES = {
     "test_benchmarks.py": "the benchmark programs, TensorFlow's",
     "test_data.py": "the tf.data pipeline",
     "test_decoding.py": "decoding and the eval.py program on TensorFlow checkpoints",
+    "test_eval.py": "the eval.py program's n-best lists and scoring on TensorFlow checkpoints",
     "test_faults.py": "the training and eval.py programs",
     "test_multi_worker.py": "tf.distribute multi-worker training",
     "test_optimizers.py": "the fused TensorFlow Adam kernel, tf.function and tf.distribute",

@@ -1,0 +1,199 @@
+"""eval.py's n-best lists (--n_best) and its scoring of given translations (--score)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import eval as eval_program
+import hparams as hp
+from kyu_transformer import data
+from kyu_transformer.checkpoints import load_model
+from kyu_transformer.decoding import Translator
+from kyu_transformer.model import Transformer
+from tests.test_data import MULTI30K, ROOT
+
+ENVIRONMENT = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+
+
+def run(script, *args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, env=ENVIRONMENT,
+                          timeout=600)
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def read_json_lines(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A small model trained by train.py for 200 steps, and val text around it."""
+    logdir = tmp_path_factory.mktemp("eval") / "log"
+    result = run("train.py", "--hparams", "tiny", "--data_dir", MULTI30K, "--logdir", logdir,
+                 "--d_model", 64, "--d_ff", 128, "--num_heads", 4, "--lr", 1.0,
+                 "--num_epochs", 2, "--steps_per_epoch", 100)
+    assert result.returncode == 0, result.stdout + result.stderr
+    hparams = hp.load(str(logdir / "hparams.json"))
+    model, _ = load_model(hparams, str(logdir))
+    sources, references, _ = data.load_split(MULTI30K, "val")
+    return {"logdir": logdir, "model": model, "hparams": hparams,
+            "subwords": data.Subwords(str(logdir / data.Subwords.FILE_NAME)),
+            "sources": sources, "references": references}
+
+
+def _sources(trained):
+    """60 val sentences, an empty line, and 5 joined sentences (longer than maxlen1)."""
+    sources = trained["sources"]
+    return sources[:60] + ["", " ".join(sources[200:205])]
+
+
+# ------------------------------------------------------------------ --n_best
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--beam_size", "4", "--n_best", "5"],
+     "--n_best (5) must be between 1 and --beam_size (4)"),
+    (["--n_best", "0"], "--n_best (0) must be between 1 and --beam_size (4)"),
+    (["--beam_size", "1", "--n_best", "2"],
+     "--n_best (2) must be between 1 and --beam_size (1)"),
+    (["--src", "-", "--n_best", "2"], "--src - translates standard input line by line; "
+                                      "--n_best needs a file"),
+    (["--src", "a.de", "--score", "a.en", "--n_best", "2"],
+     "--score and --n_best exclude each other"),
+    (["--src", "a.de", "--score", "a.en", "--ref", "b.en"],
+     "--score and --ref exclude each other"),
+])
+def test_clashing_flags_are_refused_before_anything_is_loaded(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        eval_program.parse_args(["--logdir", "no/such/logdir", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_translator_refuses_more_hypotheses_than_its_beam():
+    model = Transformer(60, d_model=16, d_ff=32, num_blocks=1, num_heads=2, maxlen1=12,
+                        maxlen2=12)
+    with pytest.raises(ValueError, match=r"`n_best` \(3\) must be between 1 and "
+                                         r"`beam_size` \(2\)"):
+        Translator(model, beam_size=2).translate_ids([[5, 6]], n_best=3)
+    with pytest.raises(ValueError, match="`with_coverage` and `n_best` exclude each other"):
+        Translator(model).translate_ids([[5, 6]], with_coverage=True, n_best=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_n_best_keeps_the_best_output_its_limits_and_scores(trained, beam_size):
+    """The first hypothesis is the plain output; each is within its sentence's limit; the
+    scores are the model's, as `score_ids` computes them for the outputs that ended."""
+    model, n_best = trained["model"], min(beam_size, 3)
+    source_ids = trained["subwords"].encode(_sources(trained))
+    # A small margin makes outputs reach their own limits.
+    translator = Translator(model, beam_size=beam_size, length_margin=2)
+    best = translator.translate_ids(source_ids, batch_size=16)
+    cut = translator.truncated_outputs
+    hypotheses, scores = translator.translate_ids(source_ids, batch_size=16, n_best=n_best)
+    assert [outputs[0] for outputs in hypotheses] == best
+    # Beam search reaches a limit less often: there, finished hypotheses usually win.
+    assert translator.truncated_outputs == cut >= (5 if beam_size == 1 else 1)
+    limits = [min(model.maxlen2, min(len(ids) + 1, model.maxlen1) + 2) for ids in source_ids]
+    for outputs, limit in zip(hypotheses, limits):
+        assert all(len(output) <= limit for output in outputs)
+    assert hypotheses[60] == [[]] and scores[60] == [None]  # the empty line is not decoded
+    assert all(len(row) == n_best for index, row in enumerate(scores) if index != 60)
+    ended = [i for i, (output, limit) in enumerate(zip(best, limits))
+             if len(output) < limit and source_ids[i]]
+    rescored = translator.score_ids([source_ids[i] for i in ended], [best[i] for i in ended])
+    np.testing.assert_allclose([scores[i][0] for i in ended],
+                               [result.score for result in rescored], atol=1e-4)
+    assert len(ended) >= 10
+
+
+@pytest.mark.slow
+def test_eval_writes_the_n_best_hypotheses_sorted_by_score(trained, tmp_path):
+    logdir = trained["logdir"]
+    sources = _sources(trained)
+    source = write_lines(tmp_path / "nbest.de", sources)
+    plain = run("eval.py", "--logdir", logdir, "--src", source, "--beam_size", 4,
+                "--name", "plain")
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    result = run("eval.py", "--logdir", logdir, "--src", source, "--beam_size", 4,
+                 "--n_best", 3)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "the 3 best hypotheses and their scores" in result.stdout
+    hypotheses = (logdir / "eval" / "nbest.hyp.txt").read_text(encoding="utf-8").splitlines()
+    # --n_best adds a file: the translations are those of the same run without it.
+    assert hypotheses == (logdir / "eval" / "plain.hyp.txt").read_text(
+        encoding="utf-8").splitlines()
+    rows = read_json_lines(logdir / "eval" / "nbest.nbest.jsonl")
+    assert [row["source"] for row in rows] == sources
+    assert rows[60]["hypotheses"] == [{"text": "", "score": None}]
+    del rows[60], hypotheses[60]
+    for row, hypothesis in zip(rows, hypotheses):
+        scores = [entry["score"] for entry in row["hypotheses"]]
+        assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+        assert row["hypotheses"][0]["text"] == hypothesis
+    # Real alternatives, not copies (two segmentations may still spell the same text).
+    distinct = [len({entry["text"] for entry in row["hypotheses"]}) for row in rows]
+    assert distinct.count(3) >= 0.9 * len(rows)
+
+
+# ------------------------------------------------------------------ --score
+
+
+def _log_prob_by_hand(model, source_ids, target_ids):
+    """Sum of the numpy log-softmax of the model's logits at the given target ids."""
+    source = np.array([(source_ids + [data.EOS_ID])[:model.maxlen1]], "int32")
+    target_in = np.array([[data.BOS_ID] + target_ids[:-1]], "int32")
+    logits = np.asarray(model({"source": source, "target_in": target_in}), "float64")[0]
+    log_softmax = logits - logits.max(axis=-1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(axis=-1, keepdims=True))
+    return log_softmax[np.arange(len(target_ids)), target_ids].sum()
+
+
+@pytest.mark.slow
+def test_eval_scores_given_translations_as_the_model_does(trained, tmp_path):
+    model, subwords = trained["model"], trained["subwords"]
+    sources, references = trained["sources"], trained["references"]
+    # References, an empty source, an empty translation, and a translation
+    # longer than maxlen2 (cut to maxlen2, without EOS).
+    pairs = list(zip(sources[:30], references[:30])) + [
+        ("", "A dog runs."), (sources[30], ""),
+        (" ".join(sources[100:105]), " ".join(references[100:105]))]
+    source = write_lines(tmp_path / "given.de", [pair[0] for pair in pairs])
+    target = write_lines(tmp_path / "given.en", [pair[1] for pair in pairs])
+    result = run("eval.py", "--logdir", trained["logdir"], "--src", source, "--score", target,
+                 "--alpha", 1.0)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = read_json_lines(trained["logdir"] / "eval" / "given.scores.jsonl")
+    assert [(row["source"], row["target"]) for row in rows] == pairs
+    for (source_text, target_text), row in zip(pairs, rows):
+        target_ids = subwords.encode([target_text])[0] + [data.EOS_ID]
+        assert row["truncated"] == (len(target_ids) > model.maxlen2)
+        target_ids = target_ids[:model.maxlen2]
+        expected = _log_prob_by_hand(model, subwords.encode([source_text])[0], target_ids)
+        assert row["log_prob"] == pytest.approx(expected, abs=1e-3)
+        assert row["tokens"] == len(target_ids)
+        assert row["score"] == pytest.approx(row["log_prob"] / ((5 + len(target_ids)) / 6),
+                                             rel=1e-5)
+    assert rows[-1]["truncated"] and rows[-1]["tokens"] == model.maxlen2
+    assert rows[-2]["tokens"] == 1  # an empty translation is EOS alone
+    cut = sum(row["truncated"] for row in rows)
+    assert (f"note: {cut} translations were longer than {model.maxlen2} subwords"
+            in result.stdout)
+
+
+@pytest.mark.slow
+def test_eval_refuses_a_score_file_of_another_length(trained, tmp_path):
+    source = write_lines(tmp_path / "three.de", trained["sources"][:3])
+    target = write_lines(tmp_path / "two.en", trained["references"][:2])
+    result = run("eval.py", "--logdir", trained["logdir"], "--src", source, "--score", target)
+    assert result.returncode != 0
+    assert f"{target} has 2 lines but {source} has 3" in result.stderr
