@@ -1,0 +1,358 @@
+"""The CTranslate2 export: CTranslate2's translations against ours, and what is refused."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+
+import hparams as hp  # noqa: E402
+from kyu_transformer import data  # noqa: E402
+from kyu_transformer.checkpoints import load_model  # noqa: E402
+from kyu_transformer.ctranslate2_export import (  # noqa: E402
+    QUANTIZATIONS, SETTINGS_FILE, SUBWORDS_FILE, ExportError, convert, output_limit,
+    translate_with_ctranslate2)
+from kyu_transformer.decoding import Translator, sequence_log_probs  # noqa: E402
+from kyu_transformer.model import Transformer  # noqa: E402
+from tests.test_data import MULTI30K  # noqa: E402
+from tests.test_training import ROOT  # noqa: E402
+
+ENVIRONMENT = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+# Characters that no Multi30k sentence holds: the subword model maps them to <unk>.
+UNKNOWN_TEXT = ["Ein Mann ☃ spielt 𝄞 Gitarre.", "Zwei Hunde ✈ im Schnee ¤."]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A small model trained by train.py for a few hundred steps (outputs that vary)."""
+    logdir = tmp_path_factory.mktemp("trained") / "log"
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--hparams", "tiny",
+         "--data_dir", MULTI30K, "--logdir", str(logdir), "--d_model", "64", "--d_ff", "128",
+         "--num_heads", "4", "--lr", "1.0", "--num_epochs", "2", "--steps_per_epoch", "100"],
+        capture_output=True, text=True, cwd=ROOT, env=ENVIRONMENT, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    hparams = hp.load(str(logdir / "hparams.json"))
+    model, _ = load_model(hparams, str(logdir))
+    subwords = data.Subwords(str(logdir / data.Subwords.FILE_NAME))
+    return {"model": model, "hparams": hparams, "subwords": subwords}
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    """The trained model converted with float32 weights."""
+    out_dir = str(tmp_path_factory.mktemp("exported") / "float32")
+    return convert(trained["model"], trained["hparams"], trained["subwords"], out_dir)
+
+
+@pytest.fixture(scope="module")
+def sources(trained):
+    """The 300 val sources, 6 longer than maxlen1, 2 with unknown characters, an empty one."""
+    val, _, _ = data.load_split(MULTI30K, "val")
+    texts = val + [" ".join(val[first:first + 5]) for first in range(0, 30, 5)]
+    texts += UNKNOWN_TEXT + [""]
+    ids = trained["subwords"].encode(texts)
+    maxlen1 = trained["model"].maxlen1
+    assert sum(len(source) + 1 > maxlen1 for source in ids) >= 6  # some are cut
+    assert all(data.UNK_ID in source for source in ids[-3:-1])
+    return ids
+
+
+@pytest.fixture(scope="module")
+def greedy_results(trained, exported, sources):
+    """Our greedy outputs (and the Translator) and CTranslate2's, with log-probabilities."""
+    translator = Translator(trained["model"], beam_size=1)
+    ours = translator.translate_ids(sources)
+    theirs = translate_with_ctranslate2(exported, sources, return_log_probs=True)
+    return {"ours": ours, "theirs": [hypotheses[0] for hypotheses in theirs],
+            "truncated_outputs": translator.truncated_outputs}
+
+
+@pytest.fixture(scope="module")
+def subwords(tmp_path_factory):
+    """A 400-piece subword model of the test corpus, for untrained models."""
+    sources, targets, _ = data.load_split(MULTI30K, "train")
+    return data.Subwords.train_or_load(str(tmp_path_factory.mktemp("subwords")),
+                                       sources + targets, 400)
+
+
+def _random_model(vocab_size, norm_position="post", epsilon=1e-6, **kwargs):
+    model = Transformer(vocab_size, d_model=32, d_ff=64, num_blocks=2, num_heads=4, maxlen1=24,
+                        maxlen2=28, dropout_rate=0.0, norm_position=norm_position,
+                        epsilon=epsilon, **kwargs)
+    model.build()
+    return model
+
+
+def _encoder_inputs(model, sources):
+    """Source ids with EOS, cut to maxlen1, as `Translator` feeds the encoder."""
+    return [(list(source) + [data.EOS_ID])[:model.maxlen1] for source in sources]
+
+
+def _padded(sequences):
+    width = max(len(sequence) for sequence in sequences)
+    return np.array([list(s) + [data.PAD_ID] * (width - len(s)) for s in sequences], "int32")
+
+
+def _full_outputs(hypotheses):
+    """Each output's generated ids: EOS included unless it was cut at its limit."""
+    return [h.ids + ([] if h.truncated else [data.EOS_ID]) for h in hypotheses]
+
+
+def _our_token_log_probs(model, sources, outputs, batch_size=64):
+    """Our model's log-probability of each token of each output (EOS included)."""
+    results = []
+    for first in range(0, len(sources), batch_size):
+        source = _padded(_encoder_inputs(model, sources[first:first + batch_size]))
+        batch = outputs[first:first + batch_size]
+        target_in = _padded([[data.BOS_ID] + output[:-1] for output in batch])
+        logits = keras.ops.convert_to_numpy(
+            model({"source": source, "target_in": target_in}, training=False)).astype("float64")
+        shifted = logits - logits.max(axis=-1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+        for row, output in enumerate(batch):
+            results.append(log_probs[row, np.arange(len(output)), output])
+    return results
+
+
+def _our_log_probs(model, sources, outputs):
+    """`sequence_log_probs` of each output (EOS included), one sentence at a time."""
+    return [float(sequence_log_probs(model, _padded([source]), _padded([output]))[0])
+            for source, output in zip(_encoder_inputs(model, sources), outputs)]
+
+
+# ------------------------------------------------------------ the trained model
+
+@pytest.mark.slow
+def test_greedy_outputs_equal_ours_token_for_token(trained, sources, greedy_results):
+    ours, theirs = greedy_results["ours"], greedy_results["theirs"]
+    assert [h.ids for h in theirs] == ours
+    assert len({tuple(output) for output in ours}) >= 10  # a model that says different things
+    # Outputs cut at their own limit without EOS are cut at the same place.
+    truncated = sum(h.truncated for h in theirs)
+    assert truncated == greedy_results["truncated_outputs"] > 0
+    assert theirs[-1].ids == ours[-1] == []  # the empty source
+
+
+@pytest.mark.slow
+def test_per_token_log_probs_equal_ours(trained, sources, greedy_results):
+    model, theirs = trained["model"], greedy_results["theirs"]
+    decoded = [i for i, source in enumerate(sources) if source]
+    outputs = _full_outputs([theirs[i] for i in decoded])
+    ours = _our_token_log_probs(model, [sources[i] for i in decoded], outputs)
+    largest = max(float(np.max(np.abs(mine - np.array(theirs[i].log_probs))))
+                  for mine, i in zip(ours, decoded))
+    print(f"largest per-token log-probability difference: {largest:.2e}")
+    assert largest < 1e-5
+    # Sentence log-probabilities: CTranslate2 sums in float32 as it decodes.
+    sums = _our_log_probs(model, [sources[i] for i in decoded], outputs)
+    np.testing.assert_allclose([theirs[i].log_prob for i in decoded], sums, rtol=1e-5,
+                               atol=1e-4)
+
+
+@pytest.mark.slow
+def test_pieces_and_unknown_characters_translate_as_ids(trained, exported, sources,
+                                                        greedy_results):
+    """Pieces outside the vocabulary (unknown characters) are <unk> to CTranslate2 too."""
+    processor = trained["subwords"].processor
+    pieces = [[processor.id_to_piece(i) for i in source] for source in sources[:-3]]
+    pieces += processor.encode(UNKNOWN_TEXT, out_type=str) + [[]]
+    vocabulary = {processor.id_to_piece(i) for i in range(processor.get_piece_size())}
+    assert all(set(source) - vocabulary for source in pieces[-3:-1])
+    theirs = translate_with_ctranslate2(exported, pieces)
+    assert [hypotheses[0].ids for hypotheses in theirs] == greedy_results["ours"]
+
+
+@pytest.mark.slow
+def test_each_sentence_keeps_its_own_limit(trained, exported, sources):
+    """A tighter limit than maxlen2 and a small margin: many outputs end at their limit."""
+    model, chosen = trained["model"], sources[:120]
+    translator = Translator(model, beam_size=1, max_length=20, length_margin=2)
+    ours = translator.translate_ids(chosen)
+    theirs = translate_with_ctranslate2(exported, chosen, max_length=20, length_margin=2)
+    assert [hypotheses[0].ids for hypotheses in theirs] == ours
+    assert sum(hypotheses[0].truncated for hypotheses in theirs) == \
+        translator.truncated_outputs >= 10
+    for source, hypotheses in zip(chosen, theirs):
+        length = len(hypotheses[0].ids) + (not hypotheses[0].truncated)
+        assert length <= output_limit(len(source), model.maxlen1, 20, 2)
+
+
+@pytest.mark.slow
+def test_beam_search_scores_are_log_probabilities_over_gnmt_penalties(trained, exported,
+                                                                      sources):
+    model, chosen, alpha = trained["model"], sources[:60], 0.6
+    theirs = translate_with_ctranslate2(exported, chosen, beam_size=4, alpha=alpha, n_best=2)
+    hypotheses = [h for per_sentence in theirs for h in per_sentence]
+    repeated = [source for source in chosen for _ in range(2)]
+    outputs = _full_outputs(hypotheses)
+    np.testing.assert_allclose([h.log_prob for h in hypotheses],
+                               _our_log_probs(model, repeated, outputs), rtol=1e-5, atol=1e-4)
+    for h, output in zip(hypotheses, outputs):
+        assert h.score == pytest.approx(h.log_prob / ((5 + len(output)) / 6) ** alpha)
+    for source, (best, second) in zip(chosen, theirs):
+        assert best.ids != second.ids
+        # CTranslate2's own order: log-probability over length ** alpha, EOS counted.
+        assert (best.log_prob / (len(best.ids) + (not best.truncated)) ** alpha
+                >= second.log_prob / (len(second.ids) + (not second.truncated)) ** alpha - 1e-6)
+        limit = output_limit(len(source), model.maxlen1, model.maxlen2, 16)
+        assert len(best.ids) + (not best.truncated) <= limit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["int8", "int8_float32"])
+def test_quantized_models_write_and_translate(trained, exported, sources, greedy_results,
+                                              tmp_path, quantization):
+    out_dir = convert(trained["model"], trained["hparams"], trained["subwords"],
+                      str(tmp_path / quantization), quantization=quantization)
+    translator = ctranslate2.Translator(out_dir)
+    assert translator.compute_type == "int8_float32"  # int8 weights, float32 elsewhere
+    assert os.path.getsize(os.path.join(out_dir, "model.bin")) < \
+        0.5 * os.path.getsize(os.path.join(exported, "model.bin"))
+    theirs = translate_with_ctranslate2(out_dir, sources, translator=translator)
+    same = sum(hypotheses[0].ids == output
+               for hypotheses, output in zip(theirs, greedy_results["ours"]))
+    assert same >= 0.5 * len(sources)  # rounded weights change some outputs, not most
+
+
+# -------------------------------------------------------- untrained models
+
+@pytest.mark.parametrize("norm_position, share_embeddings, sinusoid", [
+    ("pre", True, True), ("pre", False, False), ("post", False, False)])
+def test_untrained_models_convert_exactly(subwords, tmp_path, norm_position, share_embeddings,
+                                          sinusoid):
+    """Pre-norm, a source table apart, learned positions; an epsilon far from CTranslate2's.
+
+    With epsilon 1e-2, a conversion that left CTranslate2's default epsilon
+    in place would be off by about 1e-3 in log-probability.
+    """
+    model = _random_model(subwords.vocab_size, norm_position, share_embeddings=share_embeddings,
+                          sinusoid=sinusoid, epsilon=1e-2)
+    out_dir = convert(model, {"epsilon": 1e-2}, subwords, str(tmp_path / "model"))
+    val, _, _ = data.load_split(MULTI30K, "val")
+    sources = subwords.encode(val[:80])
+    ours = Translator(model, beam_size=1, length_margin=4).translate_ids(sources)
+    theirs = [h[0] for h in translate_with_ctranslate2(out_dir, sources, length_margin=4,
+                                                       return_log_probs=True)]
+    assert [h.ids for h in theirs] == ours
+    mine = _our_token_log_probs(model, sources, _full_outputs(theirs))
+    assert max(float(np.max(np.abs(m - np.array(h.log_probs))))
+               for m, h in zip(mine, theirs)) < 1e-5
+
+
+def test_model_directory_holds_what_a_user_needs(subwords, tmp_path):
+    model = _random_model(subwords.vocab_size)
+    out_dir = convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "model"))
+    assert sorted(os.listdir(out_dir)) == sorted(
+        ["model.bin", "config.json", "shared_vocabulary.json", SUBWORDS_FILE, SETTINGS_FILE])
+    with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as handle:
+        config = json.load(handle)
+    assert (config["unk_token"], config["bos_token"], config["eos_token"],
+            config["decoder_start_token"]) == ("<unk>", "<s>", "</s>", "<s>")
+    assert config["layer_norm_epsilon"] == pytest.approx(1e-6)
+    assert config["add_source_eos"] is False  # appended by the caller, before cutting
+    with open(os.path.join(out_dir, "shared_vocabulary.json"), encoding="utf-8") as handle:
+        pieces = json.load(handle)
+    assert pieces == [subwords.processor.id_to_piece(i) for i in range(subwords.vocab_size)]
+    assert pieces[:4] == ["<pad>", "<unk>", "<s>", "</s>"]
+    with open(os.path.join(out_dir, SETTINGS_FILE), encoding="utf-8") as handle:
+        assert json.load(handle)["maxlen1"] == model.maxlen1
+    with open(os.path.join(out_dir, SUBWORDS_FILE), "rb") as copy, \
+            open(subwords.path, "rb") as original:
+        assert copy.read() == original.read()
+    assert [name for name in os.listdir(tmp_path) if name != "model"] == []  # no staging left
+
+
+def test_mixed_precision_models_write_their_float32_weights(subwords, tmp_path):
+    model = _random_model(subwords.vocab_size)
+    convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "float32"))
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    mixed = _random_model(subwords.vocab_size)
+    mixed.set_weights(model.get_weights())
+    convert(mixed, {"epsilon": 1e-6}, subwords, str(tmp_path / "mixed"))
+    with open(tmp_path / "float32" / "model.bin", "rb") as first, \
+            open(tmp_path / "mixed" / "model.bin", "rb") as second:
+        assert first.read() == second.read()
+
+
+def _relu_projections(model):
+    # The Transformer has no option for it: a model made of the layers with
+    # the original's `projection_activation="relu"` has it on its attention.
+    model.decoder_blocks[1].cross_attention.projection_activation = keras.activations.relu
+
+
+def _tanh_feed_forward(model):
+    model.encoder_blocks[0].feed_forward.activation = keras.activations.tanh
+
+
+def _custom_temperature(model):
+    model.encoder_blocks[0].self_attention.attention.temperature = 2.0
+
+
+@pytest.mark.parametrize("change, hparams, expected", [
+    (_relu_projections, {}, "projection_activation='relu'"),
+    (_tanh_feed_forward, {}, "activation='tanh'"),
+    (_custom_temperature, {}, "temperature=2.0"),
+    (None, {"epsilon": 1e-8}, "`epsilon` is 1e-08 in hparams but 1e-06 in the model"),
+])
+def test_unrepresentable_models_are_refused_naming_the_setting(subwords, tmp_path, change,
+                                                               hparams, expected):
+    model = _random_model(subwords.vocab_size, epsilon=1e-6)
+    if change is not None:
+        change(model)
+    with pytest.raises(ExportError, match="CTranslate2 cannot represent") as error:
+        convert(model, {"epsilon": 1e-6, **hparams}, subwords, str(tmp_path / "model"))
+    assert expected in str(error.value)
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
+def test_a_vocabulary_of_another_size_is_refused(subwords, tmp_path):
+    model = _random_model(subwords.vocab_size - 1)
+    with pytest.raises(ExportError, match="`vocab_size`: the model has 399 ids but the subword "
+                                          "model 400 pieces"):
+        convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "model"))
+
+
+@pytest.mark.parametrize("quantization", ["float16", "bfloat16", "int16", "int8_float16",
+                                          "fp32", None])
+def test_other_quantizations_are_refused_naming_the_accepted_ones(subwords, tmp_path,
+                                                                  quantization):
+    model = _random_model(subwords.vocab_size)
+    with pytest.raises(ExportError) as error:
+        convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "model"),
+                quantization=quantization)
+    assert f"`quantization` must be one of {', '.join(QUANTIZATIONS)}" in str(error.value)
+    assert repr(quantization) in str(error.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_non_empty_directory_is_refused_an_empty_one_filled(subwords, tmp_path):
+    model = _random_model(subwords.vocab_size)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="already exists and is not an empty directory"):
+        convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "full"))
+    assert os.listdir(tmp_path / "full") == ["keep.txt"]
+    (tmp_path / "empty").mkdir()
+    convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "empty"))
+    assert "model.bin" in os.listdir(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(beam_size=2, n_best=3), "`n_best` (3) must be in [1, beam_size=2]"),
+    (dict(beam_size=4, return_log_probs=True), "`return_log_probs` needs greedy search"),
+    (dict(max_length=29), "`max_length` must be in [1, 28]"),
+    (dict(length_margin=-1), "`length_margin` must be at least 0"),
+    (dict(beam_size=0), "`beam_size` must be at least 1"),
+])
+def test_impossible_translation_options_are_refused(subwords, tmp_path, options, message):
+    out_dir = convert(_random_model(subwords.vocab_size), {"epsilon": 1e-6}, subwords,
+                      str(tmp_path / "model"))
+    with pytest.raises(ValueError) as error:
+        translate_with_ctranslate2(out_dir, [[5, 6, 7]], **options)
+    assert message in str(error.value)
