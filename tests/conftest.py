@@ -17,6 +17,7 @@ BACKEND = keras.backend.backend()
 # are skipped whole, without being imported.
 TENSORFLOW_ONLY_MODULES = {
     "test_benchmarks.py": "the benchmark programs, TensorFlow's",
+    "test_ctranslate2.py": "the CTranslate2 export, checked against TensorFlow decoding",
     "test_data.py": "the tf.data pipeline",
     "test_decoding.py": "decoding and the eval.py program on TensorFlow checkpoints",
     "test_eval.py": "the eval.py program's n-best lists and scoring on TensorFlow checkpoints",
