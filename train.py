@@ -7,6 +7,7 @@ checkpoint. A logdir trained with other hyperparameters is refused unless
 ``--overwrite`` (which moves the old logdir aside; nothing is deleted).
 """
 
+import atexit
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ from kyu_transformer.evaluation import ValidationBleu  # noqa: E402
 from kyu_transformer.training import (  # noqa: E402
     STRATEGIES, Trainer, TrainingError, copy_aside, is_chief, make_strategy, seed_everything)
 from kyu_transformer.workers import (  # noqa: E402
-    WorkerDisagreement, barrier, check_agreement, short_digest)
+    WorkerDisagreement, barrier, check_agreement, is_multi_worker, short_digest)
 
 # Hyperparameters that may change when a run is resumed: none changes the model or the data.
 RESUMABLE = ("num_epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
@@ -113,39 +114,61 @@ def subword_dir(logdir, chief):
     cannot see one there yet (it trains the same model, deterministically, apart)."""
     if chief or os.path.isfile(os.path.join(logdir, data.Subwords.FILE_NAME)):
         return logdir
-    return tempfile.mkdtemp(prefix="worker-subwords-")
+    private = tempfile.mkdtemp(prefix="worker-subwords-")
+    atexit.register(shutil.rmtree, private, ignore_errors=True)  # also when the run fails
+    return private
 
 
 def prepare_run(args, strategy, chief):
     """``(hparams, corpus)``: the logdir settled, the subword model ready.
 
-    The chief goes first: it alone moves an old logdir aside (``--overwrite``)
-    and writes the subword model and `hparams.json`; the other workers wait
-    for it, then read what it wrote (on a shared file system) or make the same
-    themselves, and every worker checks that it agrees with the chief.
+    The chief goes first: it alone downloads a missing corpus, moves an old
+    logdir aside (``--overwrite``) and writes the subword model and
+    `hparams.json`; the other workers wait for it, then read what it wrote
+    (on a shared file system) or make the same themselves, and every worker
+    checks that it agrees with the chief. A worker that fails on the way
+    says so at the next barrier, so that none waits for it in a collective.
     """
-    hparams, corpus, failure = None, None, None
-    try:
-        hparams = hp.from_args(args)
-        prepare_data_dir(hparams["data_dir"])
+    state = {}
+
+    def chief_part():
+        state["hparams"] = hp.from_args(args)
         if chief:
-            hparams, corpus = prepare_logdir(hparams, args.overwrite, chief)
-    except (hp.HParamsError, data.DataError, SystemExit) as error:
-        failure = str(error).removeprefix("error: ")
-    barrier(strategy, failure)  # the chief has moved, trained and written what it had to
-    if not chief:
-        try:
-            hparams, corpus = prepare_logdir(hparams, False, chief)
-        except (data.DataError, SystemExit) as error:
-            failure = str(error).removeprefix("error: ")
-    barrier(strategy, failure)  # every worker has its hparams and subword model
-    check_agreement(strategy, {
-        "hyperparameters digest": short_digest(json.dumps(
-            {key: value for key, value in hparams.items() if key not in ("logdir", "data_dir")},
-            sort_keys=True)),
-        "corpus digest": short_digest(json.dumps(corpus_fingerprint(hparams), sort_keys=True)),
-        "subword vocabulary digest": subword_digest(corpus.subwords)})
+            prepare_data_dir(state["hparams"]["data_dir"])
+            state["hparams"], state["corpus"] = prepare_logdir(state["hparams"], args.overwrite,
+                                                               chief)
+
+    def worker_part():
+        if not chief:
+            prepare_data_dir(state["hparams"]["data_dir"])
+            state["hparams"], state["corpus"] = prepare_logdir(state["hparams"], False, chief)
+
+    barrier(strategy, failure_of(chief_part, strategy))  # the chief has written what it had to
+    barrier(strategy, failure_of(worker_part, strategy))  # every worker has hparams and subwords
+    hparams, corpus = state["hparams"], state["corpus"]
+    if is_multi_worker(strategy):
+        digests = {f"hyperparameter {key}": short_digest(json.dumps(value))
+                   for key, value in sorted(hparams.items()) if key not in ("logdir", "data_dir")}
+        digests["corpus"] = short_digest(json.dumps(corpus_fingerprint(hparams), sort_keys=True))
+        digests["subword vocabulary"] = subword_digest(corpus.subwords)
+        check_agreement(strategy, digests=digests)
     return hparams, corpus
+
+
+def failure_of(step, strategy):
+    """Runs `step()`; returns None, or the message of the error that stopped it."""
+    try:
+        step()
+    except SystemExit as error:
+        return str(error).removeprefix("error: ")
+    except (hp.HParamsError, data.DataError) as error:
+        return str(error)
+    except Exception as error:  # pylint: disable=broad-except
+        if not is_multi_worker(strategy):
+            raise
+        # Unforeseen, but it must still reach the barrier: the others would wait for ever.
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def subword_digest(subwords):
@@ -197,8 +220,6 @@ def main(argv=None):
     print(f"{result['stopped']}: {result['epochs']} epochs, {result['steps']} steps in "
           f"{minutes:.1f} min; last loss {result['last_loss']}; logdir {logdir}")
     print(f"weights sha256: {trainer.weights_digest()}")
-    if os.path.dirname(corpus.subwords.path) != logdir:  # a worker's private copy
-        shutil.rmtree(os.path.dirname(corpus.subwords.path), ignore_errors=True)
     return 0
 
 

@@ -200,7 +200,13 @@ def ensure_multi30k(data_dir, base_url=None, timeout=30):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    os.replace(staging, data_dir)  # all six files or none
+    try:
+        os.replace(staging, data_dir)  # all six files or none
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not os.path.isdir(data_dir):
+            raise
+        # Another process (a worker sharing the disk) put a complete corpus there first.
     return data_dir
 
 

@@ -12,6 +12,7 @@ checkpointed with the model and the optimizer, so a killed run continues
 where it stopped.
 """
 
+import atexit
 import hashlib
 import json
 import math
@@ -233,7 +234,9 @@ class Trainer:
         if self.chief:
             os.makedirs(directory, exist_ok=True)
             return directory
-        return tempfile.mkdtemp(prefix="worker-checkpoints-")
+        private = tempfile.mkdtemp(prefix="worker-checkpoints-")
+        atexit.register(shutil.rmtree, private, ignore_errors=True)  # also when the run fails
+        return private
 
     def restore(self):
         """Restores the latest checkpoint, if any; returns its path or None."""
@@ -323,7 +326,7 @@ class Trainer:
         self.writer = (tf.summary.create_file_writer(os.path.join(self.logdir, "train"))
                        if self.chief else tf.summary.create_noop_writer())
         resumed_from = self.restore()
-        check_agreement(self.strategy, {"restored step": self.global_step()})
+        check_agreement(self.strategy, values={"restored step": self.global_step()})
         self._clock = _TrainingClock(float(self.train_seconds.numpy()))
         budget = hparams["max_minutes"] * 60.0 or math.inf
         if resumed_from and self.chief:

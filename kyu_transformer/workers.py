@@ -88,23 +88,30 @@ def barrier(strategy, failure=None):
                                  "this worker stops too")
 
 
-def check_agreement(strategy, facts):
+def check_agreement(strategy, values=None, digests=None):
     """Raises `WorkerDisagreement` on every worker unless all agree with the chief.
 
     Args:
       strategy: The run's strategy (no-op unless multi-worker).
-      facts: An ordered dict ``{description: integer}`` that must be equal on
-        every worker (e.g. the restored step, the subword model's digest).
+      values: ``{description: integer}`` that must be equal on every worker and
+        are worth printing (e.g. the restored step).
+      digests: ``{description: short_digest(...)}`` of things that must be equal
+        (e.g. a hyperparameter, the subword vocabulary); a difference is named,
+        the digests are not printed.
     """
     if not is_multi_worker(strategy):
         return
-    names = list(facts)
-    table = gather(strategy, [float(facts[name]) for name in names])  # (workers, facts)
-    problems = [
-        f"worker {worker} has {name} {int(table[worker, column])} but the chief "
-        f"{int(table[0, column])}"
-        for column, name in enumerate(names) for worker in range(1, len(table))
-        if table[worker, column] != table[0, column]]
+    values, digests = dict(values or {}), dict(digests or {})
+    names = list(values) + list(digests)
+    table = gather(strategy, [float(values.get(name, digests.get(name))) for name in names])
+    problems = []
+    for column, name in enumerate(names):
+        for worker in range(1, len(table)):
+            if table[worker, column] == table[0, column]:
+                continue
+            problems.append(f"worker {worker} has {name} {int(table[worker, column])} but the "
+                            f"chief {int(table[0, column])}" if name in values else
+                            f"worker {worker} has another {name} than the chief")
     if problems:
         raise WorkerDisagreement(
             "the workers do not agree with the chief: " + "; ".join(problems) + ". Give every "

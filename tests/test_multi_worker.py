@@ -1,7 +1,9 @@
 """Two worker processes on 127.0.0.1 under MultiWorkerMirroredStrategy."""
 
+import gzip
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,8 +27,11 @@ def free_ports(count):
     return ports
 
 
-def run_workers(tmp_path, logdirs, *extra):
-    """train.py on two loopback workers; returns their ``(return code, output)``."""
+def run_workers(tmp_path, logdirs, *extra, worker_extra=()):
+    """train.py on two loopback workers; returns their ``(return code, output)``.
+
+    `extra` goes to both, `worker_extra` to the second only (after `extra`).
+    """
     workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     processes = []
     for index, logdir in enumerate(logdirs):
@@ -37,7 +42,8 @@ def run_workers(tmp_path, logdirs, *extra):
                        "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
         command = [sys.executable, os.path.join(ROOT, "train.py"), "--strategy", "multi_worker",
                    "--hparams", "tiny", "--data_dir", MULTI30K, "--logdir", str(logdir),
-                   "--num_epochs", "2", "--steps_per_epoch", "6", "--log_every", "3", *extra]
+                   "--num_epochs", "2", "--steps_per_epoch", "6", "--log_every", "3", *extra,
+                   *(worker_extra if index else ())]
         processes.append(subprocess.Popen(command, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                           env=environment))
@@ -100,3 +106,32 @@ def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_pa
     assert results[0][0] != 0 and "was trained with other hyperparameters" in results[0][1]
     assert results[1][0] != 0
     assert "error: the chief stopped before training (see its output)" in results[1][1]
+
+
+def test_workers_that_disagree_with_the_chief_stop_and_name_the_difference(tmp_path):
+    """Each worker checks its hyperparameters, corpus and vocabulary against the chief's."""
+    logdir = tmp_path / "log"
+    results = run_workers(tmp_path, [logdir, logdir], worker_extra=("--log_every", "2"))
+    expected = "the workers do not agree with the chief: worker 1 has another hyperparameter " \
+               "log_every than the chief"
+    for code, output in results:
+        assert code != 0 and expected in output, output[-4000:]
+        assert "Traceback" not in output, output[-4000:]
+
+    # Another corpus on the worker's own disk: other training files, another vocabulary.
+    other_corpus = tmp_path / "other_corpus"
+    shutil.copytree(MULTI30K, other_corpus)
+    for side in ("de", "en"):
+        path = other_corpus / f"train.{side}.gz"
+        os.chmod(path, 0o644)
+        with gzip.open(path, "rb") as handle:
+            lines = handle.read().splitlines(keepends=True)
+        with gzip.open(path, "wb") as handle:
+            handle.writelines(lines[1200:])
+    results = run_workers(tmp_path, [logdir, tmp_path / "elsewhere"],
+                          worker_extra=("--data_dir", str(other_corpus)))
+    for code, output in results:
+        assert code != 0, output[-4000:]
+        assert "worker 1 has another corpus than the chief" in output, output[-4000:]
+        assert "worker 1 has another subword vocabulary than the chief" in output
+    assert os.listdir(tmp_path / "tmp1") == []  # the worker's private files, removed
