@@ -2,11 +2,14 @@
 
 import keras
 from keras import ops
-# `Loss.__call__` reads the mask of `call`'s output with this module's
-# `get_keras_mask`. Keras 3 exports no public setter, and a JAX value traced by
-# `jit` (as `fit` runs the loss) refuses a plain attribute: this setter then
-# keeps the mask in the table that `get_keras_mask` reads.
-from keras.src.backend import set_keras_mask
+# `Loss.__call__` reads the mask of `call`'s output with `get_keras_mask`. A
+# JAX value traced by `jit` (as `fit` runs the loss) refuses a plain attribute:
+# Keras' setter then keeps the mask in the table that `get_keras_mask` reads.
+# Keras 3.15 exports it from `keras.src.backend` only; the public path is used
+# when a Keras version provides it.
+set_keras_mask = getattr(keras.backend, "set_keras_mask", None)
+if set_keras_mask is None:
+    from keras.src.backend import set_keras_mask
 
 from kyu_transformer.layers import _check_rate
 

@@ -28,7 +28,7 @@ VOCAB = 40
 EPSILON = 0.1
 BOS, EOS = 1, 2
 # Target tokens (before EOS) of the rows of each batch of 8. Both halves of a
-# batch, and its even and odd rows, hold equal token counts (18 + 2 x 4 = 26
+# batch, and its even and odd rows, hold equal token counts (18 + 2 x 2 = 22
 # labels each), so every way of cutting a batch for two replicas gives each
 # replica the same number of tokens: the mean of the replicas' means, which
 # Keras computes, is then the mean over the batch.
@@ -197,6 +197,7 @@ def mirrored_results():
     return json.loads(output.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.tensorflow_only("tf.distribute.MirroredStrategy")
 @pytest.mark.parametrize("name", ["functional", "transformer"])
 def test_fit_on_two_replicas_equals_one_device(mirrored_results, name):
     one, two = mirrored_results[name]["default"], mirrored_results[name]["mirrored"]
@@ -210,6 +211,7 @@ def test_fit_on_two_replicas_equals_one_device(mirrored_results, name):
                                    err_msg=f"weight {index}")
 
 
+@pytest.mark.tensorflow_only("tf.distribute.MirroredStrategy")
 @pytest.mark.parametrize("name", ["functional", "transformer"])
 def test_evaluate_reports_the_masked_mean_on_one_and_two_replicas(mirrored_results, name):
     for where in ("default", "mirrored"):
@@ -238,6 +240,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.tensorflow_only("on JAX itself, the in-process fit test above is this test")
 def test_fit_with_the_jax_backend_reports_the_masked_mean():
     pytest.importorskip("jax")
     output = subprocess.run([sys.executable, "-c", JAX_SCRIPT, ROOT], capture_output=True,
@@ -248,3 +251,20 @@ def test_fit_with_the_jax_backend_reports_the_masked_mean():
     result = json.loads(output.stdout.strip().splitlines()[-1])
     check_fit_against_reference(result)
     assert result["jitted"][0] == pytest.approx(result["jitted"][1], rel=1e-5)
+
+
+@pytest.mark.tensorflow_only("tf.data and tf.distribute, as README's example")
+def test_the_keras_way_of_readme_trains_the_transformer():
+    """README's example as written (default dropout, no explicit build), at a small size."""
+    import tensorflow as tf
+
+    features, labels = make_data()
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        model = Transformer(vocab_size=VOCAB, d_model=32, d_ff=64, num_blocks=1, num_heads=2)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                      loss=LabelSmoothedCrossEntropy(EPSILON))
+    dataset = tf.data.Dataset.from_tensor_slices((features, labels)).batch(8)
+    history = model.fit(dataset, epochs=8, verbose=0)
+    losses = history.history["loss"]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses

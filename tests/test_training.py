@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import hparams as hp
+from kyu_transformer.checkpoints import model_weights
 from kyu_transformer.corpus import Corpus
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.metrics import masked_accuracy
@@ -136,6 +137,22 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, multi30k_
     fresh.checkpoint.restore(saved).assert_existing_objects_matched()
     assert np.all(np.isfinite(fresh.model.target_embedding.embeddings.numpy()))
     assert int(fresh.epoch) == 1 and int(fresh.optimizer.iterations) == 3
+
+
+def test_a_checkpoint_without_random_states_or_training_time_still_restores(tmp_path, capsys):
+    """Checkpoints written before the random states and the clock were saved resume too."""
+    hparams = tiny(tmp_path, dropout_rate=0.1)
+    trainer = Trainer(hparams, verbose=False)
+    trainer.epoch.assign(1)
+    older = tf.train.Checkpoint(weights=model_weights(trainer.model), optimizer=trainer.optimizer,
+                                epoch=trainer.epoch, step_in_epoch=trainer.step_in_epoch)
+    path = older.save(os.path.join(hparams["logdir"], "checkpoints", "ckpt"))
+    fresh = Trainer(hparams, verbose=False)
+    assert fresh.restore() == path
+    assert "holds no dropout random state or training time" in capsys.readouterr().out
+    assert int(fresh.epoch) == 1 and float(fresh.train_seconds) == 0.0
+    for restored, saved in zip(fresh.model.weights, trainer.model.weights):
+        np.testing.assert_array_equal(restored.numpy(), saved.numpy())
 
 
 MIRRORED_SCRIPT = r"""
