@@ -83,13 +83,15 @@ def unsupported_settings(model, hparams=None):
     """What of `model` CTranslate2's Transformer cannot represent.
 
     Args:
-      model: A built `Transformer`.
+      model: A `Transformer` (built here if it is not yet).
       hparams: Optional dict of hyperparameters; its ``epsilon`` must be the
         model's.
 
     Returns:
       A list of messages, each naming the setting (empty: it can be converted).
     """
+    if not model.built:
+        model.build()
     problems = []
     epsilon = model.epsilon if hparams is None else hparams.get("epsilon", model.epsilon)
     if not np.isclose(epsilon, model.epsilon, rtol=1e-6, atol=0):
@@ -225,7 +227,7 @@ def build_spec(model, hparams, subwords):
     """CTranslate2's `TransformerSpec` of `model`, filled with its weights.
 
     Args:
-      model: A built `Transformer`.
+      model: A `Transformer` with its weights (built here if it is not yet).
       hparams: The hyperparameters (``epsilon`` is read from them).
       subwords: The `data.Subwords` the model was trained with.
 
@@ -238,8 +240,6 @@ def build_spec(model, hparams, subwords):
     _import_ctranslate2()
     from ctranslate2.specs import common_spec, transformer_spec
 
-    if not model.built:
-        model.build()
     problems = unsupported_settings(model, hparams)
     pieces = _vocabulary(subwords)
     if len(pieces) != model.vocab_size:
@@ -415,7 +415,7 @@ def _gnmt_penalty(length, alpha):
 
 
 def translate_with_ctranslate2(model_dir, sources, beam_size=1, alpha=0.6, length_margin=16,
-                               maxlen1=None, maxlen2=None, max_length=None, n_best=1,
+                               maxlen1=None, maxlen2=None, n_best=1, max_length=None,
                                return_log_probs=False, translator=None, batch_size=64,
                                length_penalty=None, patience=1.0):
     """Translates with a converted model the way `decoding.Translator` does.
@@ -459,8 +459,8 @@ def translate_with_ctranslate2(model_dir, sources, beam_size=1, alpha=0.6, lengt
       alpha: Our length-penalty exponent (see above).
       length_margin: How many tokens an output may have beyond its source's.
       maxlen1, maxlen2: The model's limits; default those in `SETTINGS_FILE`.
-      max_length: Most output tokens of any sentence; default `maxlen2`.
       n_best: Hypotheses per sentence, best first (CTranslate2's order).
+      max_length: Most output tokens of any sentence; default `maxlen2`.
       return_log_probs: Also give each output's per-token log-probabilities
         (greedy search only: they come from the logits CTranslate2 returns
         with ``return_logits_vocab``, which its beam search does not fill
@@ -504,8 +504,8 @@ def translate_with_ctranslate2(model_dir, sources, beam_size=1, alpha=0.6, lengt
     ids_of = {piece: i for i, piece in enumerate(pieces)}
     eos = pieces[EOS_ID]
 
-    results = [[Hypothesis([], 0.0, 0.0, [] if return_log_probs else None, False)] * n_best
-               for _ in sources]
+    results = [[Hypothesis([], 0.0, 0.0, [] if return_log_probs else None, False)
+                for _ in range(n_best)] for _ in sources]
     groups = collections.defaultdict(list)  # limit: indices of its sources
     inputs = {}
     for index, source in enumerate(sources):
