@@ -5,15 +5,18 @@
     echo "Ein Hund rennt." | python eval.py --logdir log/small --src -
     python eval.py --logdir log/small --src my.de --n_best 4
     python eval.py --logdir log/small --src my.de --score my.en
+    python eval.py --logdir log/small --ctranslate2 exported/ct2 --beam_size 4
 
 The model, its hyperparameters and its subword model all come from the logdir.
 Translations go to <logdir>/eval/<name>.hyp.txt and, with references, the
 scores to <logdir>/eval/<name>.json; with --n_best, the K best hypotheses and
 their scores to <name>.nbest.jsonl. --score FILE translates nothing: it writes
 the model's score of each line of FILE, as a translation of the same line of
-the source, to <name>.scores.jsonl.
+the source, to <name>.scores.jsonl. --ctranslate2 DIR translates with a
+CTranslate2 model directory written by kyu_transformer.ctranslate2_export.
 """
 
+import filecmp
 import json
 import math
 import os
@@ -66,6 +69,10 @@ def parse_args(argv):
                              "per line of --src or --split): log-probability, EOS included, "
                              "and that divided by GNMT's length penalty with --alpha, to "
                              "<name>.scores.jsonl")
+    parser.add_argument("--ctranslate2", default=None, metavar="DIR",
+                        help="translate with this CTranslate2 model directory (written by "
+                             "kyu_transformer.ctranslate2_export.convert) instead of the "
+                             "Keras model; the subword model still comes from --logdir")
     parser.add_argument("--name", default=None, help="name of the output files")
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -100,6 +107,13 @@ EXCLUSIVE_FLAGS = (
     ("score", "ref", "--score rates FILE by the model, not by references"),
     ("score", "n_best", "--score translates nothing"),
     ("score", "plot_attention", "--score translates nothing"),
+    ("score", "ctranslate2", "--score scores with the logdir's Keras model"),
+    ("ctranslate2", "ckpt", "the CTranslate2 model holds the weights it was converted from"),
+    ("ctranslate2", "average_last",
+     "the CTranslate2 model holds the weights it was converted from"),
+    ("ctranslate2", "mixed_precision",
+     "the CTranslate2 model computes in the weight type it was converted to"),
+    ("ctranslate2", "plot_attention", "attention heatmaps come from the Keras model"),
 )
 
 
@@ -187,8 +201,84 @@ def print_truncation_notes(translator, hparams):
               f"{translator.max_length}) before ending and were cut there")
 
 
+class CTranslate2Translator:
+    """A CTranslate2 model directory behind the part of `Translator` that eval.py uses.
+
+    Sentences are translated by `ctranslate2_export.translate_with_ctranslate2`,
+    which cuts sources and limits outputs as `Translator` does and maps beam
+    size, alpha and length margin onto CTranslate2's options. With beam search
+    the n-best come in CTranslate2's order (log-probability over
+    ``length ** alpha``), scored as ours (over GNMT's penalty), so their scores
+    need not fall.
+    """
+
+    def __init__(self, model_dir, beam_size, alpha, length_margin):
+        from kyu_transformer import ctranslate2_export
+
+        import ctranslate2
+
+        self._export = ctranslate2_export
+        settings = ctranslate2_export.read_settings(model_dir)
+        self.model_dir, self.quantization = model_dir, settings.get("quantization")
+        self.maxlen1, self.max_length = settings["maxlen1"], settings["maxlen2"]
+        self.beam_size, self.alpha, self.length_margin = beam_size, alpha, length_margin
+        self.truncated_sources = self.truncated_outputs = 0
+        self._translator = ctranslate2.Translator(model_dir, device="cpu")
+
+    def translate_ids(self, source_ids, batch_size=64, n_best=None):
+        """As `Translator.translate_ids` (without coverage)."""
+        results = self._export.translate_with_ctranslate2(
+            self.model_dir, source_ids, beam_size=self.beam_size, alpha=self.alpha,
+            length_margin=self.length_margin, n_best=n_best or 1,
+            translator=self._translator, batch_size=batch_size)
+        self.truncated_sources = sum(len(ids) + 1 > self.maxlen1 for ids in source_ids)
+        self.truncated_outputs = sum(bool(ids) and hypotheses[0].truncated
+                                     for ids, hypotheses in zip(source_ids, results))
+        if not n_best:
+            return [hypotheses[0].ids for hypotheses in results]
+        # An empty source is not decoded: one empty hypothesis, no score, as Translator.
+        return ([[h.ids for h in hypotheses] if ids else [[]]
+                 for ids, hypotheses in zip(source_ids, results)],
+                [[h.score for h in hypotheses] if ids else [None]
+                 for ids, hypotheses in zip(source_ids, results)])
+
+    def translate(self, sentences, subwords, batch_size=64):
+        source_ids = subwords.encode(sentences)
+        return [subwords.decode(ids) for ids in self.translate_ids(source_ids, batch_size)]
+
+
+def load_ctranslate2(args):
+    """``(translator, facts)`` of --ctranslate2 DIR, checked against the logdir's subwords."""
+    from kyu_transformer.ctranslate2_export import SUBWORDS_FILE, ExportError
+
+    model_dir = args.ctranslate2
+    if not os.path.isdir(model_dir):
+        raise data.DataError(f"--ctranslate2 {model_dir}: no such directory")
+    copied = os.path.join(model_dir, SUBWORDS_FILE)  # the converter copies it there
+    ours = os.path.join(args.logdir, data.Subwords.FILE_NAME)
+    if os.path.isfile(copied) and not filecmp.cmp(copied, ours, shallow=False):
+        raise data.DataError(f"{model_dir} was converted with another subword model than "
+                             f"{ours}: convert this logdir's model, or give the logdir it "
+                             "came from")
+    try:
+        translator = CTranslate2Translator(model_dir, args.beam_size, args.alpha,
+                                           args.length_margin)
+    except ImportError:
+        raise data.DataError('--ctranslate2 needs the ctranslate2 package: pip install -e '
+                             '".[serve]" (or pip install ctranslate2)') from None
+    except ExportError as error:  # not a directory the converter wrote
+        raise data.DataError(str(error)) from None
+    except RuntimeError as error:  # CTranslate2's own: a missing or broken model.bin
+        raise data.DataError(f"{model_dir}: CTranslate2 cannot load it ({error})") from None
+    return translator, {"engine": "ctranslate2", "model_dir": model_dir,
+                        "quantization": translator.quantization}
+
+
 def load_translator(args, hparams):
-    """``(translator, facts)``: a Translator of the logdir's model; `facts` go to the json."""
+    """``(translator, facts)``: a Translator of the logdir's model, or of --ctranslate2 DIR;
+    `facts` go to the json."""
+    if args.ctranslate2:
+        return load_ctranslate2(args)
     precision = args.mixed_precision or hparams["mixed_precision"]
     set_precision(precision)
     model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)

@@ -1,4 +1,5 @@
-"""eval.py's n-best lists (--n_best) and its scoring of given translations (--score)."""
+"""eval.py's n-best lists (--n_best), its scoring of given translations (--score), and its
+CTranslate2 engine (--ctranslate2)."""
 
 import json
 import os
@@ -71,6 +72,10 @@ def _sources(trained):
      "--score and --n_best exclude each other"),
     (["--src", "a.de", "--score", "a.en", "--ref", "b.en"],
      "--score and --ref exclude each other"),
+    (["--src", "a.de", "--score", "a.en", "--ctranslate2", "ct2"],
+     "--score and --ctranslate2 exclude each other"),
+    (["--ctranslate2", "ct2", "--average_last", "2"],
+     "--ctranslate2 and --average_last exclude each other"),
 ])
 def test_clashing_flags_are_refused_before_anything_is_loaded(capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -197,3 +202,58 @@ def test_eval_refuses_a_score_file_of_another_length(trained, tmp_path):
     result = run("eval.py", "--logdir", trained["logdir"], "--src", source, "--score", target)
     assert result.returncode != 0
     assert f"{target} has 2 lines but {source} has 3" in result.stderr
+
+
+# ------------------------------------------------------------------ --ctranslate2
+
+
+@pytest.mark.slow
+def test_eval_with_ctranslate2_writes_the_keras_greedy_translations(trained, tmp_path):
+    pytest.importorskip("ctranslate2")
+    from kyu_transformer.ctranslate2_export import convert
+
+    logdir, sources = trained["logdir"], _sources(trained)
+    model_dir = convert(trained["model"], trained["hparams"], trained["subwords"],
+                        str(tmp_path / "ct2"))
+    source = write_lines(tmp_path / "engines.de", sources)
+    reference = write_lines(tmp_path / "engines.en", trained["references"][:len(sources)])
+    # A small margin makes outputs reach their own limits, which both engines must agree on.
+    common = ["--logdir", logdir, "--src", source, "--ref", reference, "--beam_size", 1,
+              "--length_margin", 2]
+    keras_run = run("eval.py", *common, "--name", "keras")
+    assert keras_run.returncode == 0, keras_run.stdout + keras_run.stderr
+    ctranslate2_run = run("eval.py", *common, "--name", "ct2", "--ctranslate2", model_dir)
+    assert ctranslate2_run.returncode == 0, ctranslate2_run.stdout + ctranslate2_run.stderr
+    assert f"CTranslate2 model {model_dir}" in ctranslate2_run.stdout
+
+    keras_lines, ctranslate2_lines = (
+        (logdir / "eval" / f"{name}.hyp.txt").read_text(encoding="utf-8").split("\n")
+        for name in ("keras", "ct2"))
+    assert len(keras_lines) == len(sources) + 1  # each line, then the final newline
+    assert [i for i, (a, b) in enumerate(zip(keras_lines, ctranslate2_lines)) if a != b] == []
+    assert len(set(keras_lines)) >= 20  # real, varied outputs
+    keras_json, ctranslate2_json = (json.loads((logdir / "eval" / f"{name}.json").read_text())
+                                    for name in ("keras", "ct2"))
+    assert keras_json["engine"] == "keras" and ctranslate2_json["engine"] == "ctranslate2"
+    assert ctranslate2_json["model_dir"] == model_dir
+    assert ctranslate2_json["quantization"] == "float32"
+    for key in ("bleu", "chrf", "truncated_sources", "truncated_outputs", "num_sentences"):
+        assert ctranslate2_json[key] == keras_json[key], key
+    assert keras_json["truncated_outputs"] >= 5 and keras_json["truncated_sources"] >= 1
+
+
+@pytest.mark.slow
+def test_eval_refuses_a_ctranslate2_model_of_other_subwords(trained, tmp_path):
+    pytest.importorskip("ctranslate2")
+    from kyu_transformer.ctranslate2_export import SUBWORDS_FILE, convert
+
+    model_dir = convert(trained["model"], trained["hparams"], trained["subwords"],
+                        str(tmp_path / "ct2"))
+    with open(os.path.join(model_dir, SUBWORDS_FILE), "ab") as handle:
+        handle.write(b"another model")
+    result = run("eval.py", "--logdir", trained["logdir"], "--ctranslate2", model_dir)
+    assert result.returncode != 0
+    assert f"{model_dir} was converted with another subword model than" in result.stderr
+    result = run("eval.py", "--logdir", trained["logdir"], "--ctranslate2", tmp_path / "none")
+    assert result.returncode != 0
+    assert f"--ctranslate2 {tmp_path / 'none'}: no such directory" in result.stderr
