@@ -76,6 +76,12 @@ def _sources(trained):
      "--score and --ctranslate2 exclude each other"),
     (["--ctranslate2", "ct2", "--average_last", "2"],
      "--ctranslate2 and --average_last exclude each other"),
+    (["--beam_size", "0"], "--beam_size must be at least 1, got 0"),
+    (["--batch_size", "0"], "--batch_size must be at least 1, got 0"),
+    (["--length_margin", "-1"], "--length_margin must be at least 0, got -1"),
+    (["--average_last", "-2"], "--average_last must be at least 0, got -2"),
+    (["--ckpt", "log/checkpoints/ckpt-8", "--average_last", "2"],
+     "--ckpt (log/checkpoints/ckpt-8) and --average_last (2) exclude each other"),
 ])
 def test_clashing_flags_are_refused_before_anything_is_loaded(capsys, argv, message):
     with pytest.raises(SystemExit):
