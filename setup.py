@@ -20,5 +20,8 @@ setup(
     extras_require={
         "test": ["pytest", "jax"],
         "bench": ["keras-hub"],
+        # Serving exports (export.py): tensorflow-text's ops are built for one
+        # TensorFlow minor version, the one installed here (2.21).
+        "serve": ["tensorflow-text>=2.21,<2.22", "ctranslate2>=4"],
     },
 )

@@ -1,0 +1,288 @@
+"""Exports a trained model for use outside this checkout: a SavedModel or a CTranslate2 model.
+
+    python export.py --logdir log/small --out export/small
+    python export.py --logdir log/small --out export/small --beam_size 4 --n_best 4 --overwrite
+    python export.py --logdir log/small --out export/ct2 --format ctranslate2 --quantization int8
+
+The model, its hyperparameters and its subword model all come from the logdir,
+as for eval.py (same checkpoint choice, averaging and precision). The
+SavedModel takes raw sentences and returns translations, with the search
+inside the graph (see kyu_transformer/serving.py). An existing non-empty
+--out is replaced only with --overwrite, and only once the new export is
+complete.
+"""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import hparams as hp  # noqa: E402
+from kyu_transformer import data, serving  # noqa: E402
+from kyu_transformer.checkpoints import CheckpointError, describe, load_model  # noqa: E402
+from kyu_transformer.training import PRECISION_POLICIES, set_precision  # noqa: E402
+
+FORMATS = ("saved_model", "ctranslate2")
+# The weight types of CTranslate2's CPU wheel.
+QUANTIZATIONS = ("float32", "int8", "int8_float32")
+# Our record of what was exported, where TensorFlow Serving looks for extra files.
+SETTINGS_FILE = os.path.join("assets.extra", "export.json")
+EXAMPLE = "Zwei Hunde spielen im Schnee."
+
+
+def parse_args(argv):
+    parser = hp.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--logdir", required=True, help="a logdir written by train.py")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    parser.add_argument("--format", default="saved_model", choices=FORMATS,
+                        help="saved_model (TensorFlow, text in and out) or ctranslate2")
+    parser.add_argument("--ckpt", default=None,
+                        help="checkpoint path, or 'best' (best validation BLEU); "
+                             "default: the latest")
+    parser.add_argument("--average_last", type=int, default=0, metavar="N",
+                        help="average the weights of the last N checkpoints (all N must "
+                             "exist; not with --ckpt)")
+    parser.add_argument("--beam_size", type=int, default=4, help="1 for greedy search")
+    parser.add_argument("--alpha", type=float, default=0.6, help="length-penalty exponent")
+    parser.add_argument("--n_best", type=int, default=1, metavar="K",
+                        help="hypotheses returned per sentence (at most --beam_size)")
+    parser.add_argument("--length_margin", type=int, default=16, metavar="M",
+                        help="a translation has at most its source's length + M subwords "
+                             "(EOS included, at most maxlen2)")
+    parser.add_argument("--batch_size", type=int, default=64,
+                        help="most sentences the SavedModel decodes together (a request of "
+                             "any size is decoded in batches of this size)")
+    parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
+                        help="precision of decoding (default: the one the model was trained "
+                             "in)")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                        help="weight type of --format ctranslate2 (default float32)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty --out (once the new export is complete)")
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser, args):
+    """Stops with an error naming the flag, for a value out of range or flags that clash."""
+    for flag, least in (("beam_size", 1), ("n_best", 1), ("length_margin", 0),
+                        ("batch_size", 1), ("average_last", 0)):
+        if getattr(args, flag) < least:
+            parser.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
+    if args.n_best > args.beam_size:
+        parser.error(f"--n_best ({args.n_best}) must be at most --beam_size ({args.beam_size}): "
+                     "the search keeps only --beam_size hypotheses")
+    if args.ckpt and args.average_last:
+        parser.error(f"--ckpt ({args.ckpt}) and --average_last ({args.average_last}) exclude "
+                     "each other: give one checkpoint, or the number of last ones to average")
+    if args.quantization and args.format != "ctranslate2":
+        parser.error(f"--quantization ({args.quantization}) applies to --format ctranslate2 "
+                     "only: a SavedModel keeps the model's float32 weights")
+
+
+def check_out(out, overwrite):
+    """Refuses an `out` that may not be written.
+
+    Args:
+      out: The --out directory.
+      overwrite: Whether --overwrite was given.
+
+    Raises:
+      SystemExit: `out` is a file, or a non-empty directory without `overwrite`.
+    """
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise SystemExit(f"error: --out {out} is a file, not a directory")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise SystemExit(f"error: --out {out} already exists and is not empty; pass --overwrite "
+                         "to replace it (the old one stays until the new export is complete)")
+
+
+def staging_dir(out):
+    """A new hidden directory beside `out`, where the export is written first.
+
+    Args:
+      out: The --out directory (its parent is made if missing).
+
+    Returns:
+      The staging directory's path: on the same file system as `out`, so
+      that renaming from it to `out` is atomic.
+    """
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.export-",
+                                dir=parent)
+    except OSError as error:
+        raise SystemExit(f"error: cannot write beside --out {out} ({error})") from None
+
+
+def put_in_place(new, out, staging):
+    """Moves the complete export `new` to `out`, replacing what was there.
+
+    Args:
+      new: The complete export, inside `staging`.
+      out: Its destination (absent, empty, or an earlier export).
+      staging: The directory beside `out` that holds `new`.
+
+    The old `out` is moved into `staging` first, to be deleted with it;
+    should the second rename fail, it goes back. Only a crash between the
+    two renames leaves no `out`; the old export is then in `staging`.
+    """
+    if os.path.isdir(out) and os.listdir(out):
+        old = os.path.join(staging, "old")
+        os.rename(out, old)
+        try:
+            os.rename(new, out)
+        except OSError:
+            os.rename(old, out)
+            raise
+        return
+    if os.path.isdir(out):
+        os.rmdir(out)
+    os.rename(new, out)
+
+
+def load(args):
+    """The model and what goes with it, read from --logdir as eval.py reads them.
+
+    Args:
+      args: The parsed flags.
+
+    Returns:
+      ``(hparams, subwords, model, checkpoints, precision)``; the Keras dtype
+      policy is set to `precision` (--mixed_precision, or the logdir's).
+    """
+    try:
+        hparams = hp.load(os.path.join(args.logdir, "hparams.json"))
+        subwords = data.Subwords(os.path.join(args.logdir, data.Subwords.FILE_NAME))
+        precision = args.mixed_precision or hparams["mixed_precision"]
+        set_precision(precision)
+        model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
+    except (hp.HParamsError, data.DataError, CheckpointError) as error:
+        raise SystemExit(f"error: {error}") from None
+    return hparams, subwords, model, checkpoints, precision
+
+
+def write_saved_model(args, model, subwords, checkpoints, precision, target):
+    """Writes the SavedModel, with a record of its settings (`SETTINGS_FILE`).
+
+    Args:
+      args: The parsed flags (the search settings).
+      model, subwords: From `load`.
+      checkpoints, precision: From `load`, for the record.
+      target: The directory to write (it must not exist).
+
+    Returns:
+      The names of its signatures (without tensorflow-text, the ids one only).
+    """
+    with_text = serving.import_tensorflow_text() is not None
+    settings = serving.SearchSettings(args.beam_size, args.alpha, args.n_best,
+                                      args.length_margin, args.batch_size)
+    signatures = serving.save(model, subwords.path, settings, target, with_text=with_text)
+    record = {"format": "saved_model", "signatures": signatures, "logdir": args.logdir,
+              "checkpoint": describe(checkpoints), "checkpoints": checkpoints,
+              "mixed_precision": precision, "compute_dtype": PRECISION_POLICIES[precision],
+              "beam_size": args.beam_size, "alpha": args.alpha, "n_best": args.n_best,
+              "length_margin": args.length_margin, "batch_size": args.batch_size,
+              "maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
+              "subword_model": serving.asset_name(subwords.path)}
+    os.makedirs(os.path.dirname(os.path.join(target, SETTINGS_FILE)), exist_ok=True)
+    with open(os.path.join(target, SETTINGS_FILE), "w", encoding="utf-8") as handle:
+        json.dump(record, handle, indent=2)
+        handle.write("\n")
+    return signatures
+
+
+def write_ctranslate2(args, hparams, model, subwords, target):
+    """Writes the CTranslate2 model directory with `ctranslate2_export.convert`.
+
+    Args:
+      args: The parsed flags (--quantization).
+      hparams, model, subwords: From `load`.
+      target: The directory to write (it must not exist).
+
+    Raises:
+      SystemExit: the converter is missing, or refuses the model or option.
+    """
+    try:
+        from kyu_transformer import ctranslate2_export
+    except ModuleNotFoundError as error:
+        if error.name != "kyu_transformer.ctranslate2_export":
+            raise
+        raise SystemExit("error: --format ctranslate2 is not implemented in this checkout "
+                         "(kyu_transformer/ctranslate2_export.py is missing)") from None
+    try:
+        ctranslate2_export.convert(model, hparams, subwords, target,
+                                   quantization=args.quantization or "float32")
+    except ctranslate2_export.ExportError as error:
+        raise SystemExit(f"error: --format ctranslate2: {error}") from None
+    except ImportError as error:  # ctranslate2 itself is missing
+        raise SystemExit(f"error: --format ctranslate2: {error}") from None
+
+
+def print_saved_model_usage(out, signatures, args, checkpoints, precision):
+    """Says what was written and how to call it, load it and serve it."""
+    search = (f"beam {args.beam_size}, alpha {args.alpha}" if args.beam_size > 1
+              else f"greedy, alpha {args.alpha} for the scores")
+    print(f"wrote a SavedModel to {out}: checkpoint {describe(checkpoints)}; {search}, "
+          f"n_best {args.n_best}, length margin {args.length_margin}; decoding in "
+          f"{PRECISION_POLICIES[precision]}")
+    print(f"signatures: {', '.join(signatures)}  (saved_model_cli show --dir {out} --all)")
+    if serving.TEXT_SIGNATURE not in signatures:
+        print("note: tensorflow-text is not installed, so only the ids signature was written "
+              f"(subword ids in and out); for the text signature: {serving.SERVE_EXTRA}, "
+              "then export again")
+        return
+    name = os.path.basename(os.path.abspath(out))
+    print("call it from Python (TensorFlow and tensorflow-text, without this package):")
+    print("  import tensorflow as tf, tensorflow_text  # tensorflow_text registers the "
+          "SentencePiece ops")
+    print(f"  translate = tf.saved_model.load({out!r}).signatures[{serving.TEXT_SIGNATURE!r}]")
+    print(f"  print(translate(text=tf.constant([{EXAMPLE!r}]))[\"translations\"])")
+    print("serve it with TensorFlow Serving (REST on port 8501):")
+    print(f'  docker run -p 8501:8501 -v "$(realpath {out}):/models/{name}/1" '
+          f"-e MODEL_NAME={name} tensorflow/serving")
+    print(f"  curl -d '{{\"instances\": [\"{EXAMPLE}\"]}}' "
+          f"http://localhost:8501/v1/models/{name}:predict")
+
+
+def print_ctranslate2_usage(out, args, checkpoints):
+    """Says what was written and how to translate with it."""
+    print(f"wrote a CTranslate2 model to {out}: checkpoint {describe(checkpoints)}, weights "
+          f"{args.quantization or 'float32'}")
+    print("translate with it as eval.py decodes (EOS appended, the same length limits):")
+    print("  from kyu_transformer.ctranslate2_export import translate_with_ctranslate2")
+    print(f"  translate_with_ctranslate2({out!r}, source_ids, beam_size={args.beam_size}, "
+          f"alpha={args.alpha}, length_margin={args.length_margin})")
+    print("  (source_ids: lists of subword ids without EOS, from the subword model in the "
+          "directory)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_out(args.out, args.overwrite)
+    hparams, subwords, model, checkpoints, precision = load(args)
+    staging = staging_dir(args.out)
+    try:
+        target = os.path.join(staging, "new")
+        if args.format == "ctranslate2":
+            write_ctranslate2(args, hparams, model, subwords, target)
+        else:
+            signatures = write_saved_model(args, model, subwords, checkpoints, precision,
+                                           target)
+        put_in_place(target, args.out, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if args.format == "ctranslate2":
+        print_ctranslate2_usage(args.out, args, checkpoints)
+    else:
+        print_saved_model_usage(args.out, signatures, args, checkpoints, precision)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
