@@ -20,6 +20,7 @@ TENSORFLOW_ONLY_MODULES = {
     "test_ctranslate2.py": "the CTranslate2 export, checked against TensorFlow decoding",
     "test_data.py": "the tf.data pipeline",
     "test_decoding.py": "decoding and the eval.py program on TensorFlow checkpoints",
+    "test_export.py": "the export.py program and TensorFlow SavedModels",
     "test_eval.py": "the eval.py program (n-best, scoring, CTranslate2) on TensorFlow checkpoints",
     "test_faults.py": "the training and eval.py programs",
     "test_multi_worker.py": "tf.distribute multi-worker training",

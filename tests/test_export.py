@@ -1,0 +1,386 @@
+"""export.py and the SavedModel it writes: eval.py's translations, outside this package."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import export
+import hparams as hp
+from kyu_transformer import data, serving
+from kyu_transformer.checkpoints import load_model
+from kyu_transformer.decoding import Translator, length_penalty, sequence_log_probs
+from kyu_transformer.training import set_precision
+from tests.test_data import MULTI30K
+from tests.test_training import ROOT
+
+# The text signature, and loading a SavedModel that has it, need tensorflow-text's ops.
+needs_tensorflow_text = pytest.mark.skipif(
+    serving.import_tensorflow_text() is None,
+    reason=f"tensorflow-text is not installed ({serving.SERVE_EXTRA})")
+ENVIRONMENT = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+ALPHA = 0.6
+# Each export of the `exports` fixture: its export.py flags.
+EXPORTS = {
+    "greedy": ("--beam_size", 1),
+    "beam": ("--beam_size", 4, "--n_best", 3),
+    "beam_bf16": ("--beam_size", 4, "--mixed_precision", "bf16"),
+}
+
+# Run in a fresh interpreter: loads SavedModels with TensorFlow and
+# tensorflow-text only, calls their signatures as the request file says, and
+# writes the outputs (and whether kyu_transformer got imported) as JSON.
+SERVE_SCRIPT = r"""
+import json, sys
+import tensorflow as tf
+import tensorflow_text  # registers the SentencePiece ops
+
+request = json.load(open(sys.argv[1], encoding="utf-8"))
+loaded, results = {}, {}
+for key, call in request.items():
+    if call["dir"] not in loaded:
+        loaded[call["dir"]] = tf.saved_model.load(call["dir"])
+    signature = loaded[call["dir"]].signatures[call["signature"]]
+    if "ids" in call:
+        outputs = signature(ids=tf.constant(call["ids"], tf.int32, shape=call["shape"]))
+    else:
+        outputs = signature(text=tf.constant(call["text"], tf.string, shape=[len(call["text"])]))
+    results[key] = {name: (value.numpy().astype(str) if value.dtype == tf.string
+                           else value.numpy()).tolist() for name, value in outputs.items()}
+results["kyu_transformer_imported"] = "kyu_transformer" in sys.modules
+json.dump(results, open(sys.argv[2], "w", encoding="utf-8"))
+"""
+
+
+def run(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=ENVIRONMENT, timeout=900)
+
+
+def run_export(logdir, out, *flags):
+    return run(os.path.join(ROOT, "export.py"), "--logdir", logdir, "--out", out, *flags)
+
+
+def _padded(id_lists):
+    """Id lists as a `(N, S)` int32 list of lists, padded with 0."""
+    width = max([len(ids) for ids in id_lists] + [1])
+    return [list(ids) + [0] * (width - len(ids)) for ids in id_lists]
+
+
+def _stripped(row):
+    """A `(L,)` output row of the ids signature as a list, padding removed."""
+    return [int(i) for i in row if i != data.PAD_ID]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny model trained by train.py, its subword model, and val sentences."""
+    logdir = tmp_path_factory.mktemp("export") / "log"
+    result = run(os.path.join(ROOT, "train.py"), "--hparams", "tiny", "--data_dir", MULTI30K,
+                 "--logdir", logdir, "--d_model", 64, "--d_ff", 128, "--num_heads", 4,
+                 "--lr", 1.0, "--num_epochs", 2, "--steps_per_epoch", 100)
+    assert result.returncode == 0, result.stdout + result.stderr
+    hparams = hp.load(str(logdir / "hparams.json"))
+    model, _ = load_model(hparams, str(logdir))
+    subwords = data.Subwords(str(logdir / data.Subwords.FILE_NAME))
+    val, _, _ = data.load_split(MULTI30K, "val")
+    # Five val sentences joined: longer than the encoder's maxlen1.
+    long = [" ".join(val[first:first + 5]) for first in range(200, 230, 5)]
+    assert all(len(ids) + 1 > model.maxlen1 for ids in subwords.encode(long))
+    return {"logdir": logdir, "hparams": hparams, "model": model, "subwords": subwords,
+            "val": val, "long": long}
+
+
+@pytest.fixture(scope="module")
+def exports(trained, tmp_path_factory):
+    """The directories written by export.py for each of `EXPORTS`, and its output."""
+    root = tmp_path_factory.mktemp("exports")
+    written = {}
+    for name, flags in EXPORTS.items():
+        result = run_export(trained["logdir"], root / name, *flags)
+        assert result.returncode == 0, result.stdout + result.stderr
+        written[name] = {"dir": str(root / name), "stdout": result.stdout}
+    return written
+
+
+@pytest.fixture(scope="module")
+def served(trained, exports, tmp_path_factory):
+    """The SavedModels' outputs, from a process that never imports kyu_transformer."""
+    val, long, subwords = trained["val"], trained["long"], trained["subwords"]
+    ids = subwords.encode(val[:100] + long)
+    # Tabs, a no-break space, an ideographic space and runs of them, as raw input may hold.
+    messy = [" \t" + line.replace(" ", "\t", 1).replace(" ", "\u00a0 ", 1)
+             .replace(" ", "\u3000", 1) + " \r" for line in val[:20]]
+    calls = {
+        "greedy_val": ("greedy", val), "beam_val": ("beam", val), "bf16_val": ("beam_bf16", val),
+        "beam_long": ("beam", long), "beam_messy": ("beam", messy),
+        "beam_empty": ("beam", ["", val[0], " ", ""]), "beam_none": ("beam", []),
+        "greedy_one": ("greedy", val[:1]), "greedy_thousands": ("greedy", val * 10),
+    }
+    request = {key: {"dir": exports[name]["dir"], "signature": serving.TEXT_SIGNATURE,
+                     "text": text} for key, (name, text) in calls.items()}
+    for name in ("greedy", "beam"):
+        request[f"{name}_ids"] = {"dir": exports[name]["dir"], "signature": serving.IDS_SIGNATURE,
+                                  "ids": _padded(ids), "shape": [len(ids), len(_padded(ids)[0])]}
+    folder = tmp_path_factory.mktemp("served")
+    with open(folder / "request.json", "w", encoding="utf-8") as handle:
+        json.dump(request, handle)
+    result = run("-c", SERVE_SCRIPT, folder / "request.json", folder / "results.json",
+                 cwd=folder)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with open(folder / "results.json", encoding="utf-8") as handle:
+        return {**json.load(handle), "source_ids": ids}
+
+
+# ------------------------------------------------------------ the programs
+
+
+def test_export_refuses_bad_flags_naming_them(capsys):
+    cases = [
+        (["--n_best", "5", "--beam_size", "4"], "--n_best (5) must be at most --beam_size (4)"),
+        (["--quantization", "int8"], "--quantization (int8) applies to --format ctranslate2"),
+        (["--length_margin", "-1"], "--length_margin must be at least 0, got -1"),
+        (["--ckpt", "best", "--average_last", "2"], "--ckpt (best) and --average_last (2)"),
+        (["--beam_szie", "4"], "unknown flag --beam_szie (did you mean --beam_size?)"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(SystemExit):
+            export.parse_args(["--logdir", "log", "--out", "out", *flags])
+        assert message in capsys.readouterr().err
+
+
+def test_export_refuses_a_file_as_out(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("mine")
+    with pytest.raises(SystemExit, match="is a file"):
+        export.check_out(str(path), overwrite=True)
+
+
+@pytest.mark.slow
+def test_a_non_empty_out_is_refused_without_overwrite_and_replaced_whole_with_it(trained,
+                                                                                  tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("an earlier export")
+    result = run_export(trained["logdir"], out, "--beam_size", 1)
+    assert result.returncode != 0
+    assert "already exists and is not empty; pass --overwrite" in result.stderr
+    assert sorted(os.listdir(out)) == ["keep.txt"]
+
+    result = run_export(trained["logdir"], out, "--beam_size", 1, "--overwrite")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "saved_model.pb" in os.listdir(out) and "keep.txt" not in os.listdir(out)
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no staging directory left behind
+
+
+@pytest.mark.slow
+def test_an_export_that_fails_leaves_the_old_one_intact(trained, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("an earlier export")
+
+    def crash(args, model, subwords, checkpoints, precision, target):
+        os.makedirs(target)
+        with open(os.path.join(target, "saved_model.pb"), "w") as handle:
+            handle.write("half written")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(export, "write_saved_model", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        export.main(["--logdir", str(trained["logdir"]), "--out", str(out), "--overwrite"])
+    assert sorted(os.listdir(out)) == ["keep.txt"]
+    assert (out / "keep.txt").read_text() == "an earlier export"
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+def test_export_says_what_it_wrote_and_how_to_call_it(trained, exports):
+    stdout = exports["beam"]["stdout"]
+    assert f"wrote a SavedModel to {exports['beam']['dir']}" in stdout
+    assert "beam 4, alpha 0.6, n_best 3, length margin 16" in stdout
+    assert "signatures: ids, serving_default" in stdout
+    assert "tf.saved_model.load(" in stdout and "tensorflow/serving" in stdout
+    assert ":predict" in stdout
+    with open(os.path.join(exports["beam"]["dir"], export.SETTINGS_FILE)) as handle:
+        record = json.load(handle)
+    assert record["beam_size"] == 4 and record["n_best"] == 3 and record["maxlen1"] == 48
+    assert "float32" in exports["beam"]["stdout"]
+    assert "mixed_bfloat16" in exports["beam_bf16"]["stdout"]
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+def test_the_subword_model_is_an_asset_of_the_saved_model(trained, exports):
+    asset = os.path.join(exports["beam"]["dir"], "assets", data.Subwords.FILE_NAME)
+    with open(asset, "rb") as copy, open(trained["subwords"].path, "rb") as original:
+        assert copy.read() == original.read()
+    serving.import_tensorflow_text()  # registers the SentencePiece ops the graph holds
+    loaded = tf.saved_model.load(exports["beam"]["dir"])
+    assert os.path.basename(loaded.subword_model.asset_path.numpy().decode()) == \
+        data.Subwords.FILE_NAME
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("saved_model_cli") is None, reason="saved_model_cli not on PATH")
+def test_saved_model_cli_lists_both_signatures(exports):
+    result = subprocess.run(["saved_model_cli", "show", "--dir", exports["beam"]["dir"], "--all"],
+                            capture_output=True, text=True, env=ENVIRONMENT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for expected in ("signature_def['serving_default']", "signature_def['ids']",
+                     "inputs['text']", "outputs['translations']", "outputs['n_best']",
+                     "outputs['scores']", "inputs['ids']", "outputs['ids']"):
+        assert expected in result.stdout
+
+
+@pytest.mark.slow
+def test_without_tensorflow_text_only_the_ids_signature_is_written(trained, tmp_path):
+    out = tmp_path / "ids_only"
+    # tensorflow_text made unimportable, as where it is not installed.
+    block = ("import runpy, sys; sys.modules['tensorflow_text'] = None; "
+             f"sys.argv = ['export.py', '--logdir', {str(trained['logdir'])!r}, "
+             f"'--out', {str(out)!r}, '--beam_size', '1']; "
+             "runpy.run_path('export.py', run_name='__main__')")
+    result = run("-c", block)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert 'only the ids signature was written' in result.stdout
+    assert 'pip install -e ".[serve]"' in result.stdout
+    assert list(tf.saved_model.load(str(out)).signatures) == [serving.IDS_SIGNATURE]
+
+
+@pytest.mark.slow
+def test_ctranslate2_format_writes_a_model_ctranslate2_loads(trained, tmp_path):
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    out = tmp_path / "ct2"
+    result = run_export(trained["logdir"], out, "--format", "ctranslate2",
+                        "--quantization", "int8")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"wrote a CTranslate2 model to {out}" in result.stdout
+    assert "model.bin" in os.listdir(out)
+    ctranslate2.Translator(str(out), device="cpu")
+    assert sorted(os.listdir(tmp_path)) == ["ct2"]
+
+
+# ------------------------------------------------------------ the SavedModel
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+def test_the_saved_model_loads_without_kyu_transformer(served):
+    assert served["kyu_transformer_imported"] is False
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+@pytest.mark.parametrize("name, beam_size", [("greedy", 1), ("beam", 4)])
+def test_translations_equal_the_translators_line_for_line(trained, served, name, beam_size):
+    expected = Translator(trained["model"], beam_size, ALPHA).translate(trained["val"],
+                                                                        trained["subwords"])
+    got = served[f"{name}_val"]["translations"]
+    assert len(got) == len(expected) == 300
+    assert [i for i, (a, b) in enumerate(zip(got, expected)) if a != b] == []
+    assert len(set(got)) > 20  # a model that translates, not one repeating itself
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+def test_bfloat16_translations_equal_the_bfloat16_translators(trained, served):
+    set_precision("bf16")  # as eval.py --mixed_precision bf16; conftest restores float32
+    model, _ = load_model(trained["hparams"], str(trained["logdir"]))
+    assert model.compute_dtype == "bfloat16"
+    expected = Translator(model, 4, ALPHA).translate(trained["val"], trained["subwords"])
+    got = served["bf16_val"]["translations"]
+    assert [i for i, (a, b) in enumerate(zip(got, expected)) if a != b] == []
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+def test_n_best_rows_are_sorted_and_start_with_the_translation(served):
+    for key, k in (("beam_val", 3), ("greedy_val", 1)):
+        result = served[key]
+        n_best, scores = np.array(result["n_best"]), np.array(result["scores"])
+        assert n_best.shape == scores.shape == (300, k)
+        assert list(n_best[:, 0]) == result["translations"]
+        assert np.all(np.diff(scores, axis=1) <= 0)
+        assert np.all(scores < 0)
+    assert np.any(np.diff(np.array(served["beam_val"]["scores"]), axis=1) < 0)
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+@pytest.mark.parametrize("name, beam_size, n_best", [("greedy", 1, 1), ("beam", 4, 3)])
+def test_the_ids_signature_equals_translate_ids(trained, served, name, beam_size, n_best):
+    translator = Translator(trained["model"], beam_size, ALPHA)
+    best = translator.translate_ids(served["source_ids"])
+    too_long = [ids for ids in served["source_ids"] if len(ids) + 1 > trained["model"].maxlen1]
+    assert translator.truncated_sources == len(too_long) >= len(trained["long"])
+    hypotheses, scores = translator.translate_ids(served["source_ids"], n_best=n_best)
+    result = served[f"{name}_ids"]
+    got = [[_stripped(row) for row in rows] for rows in result["ids"]]
+    assert [rows[0] for rows in got] == best
+    assert got == hypotheses
+    np.testing.assert_allclose(result["scores"], scores, rtol=1e-6)
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["greedy", "beam"])
+def test_scores_are_length_normalized_log_probabilities(trained, served, name):
+    """Each hypothesis' score is its log-probability, EOS included, over GNMT's penalty."""
+    model, maxlen1 = trained["model"], trained["model"].maxlen1
+    sources, outputs = [], []
+    for source, hypotheses in zip(served["source_ids"], served[f"{name}_ids"]["ids"]):
+        encoder_input = (source + [data.EOS_ID])[:maxlen1]
+        limit = min(model.maxlen2, len(encoder_input) + 16)
+        for row in hypotheses:
+            output = _stripped(row)
+            # A hypothesis shorter than its limit ended with EOS; one at its limit was cut.
+            sources.append(encoder_input)
+            outputs.append(output + [data.EOS_ID] if len(output) < limit else output)
+    log_probs = sequence_log_probs(model, np.array(_padded(sources), "int32"),
+                                   np.array(_padded(outputs), "int32"))
+    lengths = np.array([len(output) for output in outputs])
+    expected = np.asarray(log_probs) / np.asarray(length_penalty(lengths, ALPHA))
+    got = np.array(served[f"{name}_ids"]["scores"]).reshape(-1)
+    np.testing.assert_allclose(got, expected, atol=2e-4, rtol=1e-5)
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+def test_empty_strings_give_empty_translations(served):
+    result = served["beam_empty"]
+    assert result["translations"][0] == result["translations"][2] == \
+        result["translations"][3] == ""
+    assert result["translations"][1] == served["beam_val"]["translations"][0]
+    for row in (0, 2, 3):
+        assert result["n_best"][row] == ["", "", ""] and result["scores"][row] == [0, 0, 0]
+    assert served["beam_none"] == {"translations": [], "n_best": [], "scores": []}
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+def test_sources_longer_than_maxlen1_are_cut_as_eval_cuts_them(trained, served):
+    translator = Translator(trained["model"], 4, ALPHA)
+    expected = translator.translate(trained["long"], trained["subwords"])
+    assert translator.truncated_sources == len(trained["long"])
+    assert served["beam_long"]["translations"] == expected
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+def test_white_space_is_folded_as_eval_reads_lines(served):
+    assert served["beam_messy"]["translations"] == served["beam_val"]["translations"][:20]
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+def test_a_batch_of_one_and_one_of_thousands(served):
+    greedy = served["greedy_val"]["translations"]
+    assert served["greedy_one"]["translations"] == greedy[:1]
+    assert served["greedy_thousands"]["translations"] == greedy * 10
