@@ -1,5 +1,7 @@
 from setuptools import find_packages, setup
 
+SERVE = ["tensorflow-text>=2.21,<2.22", "ctranslate2>=4"]
+
 setup(
     name="kyu_transformer",
     version="0.1.0",
@@ -18,10 +20,11 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "jax"],
-        "bench": ["keras-hub"],
         # Serving exports (export.py): tensorflow-text's ops are built for one
         # TensorFlow minor version, the one installed here (2.21).
-        "serve": ["tensorflow-text>=2.21,<2.22", "ctranslate2>=4"],
+        "serve": SERVE,
+        # The tests cover the exports too, and run the layers on JAX.
+        "test": ["pytest", "jax", *SERVE],
+        "bench": ["keras-hub"],
     },
 )

@@ -50,7 +50,7 @@ def pytest_configure(config):
 
 
 # Fixtures that train a model with train.py: the tests that use them are slow.
-TRAINING_FIXTURES = {"trained", "trained_logdir"}
+TRAINING_FIXTURES = {"trained", "trained_logdir", "trained_tiny_logdir"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -65,6 +65,40 @@ def pytest_collection_modifyitems(config, items):
             reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "")
             item.add_marker(pytest.mark.skip(
                 reason=f"needs TensorFlow itself ({reason}); KERAS_BACKEND is {BACKEND}"))
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_logdir(tmp_path_factory):
+    """A logdir of a small model trained by train.py for 300 steps, with validation BLEU.
+
+    Trained once for the session (several modules decode with it); a module
+    copies it (`copy_of_trained_logdir`) before writing into it.
+    """
+    import subprocess
+    import sys
+
+    from tests.test_data import MULTI30K, ROOT
+
+    logdir = tmp_path_factory.mktemp("trained-tiny") / "log"
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--hparams", "tiny", "--data_dir",
+         MULTI30K, "--logdir", str(logdir), "--d_model", "64", "--d_ff", "128", "--num_heads",
+         "4", "--lr", "1.0", "--num_epochs", "3", "--steps_per_epoch", "100",
+         "--eval_sentences", "50"],
+        capture_output=True, text=True, cwd=ROOT, timeout=900,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    (logdir / "train_output.txt").write_text(result.stdout)
+    return logdir
+
+
+def copy_of_trained_logdir(trained_tiny_logdir, tmp_path_factory, name):
+    """A copy of the session's trained logdir, for a module to write into."""
+    import shutil
+
+    copy = tmp_path_factory.mktemp(name) / "log"
+    shutil.copytree(trained_tiny_logdir, copy)
+    return copy
 
 
 @pytest.fixture(autouse=True)

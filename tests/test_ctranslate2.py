@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -20,23 +18,15 @@ from kyu_transformer.ctranslate2_export import (  # noqa: E402
 from kyu_transformer.decoding import Translator, sequence_log_probs  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
 from tests.test_data import MULTI30K  # noqa: E402
-from tests.test_training import ROOT  # noqa: E402
 
-ENVIRONMENT = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
 # Characters that no Multi30k sentence holds: the subword model maps them to <unk>.
 UNKNOWN_TEXT = ["Ein Mann ☃ spielt 𝄞 Gitarre.", "Zwei Hunde ✈ im Schnee ¤."]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A small model trained by train.py for a few hundred steps (outputs that vary)."""
-    logdir = tmp_path_factory.mktemp("trained") / "log"
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train.py"), "--hparams", "tiny",
-         "--data_dir", MULTI30K, "--logdir", str(logdir), "--d_model", "64", "--d_ff", "128",
-         "--num_heads", "4", "--lr", "1.0", "--num_epochs", "2", "--steps_per_epoch", "100"],
-        capture_output=True, text=True, cwd=ROOT, env=ENVIRONMENT, timeout=900)
-    assert result.returncode == 0, result.stdout + result.stderr
+def trained(trained_tiny_logdir):
+    """The session's small trained model (a few hundred steps: outputs that vary)."""
+    logdir = trained_tiny_logdir  # only read here
     hparams = hp.load(str(logdir / "hparams.json"))
     model, _ = load_model(hparams, str(logdir))
     subwords = data.Subwords(str(logdir / data.Subwords.FILE_NAME))

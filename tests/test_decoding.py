@@ -17,6 +17,7 @@ from kyu_transformer.checkpoints import CheckpointError, list_checkpoints, load_
 from kyu_transformer.decoding import (Translator, _top_k_rows, beam_search, greedy_search,
                                       recompute_greedy_search, sequence_log_probs)
 from kyu_transformer.model import Transformer
+from tests.conftest import copy_of_trained_logdir
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT
 
@@ -30,18 +31,15 @@ def run(script, *args, stdin=None):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A small model trained by train.py for 300 steps, with validation BLEU."""
-    logdir = tmp_path_factory.mktemp("trained") / "log"
-    result = run("train.py", "--hparams", "tiny", "--data_dir", MULTI30K, "--logdir", logdir,
-                 "--d_model", 64, "--d_ff", 128, "--num_heads", 4, "--lr", 1.0,
-                 "--num_epochs", 3, "--steps_per_epoch", 100, "--eval_sentences", 50)
-    assert result.returncode == 0, result.stdout + result.stderr
+def trained(trained_tiny_logdir, tmp_path_factory):
+    """The session's small trained model (300 steps, with validation BLEU), in a logdir copy."""
+    logdir = copy_of_trained_logdir(trained_tiny_logdir, tmp_path_factory, "decoding")
     hparams = hp.load(str(logdir / "hparams.json"))
     model, _ = load_model(hparams, str(logdir))
     subwords = data.Subwords(str(logdir / data.Subwords.FILE_NAME))
     sources, _, _ = data.load_split(MULTI30K, "val")
-    return {"logdir": logdir, "model": model, "subwords": subwords, "train_output": result.stdout,
+    return {"logdir": logdir, "model": model, "subwords": subwords,
+            "train_output": (logdir / "train_output.txt").read_text(),
             "sources": [ids + [data.EOS_ID] for ids in subwords.encode(sources)
                         if len(ids) < 30][:96]}
 

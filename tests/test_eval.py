@@ -15,6 +15,7 @@ from kyu_transformer import data
 from kyu_transformer.checkpoints import load_model
 from kyu_transformer.decoding import Translator
 from kyu_transformer.model import Transformer
+from tests.conftest import copy_of_trained_logdir
 from tests.test_data import MULTI30K, ROOT
 
 ENVIRONMENT = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
@@ -36,13 +37,9 @@ def read_json_lines(path):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A small model trained by train.py for 200 steps, and val text around it."""
-    logdir = tmp_path_factory.mktemp("eval") / "log"
-    result = run("train.py", "--hparams", "tiny", "--data_dir", MULTI30K, "--logdir", logdir,
-                 "--d_model", 64, "--d_ff", 128, "--num_heads", 4, "--lr", 1.0,
-                 "--num_epochs", 2, "--steps_per_epoch", 100)
-    assert result.returncode == 0, result.stdout + result.stderr
+def trained(trained_tiny_logdir, tmp_path_factory):
+    """The session's small trained model, in a logdir copy, and val text around it."""
+    logdir = copy_of_trained_logdir(trained_tiny_logdir, tmp_path_factory, "eval")
     hparams = hp.load(str(logdir / "hparams.json"))
     model, _ = load_model(hparams, str(logdir))
     sources, references, _ = data.load_split(MULTI30K, "val")

@@ -16,6 +16,7 @@ from kyu_transformer import data, serving
 from kyu_transformer.checkpoints import load_model
 from kyu_transformer.decoding import Translator, length_penalty, sequence_log_probs
 from kyu_transformer.training import set_precision
+from tests.conftest import copy_of_trained_logdir
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT
 
@@ -78,13 +79,9 @@ def _stripped(row):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny model trained by train.py, its subword model, and val sentences."""
-    logdir = tmp_path_factory.mktemp("export") / "log"
-    result = run(os.path.join(ROOT, "train.py"), "--hparams", "tiny", "--data_dir", MULTI30K,
-                 "--logdir", logdir, "--d_model", 64, "--d_ff", 128, "--num_heads", 4,
-                 "--lr", 1.0, "--num_epochs", 2, "--steps_per_epoch", 100)
-    assert result.returncode == 0, result.stdout + result.stderr
+def trained(trained_tiny_logdir, tmp_path_factory):
+    """The session's small trained model (a logdir copy), its subword model, val sentences."""
+    logdir = copy_of_trained_logdir(trained_tiny_logdir, tmp_path_factory, "export")
     hparams = hp.load(str(logdir / "hparams.json"))
     model, _ = load_model(hparams, str(logdir))
     subwords = data.Subwords(str(logdir / data.Subwords.FILE_NAME))
