@@ -52,7 +52,7 @@ def parse_args(argv):
     parser.add_argument("--length_margin", type=int, default=16, metavar="M",
                         help="a translation has at most its source's length + M subwords "
                              "(EOS included, at most maxlen2)")
-    parser.add_argument("--batch_size", type=int, default=64,
+    parser.add_argument("--batch_size", type=int, default=128,
                         help="most sentences the SavedModel decodes together (a request of "
                              "any size is decoded in batches of this size)")
     parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
@@ -84,19 +84,42 @@ def check_args(parser, args):
                      "only: a SavedModel keeps the model's float32 weights")
 
 
-def check_out(out, overwrite):
+# Files that only an earlier export holds: --overwrite replaces nothing else.
+EXPORT_MARKERS = (("saved_model.pb", SETTINGS_FILE), ("model.bin", "kyu_transformer.json"))
+
+
+def is_export(directory):
+    """Whether `directory` holds a SavedModel or a CTranslate2 model written by export.py."""
+    return any(all(os.path.isfile(os.path.join(directory, name)) for name in marker)
+               for marker in EXPORT_MARKERS)
+
+
+def check_out(out, overwrite, logdir):
     """Refuses an `out` that may not be written.
 
     Args:
       out: The --out directory.
       overwrite: Whether --overwrite was given.
+      logdir: The --logdir read from (never to be replaced).
 
     Raises:
-      SystemExit: `out` is a file, or a non-empty directory without `overwrite`.
+      SystemExit: `out` is a file; it is, or holds, the logdir; or it is a
+        non-empty directory that is not an earlier export, or one without
+        `overwrite`.
     """
     if os.path.exists(out) and not os.path.isdir(out):
         raise SystemExit(f"error: --out {out} is a file, not a directory")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+    out_path, logdir_path = os.path.realpath(out), os.path.realpath(logdir)
+    if os.path.commonpath([out_path, logdir_path]) == out_path:
+        raise SystemExit(f"error: --out {out} is or holds the --logdir {logdir}; write the "
+                         "export elsewhere (it would replace the logdir)")
+    if not (os.path.isdir(out) and os.listdir(out)):
+        return
+    if not is_export(out):
+        raise SystemExit(f"error: --out {out} is a non-empty directory that holds no earlier "
+                         "export; --overwrite replaces only an export (saved_model.pb and "
+                         f"{SETTINGS_FILE}, or model.bin and kyu_transformer.json)")
+    if not overwrite:
         raise SystemExit(f"error: --out {out} already exists and is not empty; pass --overwrite "
                          "to replace it (the old one stays until the new export is complete)")
 
@@ -264,7 +287,7 @@ def print_ctranslate2_usage(out, args, checkpoints):
 
 def main(argv=None):
     args = parse_args(argv)
-    check_out(args.out, args.overwrite)
+    check_out(args.out, args.overwrite, args.logdir)
     hparams, subwords, model, checkpoints, precision = load(args)
     staging = staging_dir(args.out)
     try:

@@ -15,6 +15,7 @@ steady-state ratio of each to CTranslate2 float32. Needs the `serve` extra
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -103,15 +104,13 @@ def main():
     parser.add_argument("--split", default="test_2016_flickr")
     parser.add_argument("--beam_size", type=int, default=4)
     parser.add_argument("--alpha", type=float, default=0.6)
-    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--batch_size", type=int, default=128, help="eval.py's default")
     parser.add_argument("--threads", type=int, default=2, help="CTranslate2's intra-op threads")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    require("tensorflow_text", "serve")
-    require("ctranslate2", "serve")
+    require("tensorflow_text", "serve", hint="")
+    require("ctranslate2", "serve", hint="")
     require_data(args.data_dir)
-
-    import sacrebleu
 
     import hparams as hp
     from kyu_transformer import data
@@ -120,7 +119,17 @@ def main():
     subwords = data.Subwords(os.path.join(args.logdir, data.Subwords.FILE_NAME))
     sources, references, _ = data.load_split(args.data_dir, args.split)
     exports = tempfile.mkdtemp(prefix="export-speed-")
-    beam = ["--beam_size", str(args.beam_size), "--alpha", str(args.alpha)]
+    try:
+        run_all(args, hparams, subwords, sources, references, exports)
+    finally:
+        shutil.rmtree(exports, ignore_errors=True)
+
+
+def run_all(args, hparams, subwords, sources, references, exports):
+    import sacrebleu
+
+    beam = ["--beam_size", str(args.beam_size), "--alpha", str(args.alpha),
+            "--batch_size", str(args.batch_size)]
     for name, flags in (("saved_model", beam),
                         ("ct2-float32", ["--format", "ctranslate2"]),
                         ("ct2-int8", ["--format", "ctranslate2", "--quantization", "int8"])):
@@ -145,7 +154,9 @@ def main():
 
     reference = results["CTranslate2 float32"][1]
     print(f"\n{len(sources)} sentences of {args.split}, beam {args.beam_size}, alpha "
-          f"{args.alpha}, batches of {args.batch_size}; steady = median of {args.repeats}")
+          f"{args.alpha}, batches of {args.batch_size}; steady = median of {args.repeats}; "
+          f"ours and the SavedModel compute in {hparams['mixed_precision']} precision "
+          "(the logdir's, as eval.py), CTranslate2 in its weight type")
     print("| path | first call (s) | steady (s) | sentences/s | BLEU | steady vs CTranslate2 "
           "float32 |")
     print("| --- | --- | --- | --- | --- | --- |")

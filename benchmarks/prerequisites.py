@@ -11,7 +11,7 @@ DEFAULT_DATA = SHARED_DATA if os.path.isdir(SHARED_DATA) else os.path.join(ROOT,
                                                                            "multi30k")
 
 
-def require(module, extra="bench"):
+def require(module, extra="bench", hint=" (or --skip_peer)"):
     """Imports `module`, or stops with one line naming the extra that installs it."""
     try:
         return importlib.import_module(module)
@@ -19,7 +19,7 @@ def require(module, extra="bench"):
         if error.name != module:
             raise
         raise SystemExit(f"error: this benchmark compares with {module}, which is not "
-                         f"installed: pip install -e \".[{extra}]\" (or --skip_peer)") from None
+                         f"installed: pip install -e \".[{extra}]\"{hint}") from None
 
 
 def require_data(data_dir):

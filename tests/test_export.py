@@ -155,31 +155,53 @@ def test_export_refuses_a_file_as_out(tmp_path):
     path = tmp_path / "file"
     path.write_text("mine")
     with pytest.raises(SystemExit, match="is a file"):
-        export.check_out(str(path), overwrite=True)
+        export.check_out(str(path), overwrite=True, logdir=str(tmp_path / "log"))
+
+
+def fake_earlier_export(out):
+    """A directory that export.py takes for an earlier SavedModel export."""
+    (out / "assets.extra").mkdir(parents=True)
+    (out / "saved_model.pb").write_text("an earlier export")
+    (out / "assets.extra" / "export.json").write_text("{}")
+
+
+def test_overwrite_replaces_only_an_earlier_export_and_never_the_logdir(tmp_path):
+    logdir = tmp_path / "log"
+    (logdir / "checkpoints").mkdir(parents=True)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not an export")
+    for out, message in ((logdir, "is or holds the --logdir"), (tmp_path, "is or holds the --logdir"),
+                         (mine, "holds no earlier export")):
+        with pytest.raises(SystemExit, match=message):
+            export.check_out(str(out), overwrite=True, logdir=str(logdir))
+    earlier = tmp_path / "earlier"
+    fake_earlier_export(earlier)
+    export.check_out(str(earlier), overwrite=True, logdir=str(logdir))  # accepted
+    with pytest.raises(SystemExit, match="already exists and is not empty; pass --overwrite"):
+        export.check_out(str(earlier), overwrite=False, logdir=str(logdir))
 
 
 @pytest.mark.slow
 def test_a_non_empty_out_is_refused_without_overwrite_and_replaced_whole_with_it(trained,
                                                                                   tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("an earlier export")
+    fake_earlier_export(out)
     result = run_export(trained["logdir"], out, "--beam_size", 1)
     assert result.returncode != 0
     assert "already exists and is not empty; pass --overwrite" in result.stderr
-    assert sorted(os.listdir(out)) == ["keep.txt"]
+    assert (out / "saved_model.pb").read_text() == "an earlier export"
 
     result = run_export(trained["logdir"], out, "--beam_size", 1, "--overwrite")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "saved_model.pb" in os.listdir(out) and "keep.txt" not in os.listdir(out)
+    assert (out / "saved_model.pb").read_bytes() != b"an earlier export"
     assert sorted(os.listdir(tmp_path)) == ["out"]  # no staging directory left behind
 
 
 @pytest.mark.slow
 def test_an_export_that_fails_leaves_the_old_one_intact(trained, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("an earlier export")
+    fake_earlier_export(out)
 
     def crash(args, model, subwords, checkpoints, precision, target):
         os.makedirs(target)
@@ -190,8 +212,8 @@ def test_an_export_that_fails_leaves_the_old_one_intact(trained, tmp_path, monke
     monkeypatch.setattr(export, "write_saved_model", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         export.main(["--logdir", str(trained["logdir"]), "--out", str(out), "--overwrite"])
-    assert sorted(os.listdir(out)) == ["keep.txt"]
-    assert (out / "keep.txt").read_text() == "an earlier export"
+    assert sorted(os.listdir(out)) == ["assets.extra", "saved_model.pb"]
+    assert (out / "saved_model.pb").read_text() == "an earlier export"
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
