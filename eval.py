@@ -28,7 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import hparams as hp  # noqa: E402
 from kyu_transformer import data  # noqa: E402
 from kyu_transformer.checkpoints import CheckpointError, describe, load_model  # noqa: E402
-from kyu_transformer.decoding import Translator  # noqa: E402
+from kyu_transformer.decoding import DEFAULT_BATCH_SIZE, Translator  # noqa: E402
 from kyu_transformer.evaluation import score  # noqa: E402
 from kyu_transformer.training import set_precision  # noqa: E402
 
@@ -50,7 +50,8 @@ def parse_args(argv):
     parser.add_argument("--data_dir", default=None, help="default: the logdir's data_dir")
     parser.add_argument("--beam_size", type=int, default=4, help="1 for greedy search")
     parser.add_argument("--alpha", type=float, default=0.6, help="length-penalty exponent")
-    parser.add_argument("--batch_size", type=int, default=128, help="sentences per batch")
+    parser.add_argument("--batch_size", type=int, default=DEFAULT_BATCH_SIZE,
+                        help="sentences per batch")
     parser.add_argument("--length_margin", type=int, default=16, metavar="M",
                         help="a translation has at most its source's length + M subwords "
                              "(EOS included, at most maxlen2)")
@@ -225,7 +226,7 @@ class CTranslate2Translator:
         self.truncated_sources = self.truncated_outputs = 0
         self._translator = ctranslate2.Translator(model_dir, device="cpu")
 
-    def translate_ids(self, source_ids, batch_size=64, n_best=None):
+    def translate_ids(self, source_ids, batch_size=DEFAULT_BATCH_SIZE, n_best=None):
         """As `Translator.translate_ids` (without coverage)."""
         results = self._export.translate_with_ctranslate2(
             self.model_dir, source_ids, beam_size=self.beam_size, alpha=self.alpha,
@@ -242,7 +243,7 @@ class CTranslate2Translator:
                 [[h.score for h in hypotheses] if ids else [None]
                  for ids, hypotheses in zip(source_ids, results)])
 
-    def translate(self, sentences, subwords, batch_size=64):
+    def translate(self, sentences, subwords, batch_size=DEFAULT_BATCH_SIZE):
         source_ids = subwords.encode(sentences)
         return [subwords.decode(ids) for ids in self.translate_ids(source_ids, batch_size)]
 

@@ -23,6 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import hparams as hp  # noqa: E402
 from kyu_transformer import data, serving  # noqa: E402
 from kyu_transformer.checkpoints import CheckpointError, describe, load_model  # noqa: E402
+from kyu_transformer.decoding import DEFAULT_BATCH_SIZE  # noqa: E402
 from kyu_transformer.training import PRECISION_POLICIES, set_precision  # noqa: E402
 
 FORMATS = ("saved_model", "ctranslate2")
@@ -52,7 +53,7 @@ def parse_args(argv):
     parser.add_argument("--length_margin", type=int, default=16, metavar="M",
                         help="a translation has at most its source's length + M subwords "
                              "(EOS included, at most maxlen2)")
-    parser.add_argument("--batch_size", type=int, default=128,
+    parser.add_argument("--batch_size", type=int, default=DEFAULT_BATCH_SIZE,
                         help="most sentences the SavedModel decodes together (a request of "
                              "any size is decoded in batches of this size)")
     parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],

@@ -21,6 +21,9 @@ from keras import ops
 from kyu_transformer.data import BOS_ID, EOS_ID, PAD_ID
 
 _NEG_INF = -1.0e9  # score of impossible hypotheses (finite: no NaN in sums)
+# Sentences decoded together by default (eval.py's and export.py's default too):
+# the same batches everywhere, so that every path decodes the same arithmetic.
+DEFAULT_BATCH_SIZE = 128
 
 
 def length_penalty(length, alpha):
@@ -450,7 +453,7 @@ class Translator:
         """`log_probs` divided by GNMT's length penalty of `lengths` (EOS included)."""
         return np.asarray(log_probs) / np.asarray(length_penalty(lengths, self.alpha), "float64")
 
-    def translate_ids(self, source_ids, batch_size=64, with_coverage=False, n_best=None):
+    def translate_ids(self, source_ids, batch_size=DEFAULT_BATCH_SIZE, with_coverage=False, n_best=None):
         """Lists of output ids (EOS and padding removed), in the order given.
 
         Sentences are decoded in batches of similar source length; which
@@ -540,7 +543,7 @@ class Translator:
         outputs = [self._output(ids[0])] + [_strip(ids[row]) for row in kept[1:]]
         return outputs, [float(scores[row]) for row in kept]
 
-    def score_ids(self, source_ids, target_ids, batch_size=64):
+    def score_ids(self, source_ids, target_ids, batch_size=DEFAULT_BATCH_SIZE):
         """The model's scores of given outputs (forced decoding), in the order given.
 
         A source is read as for translation (EOS added, cut to `maxlen1`); a
@@ -577,7 +580,7 @@ class Translator:
         return [ScoredOutput(*values) for values in
                 zip(log_probs.tolist(), lengths.tolist(), scores.tolist(), cut)]
 
-    def translate(self, sentences, subwords, batch_size=64):
+    def translate(self, sentences, subwords, batch_size=DEFAULT_BATCH_SIZE):
         """Detokenized translations of raw `sentences` (empty in, empty out)."""
         source_ids = subwords.encode(sentences)
         return [subwords.decode(ids) for ids in self.translate_ids(source_ids, batch_size)]

@@ -35,7 +35,8 @@ import os
 import tensorflow as tf
 
 from kyu_transformer.data import BOS_ID, EOS_ID, PAD_ID
-from kyu_transformer.decoding import beam_search, greedy_search, length_penalty, sequence_log_probs
+from kyu_transformer.decoding import (DEFAULT_BATCH_SIZE, beam_search, greedy_search,
+                                      length_penalty, sequence_log_probs)
 
 TEXT_SIGNATURE = "serving_default"
 IDS_SIGNATURE = "ids"
@@ -63,7 +64,7 @@ class SearchSettings:
     alpha: float = 0.6
     n_best: int = 1
     length_margin: int = 16
-    batch_size: int = 64
+    batch_size: int = DEFAULT_BATCH_SIZE
 
     def __post_init__(self):
         for name, least in (("beam_size", 1), ("n_best", 1), ("length_margin", 0),
