@@ -27,7 +27,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
 from kyu_transformer import data  # noqa: E402
-from kyu_transformer.checkpoints import CheckpointError, describe, load_model  # noqa: E402
+from kyu_transformer.checkpoints import (  # noqa: E402
+    CheckpointError, add_checkpoint_arguments, describe, load_model)
 from kyu_transformer.decoding import DEFAULT_BATCH_SIZE, Translator  # noqa: E402
 from kyu_transformer.evaluation import score  # noqa: E402
 from kyu_transformer.training import set_precision  # noqa: E402
@@ -35,13 +36,7 @@ from kyu_transformer.training import set_precision  # noqa: E402
 
 def parse_args(argv):
     parser = hp.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--logdir", required=True, help="a logdir written by train.py")
-    parser.add_argument("--ckpt", default=None,
-                        help="checkpoint path, or 'best' (best validation BLEU); "
-                             "default: the latest")
-    parser.add_argument("--average_last", type=int, default=0, metavar="N",
-                        help="average the weights of the last N checkpoints (all N must "
-                             "exist; not with --ckpt)")
+    add_checkpoint_arguments(parser)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--split", default=None,
                         help="split of the data folder to translate (default test_2016_flickr)")

@@ -22,7 +22,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
 from kyu_transformer import data, serving  # noqa: E402
-from kyu_transformer.checkpoints import CheckpointError, describe, load_model  # noqa: E402
+from kyu_transformer.checkpoints import (  # noqa: E402
+    CheckpointError, add_checkpoint_arguments, describe, load_model)
 from kyu_transformer.decoding import DEFAULT_BATCH_SIZE  # noqa: E402
 from kyu_transformer.training import PRECISION_POLICIES, set_precision  # noqa: E402
 
@@ -36,16 +37,10 @@ EXAMPLE = "Zwei Hunde spielen im Schnee."
 
 def parse_args(argv):
     parser = hp.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--logdir", required=True, help="a logdir written by train.py")
+    add_checkpoint_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
     parser.add_argument("--format", default="saved_model", choices=FORMATS,
                         help="saved_model (TensorFlow, text in and out) or ctranslate2")
-    parser.add_argument("--ckpt", default=None,
-                        help="checkpoint path, or 'best' (best validation BLEU); "
-                             "default: the latest")
-    parser.add_argument("--average_last", type=int, default=0, metavar="N",
-                        help="average the weights of the last N checkpoints (all N must "
-                             "exist; not with --ckpt)")
     parser.add_argument("--beam_size", type=int, default=4, help="1 for greedy search")
     parser.add_argument("--alpha", type=float, default=0.6, help="length-penalty exponent")
     parser.add_argument("--n_best", type=int, default=1, metavar="K",

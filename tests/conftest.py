@@ -92,6 +92,17 @@ def trained_tiny_logdir(tmp_path_factory):
     return logdir
 
 
+def load_trained(logdir):
+    """``(hparams, model, subwords)`` of a trained logdir, as eval.py loads them."""
+    import hparams as hp
+    from kyu_transformer import data
+    from kyu_transformer.checkpoints import load_model
+
+    hparams = hp.load(str(logdir / "hparams.json"))
+    model, _ = load_model(hparams, str(logdir))
+    return hparams, model, data.Subwords(str(logdir / data.Subwords.FILE_NAME))
+
+
 def copy_of_trained_logdir(trained_tiny_logdir, tmp_path_factory, name):
     """A copy of the session's trained logdir, for a module to write into."""
     import shutil

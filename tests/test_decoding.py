@@ -17,7 +17,7 @@ from kyu_transformer.checkpoints import CheckpointError, list_checkpoints, load_
 from kyu_transformer.decoding import (Translator, _top_k_rows, beam_search, greedy_search,
                                       recompute_greedy_search, sequence_log_probs)
 from kyu_transformer.model import Transformer
-from tests.conftest import copy_of_trained_logdir
+from tests.conftest import copy_of_trained_logdir, load_trained
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT
 
@@ -34,9 +34,7 @@ def run(script, *args, stdin=None):
 def trained(trained_tiny_logdir, tmp_path_factory):
     """The session's small trained model (300 steps, with validation BLEU), in a logdir copy."""
     logdir = copy_of_trained_logdir(trained_tiny_logdir, tmp_path_factory, "decoding")
-    hparams = hp.load(str(logdir / "hparams.json"))
-    model, _ = load_model(hparams, str(logdir))
-    subwords = data.Subwords(str(logdir / data.Subwords.FILE_NAME))
+    _, model, subwords = load_trained(logdir)
     sources, _, _ = data.load_split(MULTI30K, "val")
     return {"logdir": logdir, "model": model, "subwords": subwords,
             "train_output": (logdir / "train_output.txt").read_text(),

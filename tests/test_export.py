@@ -11,12 +11,11 @@ import pytest
 import tensorflow as tf
 
 import export
-import hparams as hp
 from kyu_transformer import data, serving
 from kyu_transformer.checkpoints import load_model
 from kyu_transformer.decoding import Translator, length_penalty, sequence_log_probs
 from kyu_transformer.training import set_precision
-from tests.conftest import copy_of_trained_logdir
+from tests.conftest import copy_of_trained_logdir, load_trained
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT
 
@@ -82,9 +81,7 @@ def _stripped(row):
 def trained(trained_tiny_logdir, tmp_path_factory):
     """The session's small trained model (a logdir copy), its subword model, val sentences."""
     logdir = copy_of_trained_logdir(trained_tiny_logdir, tmp_path_factory, "export")
-    hparams = hp.load(str(logdir / "hparams.json"))
-    model, _ = load_model(hparams, str(logdir))
-    subwords = data.Subwords(str(logdir / data.Subwords.FILE_NAME))
+    hparams, model, subwords = load_trained(logdir)
     val, _, _ = data.load_split(MULTI30K, "val")
     # Five val sentences joined: longer than the encoder's maxlen1.
     long = [" ".join(val[first:first + 5]) for first in range(200, 230, 5)]
@@ -403,3 +400,14 @@ def test_a_batch_of_one_and_one_of_thousands(served):
     greedy = served["greedy_val"]["translations"]
     assert served["greedy_one"]["translations"] == greedy[:1]
     assert served["greedy_thousands"]["translations"] == greedy * 10
+
+
+@pytest.mark.slow
+def test_the_ids_signature_refuses_ids_outside_the_vocabulary(trained, exports):
+    translate = tf.saved_model.load(exports["greedy"]["dir"]).signatures[serving.IDS_SIGNATURE]
+    vocab = trained["model"].vocab_size
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=f"ids must be below the vocabulary size {vocab}"):
+        translate(ids=tf.constant([[5, vocab, 7]], tf.int32))
+    good = translate(ids=tf.constant([[5, vocab - 1, 7]], tf.int32))
+    assert good["ids"].shape[0] == 1
