@@ -206,7 +206,7 @@ def ensure_multi30k(data_dir, base_url=None, timeout=30):
         shutil.rmtree(staging, ignore_errors=True)
         if not os.path.isdir(data_dir):
             raise
-        # Another process (a worker sharing the disk) put a complete corpus there first.
+        # Another process put a complete corpus there first (checked like ours).
     return data_dir
 
 

@@ -78,7 +78,7 @@ def barrier(strategy, failure=None):
         raise WorkerDisagreement(failure)
     if not is_multi_worker(strategy):
         return
-    failed = gather(strategy, [1.0 if failure else 0.0])[:, 0]
+    failed = gather(strategy, [0.0 if failure is None else 1.0])[:, 0]
     if failure is not None:
         raise WorkerDisagreement(failure)
     if failed.any():

@@ -2,8 +2,8 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # TensorFlow unless the caller chose another backend: `KERAS_BACKEND=jax python
-# -m pytest tests/test_layers.py tests/test_model.py tests/test_saving.py` runs
-# the layer, model and saving tests on JAX.
+# -m pytest -q tests` runs every test that does not need TensorFlow itself on
+# JAX (the others skip, see TENSORFLOW_ONLY_MODULES and `tensorflow_only`).
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import keras  # noqa: E402

@@ -28,8 +28,8 @@ VOCAB = 40
 EPSILON = 0.1
 BOS, EOS = 1, 2
 # Target tokens (before EOS) of the rows of each batch of 8. Both halves of a
-# batch, and its even and odd rows, hold equal token counts (18 + 2 x 2 = 22
-# labels each), so every way of cutting a batch for two replicas gives each
+# batch, and its even and odd rows, hold equal token counts (18 tokens + 4 EOS
+# = 22 labels each), so every way of cutting a batch for two replicas gives each
 # replica the same number of tokens: the mean of the replicas' means, which
 # Keras computes, is then the mean over the batch.
 LENGTHS = ((3, 5, 4, 6, 5, 3, 6, 4), (2, 7, 5, 4, 7, 2, 4, 5))

@@ -135,3 +135,9 @@ def test_workers_that_disagree_with_the_chief_stop_and_name_the_difference(tmp_p
         assert "worker 1 has another corpus than the chief" in output, output[-4000:]
         assert "worker 1 has another subword vocabulary than the chief" in output
     assert os.listdir(tmp_path / "tmp1") == []  # the worker's private files, removed
+
+    # A worker (not the chief) with a bad flag: the chief does not wait for it.
+    results = run_workers(tmp_path, [logdir, logdir], worker_extra=("--dropout_rate", "1.5"))
+    assert results[1][0] != 0 and "`dropout_rate` must be in [0, 1), got 1.5" in results[1][1]
+    assert results[0][0] != 0
+    assert "error: worker 1 stopped before training (see its output)" in results[0][1]
