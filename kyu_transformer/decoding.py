@@ -394,8 +394,8 @@ class Translator:
         # One trace serves every batch: source shape and limits are dynamic (a
         # retrace per batch shape would cost more than decoding). The searches
         # write their control flow as `ops.while_loop` / `ops.cond`, so there is
-        # nothing for AutoGraph to convert: without it, tracing (the first
-        # call's main cost) takes less than half as long.
+        # nothing for AutoGraph to convert, and without it tracing (the first
+        # call's main cost) does not rewrite every function the search calls.
         signature = [tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((None,), tf.int32)]
         compiled = functools.partial(tf.function, jit_compile=jit_compile, autograph=False)
         self._greedy = compiled(self._greedy_fn, input_signature=signature)
