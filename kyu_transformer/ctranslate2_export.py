@@ -42,6 +42,7 @@ import keras
 import numpy as np
 
 from kyu_transformer.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from kyu_transformer.decoding import output_limit
 from kyu_transformer.layers import ScaledDotProductAttention, sinusoid_table
 
 # The weight types of CTranslate2's CPU wheel.
@@ -388,22 +389,6 @@ def read_vocabulary(model_dir):
         return json.load(handle)
 
 
-def output_limit(source_length, maxlen1, max_length, length_margin):
-    """A sentence's most output tokens (EOS included), as `decoding.Translator` limits it.
-
-    Args:
-      source_length: Subwords of the source, without EOS.
-      maxlen1: The encoder's limit (its input is cut to it, EOS included).
-      max_length: The most output tokens of any sentence (the model's `maxlen2`
-        or less).
-      length_margin: Tokens an output may have beyond its (cut) source.
-
-    Returns:
-      ``min(max_length, min(source_length + 1, maxlen1) + length_margin)``.
-    """
-    return min(max_length, min(source_length + 1, maxlen1) + length_margin)
-
-
 def _log_softmax(logits):
     logits = np.asarray(logits, dtype=np.float64)
     shifted = logits - logits.max()
@@ -513,7 +498,7 @@ def translate_with_ctranslate2(model_dir, sources, beam_size=1, alpha=0.6, lengt
             continue
         tokens = [pieces[i] if isinstance(i, (int, np.integer)) else i for i in source]
         inputs[index] = (tokens + [eos])[:maxlen1]  # the encoder's input, as ours
-        groups[output_limit(len(source), maxlen1, max_length, length_margin)].append(index)
+        groups[int(output_limit(len(source), maxlen1, max_length, length_margin))].append(index)
 
     greedy = beam_size == 1
     for limit, indices in sorted(groups.items()):

@@ -32,6 +32,22 @@ def length_penalty(length, alpha):
     return ops.power((5.0 + ops.cast(length, "float32")) / 6.0, alpha)
 
 
+def output_limit(source_length, maxlen1, max_length, length_margin):
+    """A sentence's most output tokens (EOS included): `Translator`'s limit, for every path.
+
+    Args:
+      source_length: Subwords of the source, without EOS (an int or an int array).
+      maxlen1: The encoder's limit (its input is cut to it, EOS included).
+      max_length: The most output tokens of any sentence (the model's `maxlen2`
+        or less).
+      length_margin: Tokens an output may have beyond its (cut) source.
+
+    Returns:
+      ``min(max_length, min(source_length + 1, maxlen1) + length_margin)``.
+    """
+    return np.minimum(max_length, np.minimum(np.add(source_length, 1), maxlen1) + length_margin)
+
+
 def _limits(max_length, batch):
     """``(limits (N,), bound)``: each sentence's most output tokens, and the largest.
 
@@ -421,8 +437,10 @@ class Translator:
 
     def _limits(self, source):
         """Each sentence's most output tokens `(N,)`, from its encoder input `source` `(N, S)`."""
-        lengths = np.count_nonzero(source, axis=1)
-        return np.minimum(self.max_length, lengths + self.length_margin).astype("int32")
+        # The encoder input holds EOS (unless cut away): the source had one token fewer.
+        lengths = np.count_nonzero(source, axis=1) - 1
+        return output_limit(lengths, self.model.maxlen1, self.max_length,
+                            self.length_margin).astype("int32")
 
     def _encoder_input(self, batch):
         """Padded source ids `(N, S)` of a batch of id lists: EOS added, cut to `maxlen1`."""
