@@ -22,6 +22,10 @@ from keras import ops
 from kyu_transformer.data import BOS_ID, EOS_ID, PAD_ID
 
 _NEG_INF = -1.0e9  # score of impossible hypotheses (finite: no NaN in sums)
+# The score of a hypothesis that does not exist, where a fixed number of them
+# must be given (the SavedModel's `n_best` columns; `Translator` leaves such
+# hypotheses out). An empty source has one hypothesis, the empty one, scored 0.
+NO_HYPOTHESIS_SCORE = _NEG_INF
 # Sentences decoded together by default (eval.py's and export.py's default too):
 # the same batches everywhere, so that every path decodes the same arithmetic.
 DEFAULT_BATCH_SIZE = 128
@@ -130,9 +134,18 @@ def _relaxed(structure):
 
 def _gather_beams(tensor, indices):
     """Rows of `tensor` `(N, K, ...)` picked per sentence by `indices` `(N, K')`."""
-    trailing = len(tensor.shape) - 2
-    indices = ops.reshape(indices, tuple(ops.shape(indices)) + (1,) * trailing)
-    return ops.take_along_axis(tensor, indices, axis=1)
+    return _take_per_row(tensor, indices)
+
+
+def _take_per_row(tensor, indices):
+    """``tensor[n, indices[n, j], ...]`` `(N, J, ...)`: one gather with a batch axis.
+
+    `ops.take_along_axis` would do it too, but its broadcasting of the index
+    shapes adds some sixty graph nodes a call where this adds one; in the
+    search's loop body that is a quarter of the graph that tracing builds
+    and the runtime optimizes before the first translation.
+    """
+    return tf.gather(tensor, indices, batch_dims=1)
 
 
 def _block_width(vocab):
@@ -167,7 +180,7 @@ def _top_k_rows(values, count):
     block_rows = best_blocks + ops.arange(rows)[:, None] * (vocab // width)  # (R, count)
     candidates = ops.take(ops.reshape(values, (-1, width)), block_rows, axis=0)  # (R, count, W)
     best, flat = ops.top_k(ops.reshape(candidates, (rows, count * width)), count)
-    block = ops.take_along_axis(best_blocks, flat // width, axis=1)
+    block = _take_per_row(best_blocks, flat // width)
     indices = block * width + flat % width
     return best, indices, ops.max(block_maxima, axis=-1, keepdims=True)
 
@@ -196,8 +209,7 @@ def _top_extensions(logits, alive_scores, count):
     candidates = candidates + ops.repeat(alive_scores, count, axis=1)  # (N, K*count)
     scores, flat = ops.top_k(candidates, count)
     beams = flat // count
-    tokens = ops.take_along_axis(ops.reshape(best_tokens, (batch, hypotheses * count)), flat,
-                                 axis=1)
+    tokens = _take_per_row(ops.reshape(best_tokens, (batch, hypotheses * count)), flat)
     return scores, beams, ops.cast(tokens, "int32")
 
 
@@ -232,6 +244,9 @@ def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
     memory, source_mask = model.encode(source, training=False)
     batch = ops.shape(source)[0]
     limits, bound = _limits(max_length, batch)
+    # The hypotheses' ids are as wide as any limit can be, whatever the batch's
+    # largest: their shapes then repeat from batch to batch (see `_ROW_GROUP`).
+    width = max_length if isinstance(max_length, (int, np.integer)) else model.maxlen2
     cache = model.init_cache(memory, source_mask)
     table = cache.pop("target_table")  # shared by all sentences
     # Everything per sentence; `rows` says which sentence of `source` each row
@@ -244,16 +259,16 @@ def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
         # slots a position and is never reordered: `history` says which slots
         # each alive hypothesis descends from (see `DecoderBlock.step`).
         "history": ops.zeros((batch, k, 0), "bool"),
-        "alive_ids": ops.zeros((batch, k, bound), "int32"),
+        "alive_ids": ops.zeros((batch, k, width), "int32"),
         # Only the first beam is live at the start: the others would duplicate it.
         "alive_scores": ops.tile(ops.convert_to_tensor([[0.0] + [_NEG_INF] * (k - 1)]),
                                  (batch, 1)),
-        "finished_ids": ops.zeros((batch, k, bound), "int32"),
+        "finished_ids": ops.zeros((batch, k, width), "int32"),
         "finished_scores": ops.full((batch, k), _NEG_INF),
         "done": ops.zeros((batch,), "bool"),
         "cache": cache,
     }
-    results = (ops.zeros((batch, n_best, bound), "int32"), ops.full((batch, n_best), _NEG_INF))
+    results = (ops.zeros((batch, n_best, width), "int32"), ops.full((batch, n_best), _NEG_INF))
 
     def unfinished(step, *_):
         return step < bound
@@ -261,19 +276,21 @@ def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
     def body(step, state, results):
         state = _beam_step(model, table, step, state, k, alpha)
         all_done = ops.all(state["done"])
-        # Finished sentences leave the batch once they are a quarter of it:
-        # each step costs in proportion to the rows, leaving costs one copy.
+        # Finished sentences leave the batch once that removes a quarter of
+        # its rows: each step costs in proportion to the rows, leaving costs
+        # one copy.
+        rows = ops.shape(state["done"])[0]
         worth_it = ops.logical_and(ops.logical_not(all_done),
-                                   ops.sum(ops.cast(state["done"], "int32")) * 4
-                                   >= ops.shape(state["done"])[0])
+                                   _kept_rows(state["done"]) * 4 <= rows * 3)
         state, results = ops.cond(worth_it, lambda: _retire(state, results, n_best),
                                   lambda: (state, results))
         return ops.where(all_done, bound, step + 1), state, results
 
     _, state, results = ops.while_loop(unfinished, body, (0, _relaxed(state), results))
     # Every sentence still here is done: at the latest, its limit came.
-    return _write_results(results, state["rows"], state["finished_ids"][:, :n_best],
-                          state["finished_scores"][:, :n_best])
+    ids, scores = _write_results(results, state["rows"], state["finished_ids"][:, :n_best],
+                                 state["finished_scores"][:, :n_best])
+    return ids[:, :, :bound], scores
 
 
 def _beam_step(model, table, step, state, k, alpha):
@@ -318,14 +335,34 @@ def _beam_step(model, table, step, state, k, alpha):
             "finished_scores": finished_scores, "done": done, "cache": cache}
 
 
+# Rows leave the batch in groups: the undone sentences, topped up with done
+# ones to a multiple of `_ROW_GROUP` rows. The first run of each new tensor
+# shape pays the kernels' per-shape set-up; with rows counted in groups (and
+# ids of a fixed width), a batch meets the shapes earlier batches met, and the
+# first translation of a test set costs little more than the next ones. A done
+# sentence that stays is frozen (its finished hypotheses no longer change).
+_ROW_GROUP = 16
+
+
+def _kept_rows(done):
+    """How many rows stay when the done sentences leave: the undone, rounded up to a group."""
+    undone = ops.sum(ops.cast(ops.logical_not(done), "int32"))
+    return ops.minimum(ops.shape(done)[0], -(-undone // _ROW_GROUP) * _ROW_GROUP)
+
+
 def _retire(state, results, n_best):
-    """Writes the done sentences' best hypotheses to `results`; keeps the others."""
+    """Writes the done sentences' best hypotheses to `results`; keeps the undone ones.
+
+    A few done sentences may stay, to round the rows up (see `_ROW_GROUP`);
+    they are written again, unchanged, when they leave.
+    """
     leaving = ops.nonzero(state["done"])[0]
     results = _write_results(
         results, ops.take(state["rows"], leaving, axis=0),
         ops.take(state["finished_ids"], leaving, axis=0)[:, :n_best],
         ops.take(state["finished_scores"], leaving, axis=0)[:, :n_best])
-    staying = ops.nonzero(ops.logical_not(state["done"]))[0]
+    undone_first = ops.argsort(ops.cast(state["done"], "int32"))
+    staying = undone_first[:_kept_rows(state["done"])]
     state = tf.nest.map_structure(lambda tensor: ops.take(tensor, staying, axis=0), state)
     return state, results
 
@@ -492,7 +529,7 @@ class Translator:
           for empty sources). With `n_best`, ``(hypotheses, scores)``: per
           sentence a list of `n_best` output lists, best first, and their
           scores (see the class); an empty source has one empty hypothesis,
-          scored None (it is not decoded).
+          scored 0 (it is not decoded).
         """
         self._check_request(batch_size, with_coverage, n_best)
         if n_best:
@@ -510,7 +547,7 @@ class Translator:
     def _translate_n_best(self, source_ids, batch_size, n_best):
         """``(hypotheses, scores)`` of `translate_ids` with `n_best`."""
         hypotheses = [[[]] for _ in source_ids]
-        scores = [[None] for _ in source_ids]
+        scores = [[0.0] for _ in source_ids]
         for rows in self._batches(source_ids, batch_size):
             ids, batch_scores = self._decode_n_best([source_ids[i] for i in rows], n_best)
             for row, index in enumerate(rows):
