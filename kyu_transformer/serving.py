@@ -17,7 +17,11 @@ of similar length. Its signatures:
 
 A score is the one beam search ranks by: the hypothesis' log-probability,
 EOS included, divided by GNMT's length penalty of its length (EOS included).
-An empty sentence is not decoded: its hypotheses are empty, scored 0.
+An empty sentence is not decoded: its one hypothesis is the empty one, scored
+0, as `Translator` gives it. Every sentence has `K` columns: those without a
+hypothesis (an empty sentence's others; a beam that found fewer than `K`)
+hold an empty one scored `decoding.NO_HYPOTHESIS_SCORE` (-1e9), where
+`Translator` leaves them out.
 
 The subword model goes into the SavedModel as an asset
 (``assets/subwords.model``), for clients of the ids signature. The text
@@ -35,8 +39,8 @@ import os
 import tensorflow as tf
 
 from kyu_transformer.data import BOS_ID, EOS_ID, PAD_ID
-from kyu_transformer.decoding import (DEFAULT_BATCH_SIZE, beam_search, greedy_search,
-                                      length_penalty, sequence_log_probs)
+from kyu_transformer.decoding import (DEFAULT_BATCH_SIZE, NO_HYPOTHESIS_SCORE, beam_search,
+                                      greedy_search, length_penalty, sequence_log_probs)
 
 TEXT_SIGNATURE = "serving_default"
 IDS_SIGNATURE = "ids"
@@ -91,8 +95,14 @@ class _Decoder:
     def __init__(self, model, settings):
         self.model = model
         self.settings = settings
+        # One function that both signatures call: the SavedModel holds the
+        # search's graph once, and loading it reads that graph once.
+        self.search = tf.function(
+            self._search, autograph=False,
+            input_signature=[tf.TensorSpec((None, None), tf.int32),
+                             tf.TensorSpec((None,), tf.int32)])
 
-    def search(self, source, limits):
+    def _search(self, source, limits):
         """``(ids (n, K, L), scores (n, K))`` of one batch of encoder inputs `(n, S)`."""
         settings = self.settings
         if settings.beam_size > 1:
@@ -138,7 +148,8 @@ class _Decoder:
         width = tf.maximum(tf.reduce_max(tf.gather(limits, order)), 0)  # 0 if none is decoded
         batch = self.settings.batch_size
         outputs = tf.zeros([count, k, width], tf.int32)
-        scores = tf.zeros([count, k], tf.float32)
+        # What an empty sentence keeps (it is not decoded): see the module's docstring.
+        scores = tf.tile(tf.constant([[0.0] + [NO_HYPOTHESIS_SCORE] * (k - 1)]), [count, 1])
 
         def body(first, outputs, scores):
             rows = order[first:first + batch]
@@ -203,11 +214,13 @@ def build_module(model, subword_path, settings, with_text=True):
     # The variables the signatures read, listed so that the SavedModel holds them.
     module.model_variables = list(model.variables)
     module.subword_model = tf.saved_model.Asset(subword_path)
-    module.translate_ids = _ids_function(decoder)
-    signatures = {IDS_SIGNATURE: module.translate_ids.get_concrete_function()}
+    # The functions are saved as signatures only: kept as attributes of the
+    # module too, saving would trace each a second time and the SavedModel
+    # would hold (and loading would read) every graph twice.
+    signatures = {IDS_SIGNATURE: _ids_function(decoder).get_concrete_function()}
     if with_text:
-        module.translate_text = _text_function(module, decoder, subword_path)
-        signatures[TEXT_SIGNATURE] = module.translate_text.get_concrete_function()
+        signatures[TEXT_SIGNATURE] = _text_function(module, decoder,
+                                                    subword_path).get_concrete_function()
     return module, signatures
 
 
