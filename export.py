@@ -33,6 +33,11 @@ QUANTIZATIONS = ("float32", "int8", "int8_float32")
 # Our record of what was exported, where TensorFlow Serving looks for extra files.
 SETTINGS_FILE = os.path.join("assets.extra", "export.json")
 EXAMPLE = "Zwei Hunde spielen im Schnee."
+# The SavedModel's search flags and their defaults. A CTranslate2 model holds
+# no search settings (they are given when it translates), so --format
+# ctranslate2 refuses them rather than ignoring them.
+SEARCH_DEFAULTS = {"beam_size": 4, "alpha": 0.6, "n_best": 1, "length_margin": 16,
+                   "batch_size": DEFAULT_BATCH_SIZE}
 
 
 def parse_args(argv):
@@ -41,16 +46,18 @@ def parse_args(argv):
     parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
     parser.add_argument("--format", default="saved_model", choices=FORMATS,
                         help="saved_model (TensorFlow, text in and out) or ctranslate2")
-    parser.add_argument("--beam_size", type=int, default=4, help="1 for greedy search")
-    parser.add_argument("--alpha", type=float, default=0.6, help="length-penalty exponent")
-    parser.add_argument("--n_best", type=int, default=1, metavar="K",
-                        help="hypotheses returned per sentence (at most --beam_size)")
-    parser.add_argument("--length_margin", type=int, default=16, metavar="M",
+    parser.add_argument("--beam_size", type=int, help="1 for greedy search (default 4)")
+    parser.add_argument("--alpha", type=float, help="length-penalty exponent (default 0.6)")
+    parser.add_argument("--n_best", type=int, metavar="K",
+                        help="hypotheses returned per sentence (at most --beam_size; default "
+                             "1)")
+    parser.add_argument("--length_margin", type=int, metavar="M",
                         help="a translation has at most its source's length + M subwords "
-                             "(EOS included, at most maxlen2)")
-    parser.add_argument("--batch_size", type=int, default=DEFAULT_BATCH_SIZE,
+                             "(EOS included, at most maxlen2; default 16)")
+    parser.add_argument("--batch_size", type=int,
                         help="most sentences the SavedModel decodes together (a request of "
-                             "any size is decoded in batches of this size)")
+                             "any size is decoded in batches of this size; default "
+                             f"{DEFAULT_BATCH_SIZE})")
     parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
                         help="precision of decoding (default: the one the model was trained "
                              "in)")
@@ -64,7 +71,18 @@ def parse_args(argv):
 
 
 def check_args(parser, args):
-    """Stops with an error naming the flag, for a value out of range or flags that clash."""
+    """Stops with an error naming the flag, for a value out of range or flags that clash.
+
+    Fills in the search flags' defaults (`SEARCH_DEFAULTS`) for a SavedModel.
+    """
+    given = [f"--{flag}" for flag in SEARCH_DEFAULTS if getattr(args, flag) is not None]
+    if args.format == "ctranslate2" and given:
+        parser.error(f"{', '.join(given)} applies to --format saved_model only: a CTranslate2 "
+                     "model holds no search settings, they are given when it translates "
+                     "(python eval.py --ctranslate2 DIR --beam_size ... --alpha ...)")
+    for flag, default in SEARCH_DEFAULTS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, default)
     for flag, least in (("beam_size", 1), ("n_best", 1), ("length_margin", 0),
                         ("batch_size", 1), ("average_last", 0)):
         if getattr(args, flag) < least:
@@ -75,6 +93,10 @@ def check_args(parser, args):
     if args.ckpt and args.average_last:
         parser.error(f"--ckpt ({args.ckpt}) and --average_last ({args.average_last}) exclude "
                      "each other: give one checkpoint, or the number of last ones to average")
+    if args.mixed_precision and args.format == "ctranslate2":
+        parser.error(f"--mixed_precision ({args.mixed_precision}) applies to --format "
+                     "saved_model only: a CTranslate2 model computes in its --quantization "
+                     "weight type")
     if args.quantization and args.format != "ctranslate2":
         parser.error(f"--quantization ({args.quantization}) applies to --format ctranslate2 "
                      "only: a SavedModel keeps the model's float32 weights")
@@ -273,7 +295,10 @@ def print_ctranslate2_usage(out, args, checkpoints):
     """Says what was written and how to translate with it."""
     print(f"wrote a CTranslate2 model to {out}: checkpoint {describe(checkpoints)}, weights "
           f"{args.quantization or 'float32'}")
-    print("translate with it as eval.py decodes (EOS appended, the same length limits):")
+    print("translate and score a split or a file with it (search settings given here):")
+    print(f"  python eval.py --logdir {args.logdir} --ctranslate2 {out} --beam_size "
+          f"{args.beam_size} --alpha {args.alpha}")
+    print("or from Python, as eval.py decodes (EOS appended, the same length limits):")
     print("  from kyu_transformer.ctranslate2_export import translate_with_ctranslate2")
     print(f"  translate_with_ctranslate2({out!r}, source_ids, beam_size={args.beam_size}, "
           f"alpha={args.alpha}, length_margin={args.length_margin})")
