@@ -232,10 +232,10 @@ class CTranslate2Translator:
                                      for ids, hypotheses in zip(source_ids, results))
         if not n_best:
             return [hypotheses[0].ids for hypotheses in results]
-        # An empty source is not decoded: one empty hypothesis, no score, as Translator.
+        # An empty source is not decoded: one empty hypothesis scored 0, as Translator.
         return ([[h.ids for h in hypotheses] if ids else [[]]
                  for ids, hypotheses in zip(source_ids, results)],
-                [[h.score for h in hypotheses] if ids else [None]
+                [[h.score for h in hypotheses] if ids else [0.0]
                  for ids, hypotheses in zip(source_ids, results)])
 
     def translate(self, sentences, subwords, batch_size=DEFAULT_BATCH_SIZE):

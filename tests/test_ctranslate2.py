@@ -346,3 +346,33 @@ def test_impossible_translation_options_are_refused(subwords, tmp_path, options,
     with pytest.raises(ValueError) as error:
         translate_with_ctranslate2(out_dir, [[5, 6, 7]], **options)
     assert message in str(error.value)
+
+
+def _eos_first(model):
+    """`model` changed so that EOS is the most likely token at every position.
+
+    Post-norm: the last block ends with its feed-forward's norm, whose output
+    becomes its bias alone (scale 0); that bias is EOS's (enlarged) embedding,
+    so the tied output layer's logit of EOS is the largest.
+    """
+    rows = np.array(model.target_embedding.embeddings.numpy())
+    rows[data.EOS_ID] *= 10.0
+    model.target_embedding.embeddings.assign(rows)
+    norm = model.decoder_blocks[-1].feed_forward.norm
+    norm.gamma.assign(np.zeros_like(norm.gamma.numpy()))
+    norm.beta.assign(rows[data.EOS_ID])
+    return model
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_an_output_that_ends_at_once_is_empty_in_both(subwords, tmp_path, beam_size):
+    """CTranslate2 would give at least one token without ``min_decoding_length=0``."""
+    model = _eos_first(_random_model(subwords.vocab_size))
+    out_dir = convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "model"))
+    val, _, _ = data.load_split(MULTI30K, "val")
+    sources = subwords.encode(val[:20])
+    ours = Translator(model, beam_size=beam_size).translate_ids(sources)
+    theirs = translate_with_ctranslate2(out_dir, sources, beam_size=beam_size)
+    assert ours == [[]] * len(sources)
+    assert [hypotheses[0].ids for hypotheses in theirs] == ours
+    assert not any(hypotheses[0].truncated for hypotheses in theirs)  # they ended with EOS

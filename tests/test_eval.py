@@ -114,7 +114,7 @@ def test_n_best_keeps_the_best_output_its_limits_and_scores(trained, beam_size):
     limits = [min(model.maxlen2, min(len(ids) + 1, model.maxlen1) + 2) for ids in source_ids]
     for outputs, limit in zip(hypotheses, limits):
         assert all(len(output) <= limit for output in outputs)
-    assert hypotheses[60] == [[]] and scores[60] == [None]  # the empty line is not decoded
+    assert hypotheses[60] == [[]] and scores[60] == [0.0]  # the empty line is not decoded
     assert all(len(row) == n_best for index, row in enumerate(scores) if index != 60)
     ended = [i for i, (output, limit) in enumerate(zip(best, limits))
              if len(output) < limit and source_ids[i]]
@@ -142,7 +142,7 @@ def test_eval_writes_the_n_best_hypotheses_sorted_by_score(trained, tmp_path):
         encoding="utf-8").splitlines()
     rows = read_json_lines(logdir / "eval" / "nbest.nbest.jsonl")
     assert [row["source"] for row in rows] == sources
-    assert rows[60]["hypotheses"] == [{"text": "", "score": None}]
+    assert rows[60]["hypotheses"] == [{"text": "", "score": 0.0}]
     del rows[60], hypotheses[60]
     for row, hypothesis in zip(rows, hypotheses):
         scores = [entry["score"] for entry in row["hypotheses"]]

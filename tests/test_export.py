@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import export
-from kyu_transformer import data, serving
+from kyu_transformer import data, decoding, serving
 from kyu_transformer.checkpoints import load_model
 from kyu_transformer.decoding import Translator, length_penalty, sequence_log_probs
 from kyu_transformer.training import set_precision
@@ -141,11 +141,25 @@ def test_export_refuses_bad_flags_naming_them(capsys):
         (["--length_margin", "-1"], "--length_margin must be at least 0, got -1"),
         (["--ckpt", "best", "--average_last", "2"], "--ckpt (best) and --average_last (2)"),
         (["--beam_szie", "4"], "unknown flag --beam_szie (did you mean --beam_size?)"),
+        # A CTranslate2 model holds no search settings: given ones would be lost.
+        (["--format", "ctranslate2", "--beam_size", "1", "--alpha", "1"],
+         "--beam_size, --alpha applies to --format saved_model only"),
+        (["--format", "ctranslate2", "--n_best", "1"], "--n_best applies to --format saved_model"),
+        (["--format", "ctranslate2", "--mixed_precision", "bf16"],
+         "--mixed_precision (bf16) applies to --format saved_model only"),
     ]
     for flags, message in cases:
         with pytest.raises(SystemExit):
             export.parse_args(["--logdir", "log", "--out", "out", *flags])
         assert message in capsys.readouterr().err
+
+
+def test_the_saved_models_search_flags_have_their_defaults():
+    args = export.parse_args(["--logdir", "log", "--out", "out"])
+    assert {flag: getattr(args, flag) for flag in export.SEARCH_DEFAULTS} == \
+        {"beam_size": 4, "alpha": 0.6, "n_best": 1, "length_margin": 16, "batch_size": 128}
+    args = export.parse_args(["--logdir", "log", "--out", "out", "--format", "ctranslate2"])
+    assert args.beam_size == 4  # what the printed usage suggests
 
 
 def test_export_refuses_a_file_as_out(tmp_path):
@@ -278,6 +292,7 @@ def test_ctranslate2_format_writes_a_model_ctranslate2_loads(trained, tmp_path):
                         "--quantization", "int8")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"wrote a CTranslate2 model to {out}" in result.stdout
+    assert f"python eval.py --logdir {trained['logdir']} --ctranslate2 {out}" in result.stdout
     assert "model.bin" in os.listdir(out)
     ctranslate2.Translator(str(out), device="cpu")
     assert sorted(os.listdir(tmp_path)) == ["ct2"]
@@ -302,6 +317,22 @@ def test_translations_equal_the_translators_line_for_line(trained, served, name,
     assert len(got) == len(expected) == 300
     assert [i for i, (a, b) in enumerate(zip(got, expected)) if a != b] == []
     assert len(set(got)) > 20  # a model that translates, not one repeating itself
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+@pytest.mark.parametrize("name, beam_size", [("greedy", 1), ("beam", 4)])
+def test_translations_equal_eval_pys_hyp_txt_line_for_line(trained, served, name, beam_size):
+    """eval.py run as a user runs it, on the 300 val sentences the SavedModel translated."""
+    result = run(os.path.join(ROOT, "eval.py"), "--logdir", trained["logdir"], "--split", "val",
+                 "--data_dir", MULTI30K, "--beam_size", beam_size, "--alpha", ALPHA,
+                 "--name", f"export_{name}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    with open(trained["logdir"] / "eval" / f"export_{name}.hyp.txt", encoding="utf-8") as handle:
+        expected = handle.read().split("\n")[:-1]
+    got = served[f"{name}_val"]["translations"]
+    assert len(got) == len(expected) == 300
+    assert [i for i, (a, b) in enumerate(zip(got, expected)) if a != b] == []
 
 
 @needs_tensorflow_text
@@ -369,13 +400,18 @@ def test_scores_are_length_normalized_log_probabilities(trained, served, name):
 
 @needs_tensorflow_text
 @pytest.mark.slow
-def test_empty_strings_give_empty_translations(served):
+def test_empty_strings_give_empty_translations(trained, served):
     result = served["beam_empty"]
     assert result["translations"][0] == result["translations"][2] == \
         result["translations"][3] == ""
     assert result["translations"][1] == served["beam_val"]["translations"][0]
-    for row in (0, 2, 3):
-        assert result["n_best"][row] == ["", "", ""] and result["scores"][row] == [0, 0, 0]
+    for row in (0, 2, 3):  # one empty hypothesis scored 0, as Translator; no others
+        assert result["n_best"][row] == ["", "", ""]
+        assert result["scores"][row] == [0, decoding.NO_HYPOTHESIS_SCORE,
+                                         decoding.NO_HYPOTHESIS_SCORE]
+    hypotheses, scores = Translator(trained["model"], 4, ALPHA).translate_ids(
+        [[]], n_best=3)
+    assert (hypotheses, scores) == ([[[]]], [[0.0]])
     assert served["beam_none"] == {"translations": [], "n_best": [], "scores": []}
 
 
