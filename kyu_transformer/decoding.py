@@ -178,7 +178,7 @@ def _top_k_rows(values, count):
     _, best_blocks = ops.top_k(block_maxima, count)  # (R, count)
     # Gathered as rows of a (R*B, W) matrix: no transpose of the whole input.
     block_rows = best_blocks + ops.arange(rows)[:, None] * (vocab // width)  # (R, count)
-    candidates = ops.take(ops.reshape(values, (-1, width)), block_rows, axis=0)  # (R, count, W)
+    candidates = tf.gather(ops.reshape(values, (-1, width)), block_rows)  # (R, count, W)
     best, flat = ops.top_k(ops.reshape(candidates, (rows, count * width)), count)
     block = _take_per_row(best_blocks, flat // width)
     indices = block * width + flat % width
@@ -358,12 +358,14 @@ def _retire(state, results, n_best):
     """
     leaving = ops.nonzero(state["done"])[0]
     results = _write_results(
-        results, ops.take(state["rows"], leaving, axis=0),
-        ops.take(state["finished_ids"], leaving, axis=0)[:, :n_best],
-        ops.take(state["finished_scores"], leaving, axis=0)[:, :n_best])
+        results, tf.gather(state["rows"], leaving),
+        tf.gather(state["finished_ids"], leaving)[:, :n_best],
+        tf.gather(state["finished_scores"], leaving)[:, :n_best])
     undone_first = ops.argsort(ops.cast(state["done"], "int32"))
     staying = undone_first[:_kept_rows(state["done"])]
-    state = tf.nest.map_structure(lambda tensor: ops.take(tensor, staying, axis=0), state)
+    # `tf.gather`, not `ops.take`: the indices are never negative, and Keras'
+    # wrapping of negative ones would add nodes for every tensor of the state.
+    state = tf.nest.map_structure(lambda tensor: tf.gather(tensor, staying), state)
     return state, results
 
 
