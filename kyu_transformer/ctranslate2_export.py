@@ -41,9 +41,9 @@ import tempfile
 import keras
 import numpy as np
 
-from kyu_transformer.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from kyu_transformer.decoding import output_limit
 from kyu_transformer.layers import ScaledDotProductAttention, sinusoid_table
+from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 # The weight types of CTranslate2's CPU wheel.
 QUANTIZATIONS = ("float32", "int8", "int8_float32")

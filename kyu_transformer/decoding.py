@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from kyu_transformer.data import BOS_ID, EOS_ID, PAD_ID
+from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID
 
 _NEG_INF = -1.0e9  # score of impossible hypotheses (finite: no NaN in sums)
 # The score of a hypothesis that does not exist, where a fixed number of them

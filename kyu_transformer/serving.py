@@ -38,7 +38,7 @@ import os
 
 import tensorflow as tf
 
-from kyu_transformer.data import BOS_ID, EOS_ID, PAD_ID
+from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID
 from kyu_transformer.decoding import (DEFAULT_BATCH_SIZE, NO_HYPOTHESIS_SCORE, beam_search,
                                       greedy_search, length_penalty, sequence_log_probs)
 

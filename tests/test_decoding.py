@@ -367,3 +367,17 @@ def test_eval_errors_are_clear(trained, tmp_path):
     other["d_model"] = 32
     with pytest.raises(CheckpointError, match="does not fit the model"):
         load_model(other, str(trained["logdir"]))
+
+
+def test_the_search_knows_no_corpus():
+    """decoding (and the exports built on it) take the special ids from `special_ids`."""
+    script = ("import sys; import kyu_transformer.decoding, kyu_transformer.serving; "
+              "print('kyu_transformer.data' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+    from kyu_transformer import data, special_ids
+    assert (data.PAD_ID, data.UNK_ID, data.BOS_ID, data.EOS_ID) == \
+        (special_ids.PAD_ID, special_ids.UNK_ID, special_ids.BOS_ID, special_ids.EOS_ID) == \
+        (0, 1, 2, 3)
