@@ -41,6 +41,8 @@ import tempfile
 import keras
 import numpy as np
 
+# Named apart: `length_penalty` is also CTranslate2's own option in this module.
+from kyu_transformer.decoding import length_penalty as gnmt_penalty
 from kyu_transformer.decoding import output_limit
 from kyu_transformer.layers import ScaledDotProductAttention, sinusoid_table
 from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
@@ -395,10 +397,6 @@ def _log_softmax(logits):
     return shifted - np.log(np.exp(shifted).sum())
 
 
-def _gnmt_penalty(length, alpha):
-    return ((5.0 + length) / 6.0) ** alpha
-
-
 def translate_with_ctranslate2(model_dir, sources, beam_size=1, alpha=0.6, length_margin=16,
                                maxlen1=None, maxlen2=None, n_best=1, max_length=None,
                                return_log_probs=False, translator=None, batch_size=64,
@@ -529,5 +527,5 @@ def _hypothesis(output, k, ids_of, alpha, greedy, return_log_probs, length_penal
         log_probs = [float(_log_softmax(np.asarray(logits))[token])
                      for logits, token in zip(output.logits[k], tokens)]
     ids = [i for i in (tokens[:-1] if ended else tokens) if i != PAD_ID]
-    return Hypothesis(ids, log_prob / _gnmt_penalty(length, alpha), log_prob, log_probs,
+    return Hypothesis(ids, log_prob / float(gnmt_penalty(length, alpha)), log_prob, log_probs,
                       not ended)

@@ -40,16 +40,21 @@ def output_limit(source_length, maxlen1, max_length, length_margin):
     """A sentence's most output tokens (EOS included): `Translator`'s limit, for every path.
 
     Args:
-      source_length: Subwords of the source, without EOS (an int or an int array).
+      source_length: Subwords of the source, without EOS: an int, an int array,
+        or an int tensor (the SavedModel computes the limits in its graph).
       maxlen1: The encoder's limit (its input is cut to it, EOS included).
       max_length: The most output tokens of any sentence (the model's `maxlen2`
         or less).
       length_margin: Tokens an output may have beyond its (cut) source.
 
     Returns:
-      ``min(max_length, min(source_length + 1, maxlen1) + length_margin)``.
+      ``min(max_length, min(source_length + 1, maxlen1) + length_margin)``, of
+      the type of `source_length` (numpy for Python ints and numpy arrays).
     """
-    return np.minimum(max_length, np.minimum(np.add(source_length, 1), maxlen1) + length_margin)
+    if isinstance(source_length, (int, np.integer, np.ndarray, list)):
+        source_length = np.asarray(source_length)
+        return np.minimum(max_length, np.minimum(source_length + 1, maxlen1) + length_margin)
+    return ops.minimum(max_length, ops.minimum(source_length + 1, maxlen1) + length_margin)
 
 
 def _limits(max_length, batch):

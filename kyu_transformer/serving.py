@@ -40,7 +40,8 @@ import tensorflow as tf
 
 from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID
 from kyu_transformer.decoding import (DEFAULT_BATCH_SIZE, NO_HYPOTHESIS_SCORE, beam_search,
-                                      greedy_search, length_penalty, sequence_log_probs)
+                                      greedy_search, length_penalty, output_limit,
+                                      sequence_log_probs)
 
 TEXT_SIGNATURE = "serving_default"
 IDS_SIGNATURE = "ids"
@@ -127,8 +128,8 @@ class _Decoder:
         """
         eos = tf.RaggedTensor.from_tensor(tf.fill([ids.nrows(), 1], EOS_ID))
         sources = tf.concat([ids, eos], axis=1)[:, :self.model.maxlen1]
-        lengths = tf.cast(sources.row_lengths(), tf.int32)
-        limits = tf.minimum(self.model.maxlen2, lengths + self.settings.length_margin)
+        limits = output_limit(tf.cast(ids.row_lengths(), tf.int32), self.model.maxlen1,
+                              self.model.maxlen2, self.settings.length_margin)
         return sources, limits
 
     def decode(self, ids):
