@@ -33,7 +33,10 @@ SPEC = {
     "norm_position": ("post", "layer norm after (post) or before (pre) each sub-layer"),
     "sinusoid": (True, "sinusoid (true) or learned (false) positions"),
     "share_embeddings": (True, "one embedding table for source, target and output"),
+    # kyu_transformer.layers.LAYER_NORM_EPSILON (which says why 1e-6).
     "epsilon": (1e-6, "layer-norm epsilon"),
+    "fast_paths": (True, "CPU fast paths of the layers (kyu_transformer/fast_paths.py); false: "
+                         "Keras' own layer norm and dropout, the same function on any device"),
     # training
     "lr": (1.0, "scale of the Noam learning-rate schedule"),
     "warmup_steps": (4000, "warm-up steps of the Noam schedule"),

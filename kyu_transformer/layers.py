@@ -1,9 +1,12 @@
 """The Transformer building blocks, as Keras 3 layers.
 
 Each layer here is one graph builder of the 2017 TensorFlow 1.x ``modules.py``
-(``normalize``, ``embedding``, ``positional_encoding``, ``multihead_attention``,
-``feedforward``, ``label_smoothing``) rewritten as a Keras layer, plus the
-encoder and decoder blocks made of them.
+rewritten as a Keras layer, in the original's order: ``normalize``
+(`Normalize`), ``embedding`` (`Embedding`), ``positional_encoding``
+(`PositionalEncoding`), ``multihead_attention`` (`MultiHeadAttention`, over
+`ScaledDotProductAttention`), ``feedforward`` (`FeedForward`) and
+``label_smoothing``; then the encoder and decoder blocks made of them, and the
+`Dropout` they all use.
 
 Shapes in the comments use: ``N`` batch, ``T_q``/``T_k`` query/key time steps,
 ``C`` model width (``num_units``), ``h`` heads, ``d_k`` width of one head,
@@ -23,6 +26,11 @@ the original is reachable through an explicit option:
   original's ReLU);
 - the masking constant fits float16 and bfloat16, and a query that may see no
   key gets all-zero weights instead of NaN.
+
+`Normalize` and `Dropout` compute what Keras' ``LayerNormalization`` and
+``Dropout`` compute. With ``fast_paths=True`` (the default, passed down by
+every layer that creates them) they do it by the CPU fast paths of
+`kyu_transformer.fast_paths`; with ``fast_paths=False`` they are Keras' own.
 """
 
 import math
@@ -31,8 +39,17 @@ import keras
 import numpy as np
 from keras import ops
 
+from kyu_transformer import fast_paths as fast
+
 NORM_POSITIONS = ("post", "pre")
 ENCODING_STYLES = ("interleaved", "concat")
+
+# The layer-norm epsilon of the layers, the model and hparams.py. 1e-6 rather
+# than the original's 1e-8, which float16 cannot hold: its smallest subnormal
+# is 2**-24 (~6e-8), so 1e-8 rounds to zero there, while 1e-6 is representable
+# and still negligible next to the activations' variance. Trained models keep
+# the epsilon stored in their config and hparams.json.
+LAYER_NORM_EPSILON = 1e-6
 
 # Score given to masked positions before the softmax. Finite and representable
 # in every float dtype (the original's -2**32+1 overflows float16 to -inf, and
@@ -88,21 +105,7 @@ def own_history(length, hypotheses):
     return ops.equal(slots % hypotheses, ops.arange(hypotheses)[:, None])[None]
 
 
-def label_smoothing(inputs, epsilon=0.1):
-    """Applies label smoothing (https://arxiv.org/abs/1512.00567).
-
-    Args:
-      inputs: A tensor `(..., V)` of one-hot (or any) target distributions.
-      epsilon: Smoothing rate.
-
-    Returns:
-      ``(1 - epsilon) * inputs + epsilon / V``, same shape as `inputs`. For
-      ``V = 3`` and ``epsilon = 0.1`` a one-hot row ``[0, 0, 1]`` becomes
-      ``[0.0333, 0.0333, 0.9333]``.
-    """
-    inputs = ops.convert_to_tensor(inputs)
-    num_classes = ops.cast(ops.shape(inputs)[-1], inputs.dtype)
-    return (1.0 - epsilon) * inputs + epsilon / num_classes
+# ------------------------------------------------------------------- normalize
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -112,14 +115,12 @@ class Normalize(keras.layers.LayerNormalization):
     ``gamma * (x - mean) / sqrt(var + epsilon) + beta`` with the biased
     variance, computed in float32 under mixed precision, as Keras'
     ``LayerNormalization``, whose weights, options and saved form this layer
-    keeps. Over the last axis (the default) it states its gradient instead of
-    leaving it to automatic differentiation, which back-propagates through
-    every step of the mean and variance: with ``x_hat`` the normalized input
-    and ``g = dy * gamma``,
-    ``dx = (g - mean(g) - x_hat * mean(g * x_hat)) / sqrt(var + epsilon)``.
+    keeps.
 
     Args:
       epsilon: Small number added to the variance.
+      fast_paths: If True, over the last axis, `fast_paths.layer_norm` (a
+        stated gradient); if False, Keras' ``LayerNormalization.call``.
 
     Call arguments:
       inputs: A tensor `(..., C)`.
@@ -129,100 +130,27 @@ class Normalize(keras.layers.LayerNormalization):
       shape `(C,)`.
     """
 
-    def __init__(self, epsilon=1e-8, **kwargs):
+    def __init__(self, epsilon=LAYER_NORM_EPSILON, fast_paths=True, **kwargs):
         kwargs.setdefault("axis", -1)
         super().__init__(epsilon=epsilon, **kwargs)
+        self.fast_paths = bool(fast_paths)
 
     def call(self, inputs):
-        last_axis = self.axis in (-1, [-1], len(inputs.shape) - 1, [len(inputs.shape) - 1])
-        if not (last_axis and self.center and self.scale and not self.rms_scaling):
-            return super().call(inputs)
-        # Read the weights outside the custom-gradient function, so that it
-        # sees tensors (its gradient is then theirs) rather than variables.
-        gamma = ops.cast(ops.copy(self.gamma), "float32")
-        beta = ops.cast(ops.copy(self.beta), "float32")
-        return _layer_norm(inputs, gamma, beta, self.epsilon)
+        if self.fast_paths and self._is_plain_last_axis_norm(inputs):
+            return fast.layer_norm(inputs, self.gamma, self.beta, self.epsilon)
+        return super().call(inputs)
+
+    def _is_plain_last_axis_norm(self, inputs):
+        """Whether the fast path computes this layer: last axis, gamma and beta, no RMS."""
+        last = len(inputs.shape) - 1
+        return (self.axis in (-1, [-1], last, [last]) and self.center and self.scale
+                and not self.rms_scaling)
+
+    def get_config(self):
+        return {**super().get_config(), "fast_paths": self.fast_paths}
 
 
-def _layer_norm(inputs, gamma, beta, epsilon):
-    """Normalizes `inputs` `(..., C)` over the last axis, with a direct gradient."""
-
-    @ops.custom_gradient
-    def forward(inputs, gamma, beta):
-        x = ops.cast(inputs, "float32")  # (..., C)
-        centered = x - ops.mean(x, axis=-1, keepdims=True)
-        inverse_std = ops.rsqrt(ops.mean(ops.square(centered), axis=-1, keepdims=True)
-                                + epsilon)  # (..., 1)
-        normalized = centered * inverse_std  # (..., C)
-        outputs = ops.cast(normalized * gamma + beta, inputs.dtype)
-
-        def grad(*args, upstream=None):
-            if upstream is None:
-                (upstream,) = args
-            upstream = ops.cast(upstream, "float32")  # (..., C)
-            batch_axes = tuple(range(len(inputs.shape) - 1))
-            gamma_grad = ops.sum(upstream * normalized, axis=batch_axes)  # (C,)
-            beta_grad = ops.sum(upstream, axis=batch_axes)  # (C,)
-            scaled = upstream * gamma
-            inputs_grad = inverse_std * (
-                scaled - ops.mean(scaled, axis=-1, keepdims=True)
-                - normalized * ops.mean(scaled * normalized, axis=-1, keepdims=True))
-            return ops.cast(inputs_grad, inputs.dtype), gamma_grad, beta_grad
-
-        return outputs, grad
-
-    return forward(inputs, gamma, beta)
-
-
-@keras.saving.register_keras_serializable(package="kyu_transformer")
-class Dropout(keras.layers.Dropout):
-    """Keras' ``Dropout`` drawing 16 random bits per element instead of 32.
-
-    Sets inputs to zero with probability `rate` in training and scales the
-    others by ``1 / (1 - rate)``, as Keras' layer, whose options and config it
-    keeps. Random numbers are the main cost of dropout on CPU: here each
-    32-bit random word gives two 16-bit draws, an element is kept when its
-    draw is at least ``round(rate * 65536)`` (so the rate is exact to
-    ``2**-17``), and the gradient is one multiplication by the same mask.
-    With a `noise_shape`, Keras' own implementation runs.
-
-    Args:
-      rate: Fraction of the inputs to drop, in [0, 1).
-      noise_shape, seed: As Keras' ``Dropout``.
-
-    Call arguments:
-      inputs: Any floating-point tensor.
-      training: Whether to drop (otherwise the identity).
-
-    Returns:
-      A tensor of the inputs' shape and dtype.
-    """
-
-    _DRAW_LEVELS = 2 ** 16
-
-    def call(self, inputs, training=False):
-        if not training or self.rate == 0 or self.noise_shape is not None:
-            return super().call(inputs, training=training)
-        threshold = round(self.rate * self._DRAW_LEVELS)
-        # The draws are signed: draw + 2**15 is uniform in [0, 65536).
-        # An int16 bound: an int32 one would convert every draw first.
-        lowest_kept = ops.convert_to_tensor(threshold - self._DRAW_LEVELS // 2, "int16")
-        keep = ops.greater_equal(self._draws(ops.shape(inputs)), lowest_kept)
-        scale = ops.cast(self._DRAW_LEVELS / (self._DRAW_LEVELS - threshold), inputs.dtype)
-        mask = ops.where(keep, scale, ops.zeros_like(scale))  # same shape as inputs
-        return inputs * mask
-
-    def _draws(self, shape):
-        """Uniform int16 draws of `shape` (two from each random 32-bit word)."""
-        if all(isinstance(dim, int) for dim in shape):
-            count = math.prod(shape)
-        else:  # some dimensions known only when the graph runs
-            count = ops.prod(ops.convert_to_tensor(shape))
-        # A static last axis keeps `ops.view` working when the batch shape is dynamic.
-        words = keras.random.randint(((count + 1) // 2, 1), -2 ** 31, 2 ** 31 - 1,
-                                     dtype="int32", seed=self.seed_generator)
-        draws = ops.reshape(ops.view(words, "int16"), (-1,))  # (2 * words,)
-        return ops.reshape(draws[:count], shape)
+# ------------------------------------------------------------------- embedding
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -314,6 +242,9 @@ class Embedding(keras.layers.Layer):
             scale=self.scale,
             embeddings_initializer=keras.initializers.serialize(self.embeddings_initializer))
         return config
+
+
+# --------------------------------------------------------- positional encoding
 
 
 def sinusoid_table(maxlen, num_units, style="interleaved"):
@@ -452,6 +383,9 @@ class PositionalEncoding(keras.layers.Layer):
         return config
 
 
+# --------------------------------------------------------- multihead attention
+
+
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class ScaledDotProductAttention(keras.layers.Layer):
     """``softmax(Q K^T / temperature) V`` over heads, the default attention operator.
@@ -462,6 +396,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
     Args:
       dropout_rate: Dropout on the attention weights, in training only.
       temperature: Divisor of the scores; ``sqrt(d_k)`` when None.
+      fast_paths: Passed to its `Dropout`.
 
     Call arguments:
       q: `(N, h, T_q, d_k)`; k: `(N, h, T_k, d_k)`; v: `(N, h, T_k, d_v)`.
@@ -473,12 +408,13 @@ class ScaledDotProductAttention(keras.layers.Layer):
       `(N, h, T_q, T_k)`.
     """
 
-    def __init__(self, dropout_rate=0.0, temperature=None, **kwargs):
+    def __init__(self, dropout_rate=0.0, temperature=None, fast_paths=True, **kwargs):
         super().__init__(**kwargs)
         _check_rate("dropout_rate", dropout_rate)
         self.dropout_rate = float(dropout_rate)
         self.temperature = temperature
-        self.dropout = Dropout(self.dropout_rate)
+        self.fast_paths = bool(fast_paths)
+        self.dropout = Dropout(self.dropout_rate, fast_paths=self.fast_paths)
 
     def call(self, q, k, v, mask=None, training=None):
         temperature = self.temperature or math.sqrt(q.shape[-1])
@@ -504,7 +440,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(dropout_rate=self.dropout_rate, temperature=self.temperature)
+        config.update(dropout_rate=self.dropout_rate, temperature=self.temperature,
+                      fast_paths=self.fast_paths)
         return config
 
 
@@ -515,7 +452,8 @@ class MultiHeadAttention(keras.layers.Layer):
     The original ``multihead_attention``: project queries/keys/values, split
     the projections into `num_heads` heads along the last axis (head ``h``
     owns columns ``h*d_k:(h+1)*d_k``), attend, concatenate the heads, add the
-    queries back and normalize.
+    queries back and normalize. `sublayer` is the attention alone; `call`
+    wraps it as the paper wraps every sub-layer: dropout, residual sum, norm.
 
     Args:
       num_heads: Number of heads `h`; must divide `num_units`.
@@ -536,6 +474,7 @@ class MultiHeadAttention(keras.layers.Layer):
       attention: The attention operator, a layer or callable
         ``(q, k, v, mask) -> (outputs, weights)`` on per-head tensors;
         `ScaledDotProductAttention(dropout_rate)` when None.
+      fast_paths: Passed to its `Normalize` and `Dropout` layers.
 
     Call arguments:
       queries: `(N, T_q, C_q)`.
@@ -555,8 +494,8 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def __init__(self, num_heads=8, num_units=None, dropout_rate=0.0, causality=False,
                  use_bias=True, projection_activation=None, output_projection=False,
-                 norm_position="post", epsilon=1e-8, residual_dropout_rate=0.0,
-                 attention=None, **kwargs):
+                 norm_position="post", epsilon=LAYER_NORM_EPSILON, residual_dropout_rate=0.0,
+                 attention=None, fast_paths=True, **kwargs):
         super().__init__(**kwargs)
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
         _check_rate("dropout_rate", dropout_rate)
@@ -576,11 +515,13 @@ class MultiHeadAttention(keras.layers.Layer):
         self.norm_position = norm_position
         self.epsilon = float(epsilon)
         self.residual_dropout_rate = float(residual_dropout_rate)
+        self.fast_paths = bool(fast_paths)
         if isinstance(attention, dict):
             attention = keras.saving.deserialize_keras_object(attention)
-        self.attention = attention or ScaledDotProductAttention(self.dropout_rate)
-        self.residual_dropout = Dropout(self.residual_dropout_rate)
-        self.norm = Normalize(epsilon=self.epsilon, name="norm")
+        self.attention = attention or ScaledDotProductAttention(self.dropout_rate,
+                                                                fast_paths=self.fast_paths)
+        self.residual_dropout = Dropout(self.residual_dropout_rate, fast_paths=self.fast_paths)
+        self.norm = Normalize(epsilon=self.epsilon, fast_paths=self.fast_paths, name="norm")
         self.supports_masking = True
 
     def build(self, queries_shape, keys_shape=None, values_shape=None):
@@ -614,29 +555,46 @@ class MultiHeadAttention(keras.layers.Layer):
             self.output_dense.build(tuple(queries_shape[:-1]) + (units,))
         self.norm.build(queries_shape)
 
-    def _split_heads(self, x):
-        """`(N, T, C)` -> `(N, h, T, C/h)`, head h taking columns h*d_k:(h+1)*d_k."""
-        return self._split_parts_into_heads(x, 1)[0]
+    def call(self, queries, keys=None, values=None, query_mask=None, key_mask=None,
+             training=None, return_attention_scores=False):
+        self_attention = keys is None or keys is queries
+        if query_mask is None:
+            query_mask = _keras_mask(queries)
+        if key_mask is None:
+            key_mask = query_mask if self_attention else _keras_mask(keys)
+        outputs, weights = self.sublayer(
+            self.pre_norm(queries), None if self_attention else keys, values,
+            query_mask=query_mask, key_mask=key_mask, training=training)  # (N, T_q, C_q)
+        outputs = self.post_norm(queries + self.residual_dropout(outputs, training=training))
+        if return_attention_scores:
+            return outputs, weights
+        return outputs
 
-    def _split_parts_into_heads(self, x, parts):
-        """`(N, T, parts*C)` -> `parts` tensors `(N, h, T, C/h)`, side by side in `x`.
+    def pre_norm(self, inputs):
+        """The sub-layer's input: `inputs` normalized in pre-norm, unchanged in post-norm."""
+        return self.norm(inputs) if self.norm_position == "pre" else inputs
 
-        One transpose for all parts, then views along the leading axis
-        (splitting the last axis first would copy every element once more).
+    def post_norm(self, inputs):
+        """The output: the residual sum normalized in post-norm, unchanged in pre-norm."""
+        return self.norm(inputs) if self.norm_position == "post" else inputs
+
+    # The name incremental decoding knows `pre_norm` by.
+    normalize_queries = pre_norm
+
+    def sublayer(self, queries, keys=None, values=None, query_mask=None, key_mask=None,
+                 training=None):
+        """The attention alone: ``(outputs (N, T_q, C_q), weights (N, h, T_q, T_k))``.
+
+        Arguments as `call`'s, with `keys` None for self-attention and no
+        default masks. No dropout, residual sum or norm (see `call`).
         """
-        batch, length = ops.shape(x)[0], ops.shape(x)[1]
-        head_width = x.shape[-1] // (parts * self.num_heads)
-        if parts == 1:  # no leading axis to take apart (a decoding step's queries)
-            x = ops.reshape(x, (batch, length, self.num_heads, head_width))
-            return (ops.transpose(x, (0, 2, 1, 3)),)
-        x = ops.reshape(x, (batch, length, parts, self.num_heads, head_width))
-        x = ops.transpose(x, (2, 0, 3, 1, 4))  # (parts, N, h, T, d_k)
-        return tuple(ops.unstack(x, parts, axis=0))
-
-    def _merge_heads(self, x):
-        """`(N, h, T, d)` -> `(N, T, h*d)`."""
-        x = ops.transpose(x, (0, 2, 1, 3))
-        return ops.reshape(x, (ops.shape(x)[0], ops.shape(x)[1], self.num_heads * x.shape[-1]))
+        if keys is None:
+            q, k, v = self.project_self(queries)  # (N, h, T, d_k) each
+        else:
+            (q,) = self._project(queries, self.query_dense)  # (N, h, T_q, d_k)
+            k, v = self.project_keys_values(keys, values)  # (N, h, T_k, d_k) each
+        mask = self.attention_mask(query_mask, key_mask, ops.shape(queries)[1], ops.shape(k)[2])
+        return self._attend_heads(q, k, v, mask)
 
     def attention_mask(self, query_mask, key_mask, num_queries, num_keys):
         """Boolean mask broadcastable to `(N, h, T_q, T_k)`, or None (see all)."""
@@ -651,53 +609,37 @@ class MultiHeadAttention(keras.layers.Layer):
             mask = future if mask is None else ops.logical_and(mask, future)
         return mask
 
-    def call(self, queries, keys=None, values=None, query_mask=None, key_mask=None,
-             training=None, return_attention_scores=False):
-        self_attention = keys is None or keys is queries
-        if query_mask is None:
-            query_mask = _keras_mask(queries)
-        if key_mask is None:
-            key_mask = query_mask if self_attention else _keras_mask(keys)
-        normed = self.normalize_queries(queries)
-        if self_attention:
-            q, k, v = self.project_self(normed)  # (N, h, T, d_k) each
-        else:
-            q = self._split_heads(self.query_dense(normed))  # (N, h, T_q, d_k)
-            k, v = self.project_keys_values(keys, values)  # (N, h, T_k, d_k) each
-        mask = self.attention_mask(query_mask, key_mask, ops.shape(queries)[1], ops.shape(k)[2])
-        return self._attend(queries, q, k, v, mask, training, return_attention_scores)
-
-    def normalize_queries(self, queries):
-        """The queries as the projections see them: normalized first in pre-norm."""
-        return self.norm(queries) if self.norm_position == "pre" else queries
-
     def project_self(self, inputs):
         """Queries, keys and values of self-attention over `inputs` `(N, T, C)`.
 
         Returns ``(q, k, v)``, `(N, h, T, d_k)` each. Pass the normalized inputs
-        in pre-norm (`normalize_queries`).
+        in pre-norm (`pre_norm`).
         """
-        return self._project((self.query_dense, self.key_dense, self.value_dense), inputs)
+        return self._project(inputs, self.query_dense, self.key_dense, self.value_dense)
 
     def project_keys_values(self, keys, values=None):
         """Keys and values `(N, T_k, C)` -> per-head projections `(N, h, T_k, d_k)`.
 
         For incremental decoding, which projects a memory once. Without
-        `values`, one product by the side-by-side kernels; with `values` (even
-        the same tensor), one product each, faster for the few rows of a
-        decoding step, where joining the kernels costs more than it saves.
+        `values`, both projections of `keys` in one product; with `values`
+        (even the same tensor), one product each: for the few rows of a
+        decoding step, joining the kernels costs more than it saves.
         """
         if values is None:
-            return self._project((self.key_dense, self.value_dense), keys)
-        return self._split_heads(self.key_dense(keys)), self._split_heads(self.value_dense(values))
+            return self._project(keys, self.key_dense, self.value_dense)
+        return self._project(keys, self.key_dense) + self._project(values, self.value_dense)
 
-    def _project(self, denses, inputs):
-        """`inputs` through several of the projections at once, split into heads.
+    def _project(self, inputs, *denses):
+        """`inputs` `(N, T, C_in)` through the projections `denses`, split into heads.
 
-        One matrix multiplication by the side-by-side kernels `(C, n*C)`: on
-        CPU a wide product runs faster than `n` narrow ones, and back-propagation
-        adds no partial input gradients. Same weights, same results as calling
-        each `Dense`.
+        The one projection path: a product by the denses' kernels side by side
+        `(C_in, n*C)`, then the biases and the activation, as each `Dense`
+        computes them. Projections of one input thus read it once, in one wide
+        matrix product instead of `n` narrow ones, and back-propagation gets
+        its gradient from one product instead of summing `n` partial ones.
+
+        Returns:
+          `len(denses)` tensors `(N, h, T, d_k)`.
         """
         kernel = ops.concatenate([dense.kernel for dense in denses], axis=-1)  # (C_in, n*C)
         outputs = ops.matmul(ops.cast(inputs, self.compute_dtype),
@@ -707,6 +649,31 @@ class MultiHeadAttention(keras.layers.Layer):
             outputs = outputs + ops.cast(bias, self.compute_dtype)
         outputs = self.projection_activation(outputs)
         return self._split_parts_into_heads(outputs, len(denses))
+
+    def _split_parts_into_heads(self, x, parts):
+        """`(N, T, parts*C)` -> `parts` tensors `(N, h, T, C/h)`, side by side in `x`.
+
+        One transpose for all parts, then views along the leading axis
+        (splitting the last axis first would copy every element once more).
+        """
+        batch, length = ops.shape(x)[0], ops.shape(x)[1]
+        head_width = x.shape[-1] // (parts * self.num_heads)
+        if parts == 1:  # no leading axis to take apart
+            x = ops.reshape(x, (batch, length, self.num_heads, head_width))
+            return (ops.transpose(x, (0, 2, 1, 3)),)
+        x = ops.reshape(x, (batch, length, parts, self.num_heads, head_width))
+        x = ops.transpose(x, (2, 0, 3, 1, 4))  # (parts, N, h, T, d_k)
+        return tuple(ops.unstack(x, parts, axis=0))
+
+    def _attend_heads(self, q, k, v, mask):
+        """Attention per head, heads concatenated and projected back: ``(outputs, weights)``."""
+        heads, weights = self.attention(q, k, v, mask)  # (N, h, T_q, d_k), (N, h, T_q, T_k)
+        heads = ops.transpose(heads, (0, 2, 1, 3))  # (N, T_q, h, d_k)
+        outputs = ops.reshape(heads, (ops.shape(heads)[0], ops.shape(heads)[1],
+                                      self.num_heads * heads.shape[-1]))  # (N, T_q, C)
+        if self.output_projection:
+            outputs = self.output_dense(outputs)  # (N, T_q, C_q)
+        return outputs, weights
 
     def attend_projected(self, queries, k, v, key_mask=None, training=None,
                          return_attention_scores=False):
@@ -723,17 +690,9 @@ class MultiHeadAttention(keras.layers.Layer):
                 mask = key_mask[:, None, :, :]  # (N, 1, T_q, T_k)
             else:
                 mask = key_mask[:, None, None, :]  # (N, 1, 1, T_k)
-        q = self._split_heads(self.query_dense(self.normalize_queries(queries)))  # (N, h, T_q, d_k)
-        return self._attend(queries, q, k, v, mask, training, return_attention_scores)
-
-    def _attend(self, queries, q, k, v, mask, training, return_attention_scores):
-        heads, weights = self.attention(q, k, v, mask)  # (N, h, T_q, d_k), (N, h, T_q, T_k)
-        outputs = self._merge_heads(heads)  # (N, T_q, C)
-        if self.output_projection:
-            outputs = self.output_dense(outputs)  # (N, T_q, C_q)
-        outputs = queries + self.residual_dropout(outputs, training=training)
-        if self.norm_position == "post":
-            outputs = self.norm(outputs)
+        (q,) = self._project(self.pre_norm(queries), self.query_dense)  # (N, h, T_q, d_k)
+        outputs, weights = self._attend_heads(q, k, v, mask)
+        outputs = self.post_norm(queries + self.residual_dropout(outputs, training=training))
         if return_attention_scores:
             return outputs, weights
         return outputs
@@ -760,8 +719,12 @@ class MultiHeadAttention(keras.layers.Layer):
             projection_activation=keras.activations.serialize(self.projection_activation),
             output_projection=self.output_projection, norm_position=self.norm_position,
             epsilon=self.epsilon, residual_dropout_rate=self.residual_dropout_rate,
-            attention=keras.saving.serialize_keras_object(self.attention))
+            attention=keras.saving.serialize_keras_object(self.attention),
+            fast_paths=self.fast_paths)
         return config
+
+
+# ----------------------------------------------------------------- feedforward
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -769,6 +732,8 @@ class FeedForward(keras.layers.Layer):
     """Position-wise feed-forward net with residual and normalization.
 
     The original ``feedforward`` (two 1x1 convolutions, i.e. two `Dense`).
+    `sublayer` is the net alone; `call` wraps it as the paper wraps every
+    sub-layer: dropout, residual sum, norm.
 
     Args:
       num_units: ``(inner, outer)`` widths; `outer` must equal the input width.
@@ -776,6 +741,7 @@ class FeedForward(keras.layers.Layer):
       activation: Activation of the inner layer.
       norm_position: ``"post"``: ``LN(x + FF(x))``; ``"pre"``: ``x + FF(LN(x))``.
       epsilon: Epsilon of the `Normalize` layer (`norm`).
+      fast_paths: Passed to its `Normalize` and `Dropout` layers.
 
     Call arguments:
       inputs: `(N, T, C)`.
@@ -786,7 +752,7 @@ class FeedForward(keras.layers.Layer):
     """
 
     def __init__(self, num_units=(2048, 512), dropout_rate=0.0, activation="relu",
-                 norm_position="post", epsilon=1e-8, **kwargs):
+                 norm_position="post", epsilon=LAYER_NORM_EPSILON, fast_paths=True, **kwargs):
         super().__init__(**kwargs)
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
         _check_rate("dropout_rate", dropout_rate)
@@ -797,11 +763,12 @@ class FeedForward(keras.layers.Layer):
         self.activation = keras.activations.get(activation)
         self.norm_position = norm_position
         self.epsilon = float(epsilon)
+        self.fast_paths = bool(fast_paths)
         self.inner_dense = keras.layers.Dense(self.num_units[0], activation=self.activation,
                                               name="inner_dense")
         self.outer_dense = keras.layers.Dense(self.num_units[1], name="outer_dense")
-        self.dropout = Dropout(self.dropout_rate)
-        self.norm = Normalize(epsilon=self.epsilon, name="norm")
+        self.dropout = Dropout(self.dropout_rate, fast_paths=self.fast_paths)
+        self.norm = Normalize(epsilon=self.epsilon, fast_paths=self.fast_paths, name="norm")
         self.supports_masking = True
 
     def build(self, input_shape):
@@ -814,12 +781,20 @@ class FeedForward(keras.layers.Layer):
         self.norm.build(input_shape)
 
     def call(self, inputs, training=None):
-        normed = self.norm(inputs) if self.norm_position == "pre" else inputs
-        outputs = self.outer_dense(self.inner_dense(normed))  # (N, T, C)
-        outputs = inputs + self.dropout(outputs, training=training)
-        if self.norm_position == "post":
-            outputs = self.norm(outputs)
-        return outputs
+        outputs = self.sublayer(self.pre_norm(inputs))  # (N, T, C)
+        return self.post_norm(inputs + self.dropout(outputs, training=training))
+
+    def sublayer(self, inputs):
+        """The net alone, `(N, T, C)` -> `(N, T, C)`, before dropout, residual sum and norm."""
+        return self.outer_dense(self.inner_dense(inputs))
+
+    def pre_norm(self, inputs):
+        """The sub-layer's input: `inputs` normalized in pre-norm, unchanged in post-norm."""
+        return self.norm(inputs) if self.norm_position == "pre" else inputs
+
+    def post_norm(self, inputs):
+        """The output: the residual sum normalized in post-norm, unchanged in pre-norm."""
+        return self.norm(inputs) if self.norm_position == "post" else inputs
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -829,15 +804,38 @@ class FeedForward(keras.layers.Layer):
         config.update(
             num_units=list(self.num_units), dropout_rate=self.dropout_rate,
             activation=keras.activations.serialize(self.activation),
-            norm_position=self.norm_position, epsilon=self.epsilon)
+            norm_position=self.norm_position, epsilon=self.epsilon, fast_paths=self.fast_paths)
         return config
+
+
+# ------------------------------------------------------------- label smoothing
+
+
+def label_smoothing(inputs, epsilon=0.1):
+    """Applies label smoothing (https://arxiv.org/abs/1512.00567).
+
+    Args:
+      inputs: A tensor `(..., V)` of one-hot (or any) target distributions.
+      epsilon: Smoothing rate.
+
+    Returns:
+      ``(1 - epsilon) * inputs + epsilon / V``, same shape as `inputs`. For
+      ``V = 3`` and ``epsilon = 0.1`` a one-hot row ``[0, 0, 1]`` becomes
+      ``[0.0333, 0.0333, 0.9333]``.
+    """
+    inputs = ops.convert_to_tensor(inputs)
+    num_classes = ops.cast(ops.shape(inputs)[-1], inputs.dtype)
+    return (1.0 - epsilon) * inputs + epsilon / num_classes
+
+
+# ---------------------------------------------------------------------- blocks
 
 
 class _Block(keras.layers.Layer):
     """What the encoder and decoder blocks share: sizes, dropout, norm position."""
 
     def __init__(self, num_heads, d_ff, dropout_rate=0.0, norm_position="post",
-                 epsilon=1e-8, **kwargs):
+                 epsilon=LAYER_NORM_EPSILON, fast_paths=True, **kwargs):
         super().__init__(**kwargs)
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
         _check_rate("dropout_rate", dropout_rate)
@@ -846,18 +844,20 @@ class _Block(keras.layers.Layer):
         self.dropout_rate = float(dropout_rate)
         self.norm_position = norm_position
         self.epsilon = float(epsilon)
+        self.fast_paths = bool(fast_paths)
         self.supports_masking = True
 
     def _attention(self, name, causality=False):
         return MultiHeadAttention(
             num_heads=self.num_heads, dropout_rate=self.dropout_rate, causality=causality,
             output_projection=True, norm_position=self.norm_position, epsilon=self.epsilon,
-            residual_dropout_rate=self.dropout_rate, name=name)
+            residual_dropout_rate=self.dropout_rate, fast_paths=self.fast_paths, name=name)
 
     def _feed_forward(self, d_model):
         return FeedForward(
             (self.d_ff, d_model), dropout_rate=self.dropout_rate,
-            norm_position=self.norm_position, epsilon=self.epsilon, name="feed_forward")
+            norm_position=self.norm_position, epsilon=self.epsilon, fast_paths=self.fast_paths,
+            name="feed_forward")
 
     def compute_mask(self, inputs, previous_mask=None):
         return previous_mask
@@ -866,13 +866,18 @@ class _Block(keras.layers.Layer):
         config = super().get_config()
         config.update(
             num_heads=self.num_heads, d_ff=self.d_ff, dropout_rate=self.dropout_rate,
-            norm_position=self.norm_position, epsilon=self.epsilon)
+            norm_position=self.norm_position, epsilon=self.epsilon, fast_paths=self.fast_paths)
         return config
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class EncoderBlock(_Block):
     """Self-attention then feed-forward: one encoder layer.
+
+    Each sub-layer is wrapped as in the paper (section 3.1): its output goes
+    through dropout, is added to its input, and the sum is normalized,
+    ``LN(x + Dropout(Sublayer(x)))``; in pre-norm the sub-layer's input is
+    normalized instead, ``x + Dropout(Sublayer(LN(x)))``.
 
     Args:
       num_heads: Attention heads.
@@ -881,6 +886,7 @@ class EncoderBlock(_Block):
         output before its residual sum.
       norm_position: ``"post"`` or ``"pre"`` (see `MultiHeadAttention`).
       epsilon: Epsilon of the normalizations.
+      fast_paths: Passed to its `Normalize` and `Dropout` layers.
 
     Call arguments:
       inputs: `(N, T, C)`.
@@ -898,9 +904,18 @@ class EncoderBlock(_Block):
         self.feed_forward.build(input_shape)
 
     def call(self, inputs, mask=None, training=None):
-        outputs = self.self_attention(inputs, query_mask=mask, key_mask=mask,
-                                      training=training)  # (N, T, C)
-        return self.feed_forward(outputs, training=training)
+        if mask is None:
+            mask = _keras_mask(inputs)
+        attention, feed_forward = self.self_attention, self.feed_forward
+        x = inputs  # (N, T, C)
+
+        y, _ = attention.sublayer(attention.pre_norm(x), query_mask=mask, key_mask=mask,
+                                  training=training)
+        x = attention.post_norm(x + attention.residual_dropout(y, training=training))
+
+        y = feed_forward.sublayer(feed_forward.pre_norm(x))
+        x = feed_forward.post_norm(x + feed_forward.dropout(y, training=training))
+        return x
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -909,6 +924,8 @@ class EncoderBlock(_Block):
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class DecoderBlock(_Block):
     """Causal self-attention, attention over the encoder memory, feed-forward.
+
+    Each sub-layer is wrapped as in `EncoderBlock`.
 
     Args: as `EncoderBlock`.
 
@@ -943,15 +960,23 @@ class DecoderBlock(_Block):
             mask = _keras_mask(inputs)
         if memory_mask is None:
             memory_mask = _keras_mask(memory)
-        outputs = self.self_attention(inputs, query_mask=mask, key_mask=mask,
-                                      training=training)  # (N, T, C)
-        outputs, weights = self.cross_attention(
-            outputs, memory, query_mask=mask, key_mask=memory_mask, training=training,
-            return_attention_scores=True)  # (N, T, C), (N, h, T, S)
-        outputs = self.feed_forward(outputs, training=training)
+        attention, cross, feed_forward = (self.self_attention, self.cross_attention,
+                                          self.feed_forward)
+        x = inputs  # (N, T, C)
+
+        y, _ = attention.sublayer(attention.pre_norm(x), query_mask=mask, key_mask=mask,
+                                  training=training)
+        x = attention.post_norm(x + attention.residual_dropout(y, training=training))
+
+        y, weights = cross.sublayer(cross.pre_norm(x), memory, query_mask=mask,
+                                    key_mask=memory_mask, training=training)  # weights (N, h, T, S)
+        x = cross.post_norm(x + cross.residual_dropout(y, training=training))
+
+        y = feed_forward.sublayer(feed_forward.pre_norm(x))
+        x = feed_forward.post_norm(x + feed_forward.dropout(y, training=training))
         if return_attention_scores:
-            return outputs, weights, ops.mean(weights, axis=1)  # coverage (N, T, S)
-        return outputs
+            return x, weights, ops.mean(weights, axis=1)  # coverage (N, T, S)
+        return x
 
     def step(self, inputs, position, self_cache, memory_keys_values, memory_mask,
              history_mask=None):
@@ -1003,3 +1028,42 @@ class DecoderBlock(_Block):
                                     dtype=self.compute_dtype)
         coverage = keras.KerasTensor((batch, length, source_length), dtype=self.compute_dtype)
         return outputs, weights, coverage
+
+
+# --------------------------------------------------------------------- dropout
+
+
+@keras.saving.register_keras_serializable(package="kyu_transformer")
+class Dropout(keras.layers.Dropout):
+    """Keras' ``Dropout``, by `fast_paths.dropout` when `fast_paths` is True.
+
+    Sets inputs to zero with probability `rate` in training and scales the
+    others by ``1 / (1 - rate)``, as Keras' layer, whose options and config it
+    keeps. With a `noise_shape`, or `fast_paths` False, Keras' own
+    implementation runs.
+
+    Args:
+      rate: Fraction of the inputs to drop, in [0, 1).
+      noise_shape, seed: As Keras' ``Dropout``.
+      fast_paths: If True, 16-bit random draws (`fast_paths.dropout`); if
+        False, Keras' ``Dropout.call``.
+
+    Call arguments:
+      inputs: Any floating-point tensor.
+      training: Whether to drop (otherwise the identity).
+
+    Returns:
+      A tensor of the inputs' shape and dtype.
+    """
+
+    def __init__(self, rate, noise_shape=None, seed=None, fast_paths=True, **kwargs):
+        super().__init__(rate, noise_shape=noise_shape, seed=seed, **kwargs)
+        self.fast_paths = bool(fast_paths)
+
+    def call(self, inputs, training=False):
+        if self.fast_paths and training and self.rate > 0 and self.noise_shape is None:
+            return fast.dropout(inputs, self.rate, self.seed_generator)
+        return super().call(inputs, training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "fast_paths": self.fast_paths}

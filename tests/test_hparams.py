@@ -38,6 +38,8 @@ def test_flags_override_hparams():
     ("smal", None, "did you mean `small`"),
     ("", {"d_model": "wide"}, "`d_model` must be int, got 'wide'"),
     ("", {"sinusoid": "maybe"}, "`sinusoid` must be true or false"),
+    ("", {"fast_paths": "maybe"}, "`fast_paths` must be true or false"),
+    ("", {"fast_paths": 1}, "`fast_paths` must be bool, got 1"),
     ("", {"d_model": 100, "num_heads": 8}, "`d_model` (100) must be divisible by `num_heads` (8)"),
     ("", {"num_blocks": 0}, "`num_blocks` must be positive, got 0"),
     ("", {"vocab_size": -5}, "`vocab_size` must be positive"),
@@ -51,6 +53,20 @@ def test_validation_errors(spec, overrides, message):
     with pytest.raises(hp.HParamsError) as error:
         hp.parse(spec, overrides)
     assert message in str(error.value)
+
+
+def test_fast_paths_on_by_default_and_off_by_flag():
+    assert hp.parse("")["fast_paths"] is True
+    args = hp.argument_parser("x").parse_args(["--fast_paths", "false"])
+    assert hp.from_args(args)["fast_paths"] is False
+
+
+def test_hparams_written_before_the_switch_load_with_fast_paths_on(tmp_path):
+    resolved = hp.parse("tiny")
+    del resolved["fast_paths"]
+    path = tmp_path / "hparams.json"
+    hp.save(resolved, str(path))
+    assert hp.load(str(path))["fast_paths"] is True
 
 
 def test_every_problem_is_reported_at_once():

@@ -4,8 +4,8 @@ import keras
 import numpy as np
 import pytest
 
-from kyu_transformer.layers import Embedding
-from kyu_transformer.model import Transformer
+from kyu_transformer.layers import LAYER_NORM_EPSILON, Embedding, Normalize
+from kyu_transformer.model import MODEL_ARGUMENTS, Transformer
 
 SIZE = dict(vocab_size=60, d_model=16, d_ff=32, num_blocks=2, num_heads=2, maxlen1=20,
             maxlen2=20, dropout_rate=0.1)
@@ -118,6 +118,25 @@ def test_save_and_load_identical_outputs(tmp_path, batch, norm_position):
     loaded = keras.models.load_model(tmp_path / "model.keras")
     np.testing.assert_array_equal(loaded(batch), logits)
     assert loaded.get_config()["norm_position"] == norm_position
+
+
+def test_from_hparams_takes_every_model_argument():
+    import hparams as hp
+
+    model = Transformer.from_hparams({**hp.DEFAULTS, **SIZE, "fast_paths": False,
+                                      "epsilon": 1e-5})
+    assert (model.fast_paths, model.epsilon) == (False, 1e-5)
+    assert model.get_config()["fast_paths"] is False
+    assert set(MODEL_ARGUMENTS) <= set(hp.DEFAULTS)  # every one is an hparam
+
+
+def test_one_layer_norm_epsilon_in_layers_model_and_hparams():
+    import hparams as hp
+
+    model = Transformer(**SIZE)
+    model.build()
+    epsilons = {layer.epsilon for layer in model._flatten_layers() if isinstance(layer, Normalize)}
+    assert epsilons == {LAYER_NORM_EPSILON} == {model.epsilon} == {hp.DEFAULTS["epsilon"]}
 
 
 def test_dropout_only_in_training(batch):

@@ -22,6 +22,14 @@ LAYERS = [
     (DecoderBlock(num_heads=2, d_ff=16, dropout_rate=0.1), (2, 3, 8)),
     (ScaledDotProductAttention(dropout_rate=0.1, temperature=2.0), None),
     (Dropout(0.2, seed=7), (2, 3, 8)),
+    # The plain Keras path is kept by a config as well.
+    (Normalize(fast_paths=False), (2, 3, 8)),
+    (Dropout(0.2, seed=7, fast_paths=False), (2, 3, 8)),
+    (ScaledDotProductAttention(dropout_rate=0.1, fast_paths=False), None),
+    (MultiHeadAttention(num_heads=2, dropout_rate=0.1, fast_paths=False), (2, 3, 8)),
+    (FeedForward((16, 8), dropout_rate=0.1, fast_paths=False), (2, 3, 8)),
+    (EncoderBlock(num_heads=2, d_ff=16, dropout_rate=0.1, fast_paths=False), (2, 3, 8)),
+    (DecoderBlock(num_heads=2, d_ff=16, dropout_rate=0.1, fast_paths=False), (2, 3, 8)),
 ]
 
 
@@ -31,6 +39,8 @@ def test_config_round_trip_gives_same_layer_and_outputs(rng, layer, input_kind):
     clone = keras.saving.deserialize_keras_object(config)
     assert type(clone) is type(layer)
     assert clone.get_config() == layer.get_config()
+    if "fast_paths" in layer.get_config():
+        assert clone.fast_paths is layer.fast_paths
     if input_kind is None:
         return
     inputs = (rng.integers(0, 30, size=(2, 3)) if input_kind == "ids"
