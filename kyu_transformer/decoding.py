@@ -117,6 +117,32 @@ def greedy_search(model, source, max_length):
     return outputs, coverage
 
 
+# Beam search's cache layout. The `K` hypotheses of a sentence share its
+# self-attention cache, which grows by `K` slots a position: slot ``l * K + j``
+# holds position `l` of the hypothesis that was `j`-th when it was made. The
+# cache is never reordered when hypotheses are: `history` `(N, K, l * K)` says
+# which slots each alive hypothesis descends from, and moves instead (a small
+# boolean tensor rather than every cached key and value). Each step, a
+# hypothesis sees its history and its own newest slot: the `self_mask` that
+# `DecoderBlock.step` takes.
+
+
+def own_history(length, hypotheses):
+    """Boolean ``(1, K, length*K)`` history of hypotheses never reordered.
+
+    Slot ``l * K + j`` (position `l` of hypothesis `j`) is seen by hypothesis
+    `j` alone.
+    """
+    slots = ops.arange(length * hypotheses)[None, :]  # (1, length*K)
+    return ops.equal(slots % hypotheses, ops.arange(hypotheses)[:, None])[None]
+
+
+def _self_mask(history, batch, k):
+    """``history`` `(N, K, l*K)` with each hypothesis' newest slot: `(N, K, (l+1)*K)`."""
+    own_slots = ops.broadcast_to(ops.eye(k, dtype="bool")[None], (batch, k, k))  # (N, K, K)
+    return ops.concatenate([history, own_slots], axis=2)
+
+
 def _relaxed(structure):
     """`structure` with its tensors' batch axis (and third, if any) unknown to the graph.
 
@@ -260,9 +286,7 @@ def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
         "rows": ops.arange(batch),
         "limits": limits,
         "last": ops.full((batch, k), BOS_ID, "int32"),
-        # The K hypotheses of a sentence share its memory; the cache grows by K
-        # slots a position and is never reordered: `history` says which slots
-        # each alive hypothesis descends from (see `DecoderBlock.step`).
+        # Which cache slots each hypothesis descends from (see `own_history`).
         "history": ops.zeros((batch, k, 0), "bool"),
         "alive_ids": ops.zeros((batch, k, width), "int32"),
         # Only the first beam is live at the start: the others would duplicate it.
@@ -301,8 +325,7 @@ def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
 def _beam_step(model, table, step, state, k, alpha):
     """One position of beam search for every sentence of `state`."""
     batch = ops.shape(state["last"])[0]
-    own_slots = ops.broadcast_to(ops.eye(k, dtype="bool")[None], (batch, k, k))  # (N, K, K)
-    history = ops.concatenate([state["history"], own_slots], axis=2)  # (N, K, (step+1)*K)
+    history = _self_mask(state["history"], batch, k)  # (N, K, (step+1)*K)
     logits, cache, _ = model.decode_step(state["last"], step,
                                          {**state["cache"], "target_table": table}, history)
     cache.pop("target_table")

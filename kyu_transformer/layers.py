@@ -96,13 +96,10 @@ def causal_mask(num_queries, num_keys):
 
 
 def own_history(length, hypotheses):
-    """Boolean ``(1, K, length*K)`` mask of a cache whose hypotheses are never reordered.
+    """Kept for earlier imports: the beam-search cache layout is `decoding.own_history`."""
+    from kyu_transformer import decoding  # the search's, not the layers' (no import cycle)
 
-    Slot ``l * K + j`` (position `l` of hypothesis `j`) is seen by hypothesis
-    `j` alone.
-    """
-    slots = ops.arange(length * hypotheses)[None, :]  # (1, length*K)
-    return ops.equal(slots % hypotheses, ops.arange(hypotheses)[:, None])[None]
+    return decoding.own_history(length, hypotheses)
 
 
 # ------------------------------------------------------------------- normalize
@@ -978,42 +975,43 @@ class DecoderBlock(_Block):
             return x, weights, ops.mean(weights, axis=1)  # coverage (N, T, S)
         return x
 
-    def step(self, inputs, position, self_cache, memory_keys_values, memory_mask,
-             history_mask=None):
-        """One decoding step of `K` hypotheses per sentence, with a key/value cache.
+    def step(self, inputs, self_cache, memory_keys_values, memory_mask, self_mask=None):
+        """One decoding step with a key/value cache, for any search to drive.
 
-        The self-attention cache grows by `K` slots a step, slot ``l * K + j``
-        holding position `l` of hypothesis `j`. Beam search never moves the
-        cache: when hypotheses are reordered, only `history_mask` (which slots
-        each hypothesis descends from) is, a small boolean tensor instead of
-        every cached key and value.
+        The step's `K` new positions per sentence (one per hypothesis a search
+        keeps) append their keys and values to the self-attention cache, after
+        the cached ones, and attend over the grown cache as `self_mask` allows.
+        The cache holds earlier positions only, so causality needs no mask;
+        which cached slots belong to which hypothesis is the search's to say
+        (see `decoding.beam_search`).
 
         Args:
-          inputs: States of the newest position `(N, K, C)`.
-          position: Its index (int scalar tensor); the cache holds the
-            positions before it.
+          inputs: States of the newest positions `(N, K, C)`.
           self_cache: ``(keys, values)`` of the self-attention so far,
-            `(N, h, position*K, d_k)` each.
+            `(N, h, T, d_k)` each.
           memory_keys_values: ``(keys, values)`` of the cross-attention, from
             ``cross_attention.project_keys_values(memory)``, `(N, h, S, d_k)`.
           memory_mask: Boolean `(N, S)` source padding mask.
-          history_mask: Boolean `(N, K, (position+1)*K)`: the slots hypothesis
-            `j` attends to, its own newest slot included. Default: hypothesis
-            `j` sees the slots ``l * K + j`` (no reordering).
+          self_mask: Boolean `(N, K, T + K)`: the cache slots (this step's
+            included, last) each query sees. Needed when `K` > 1; with one
+            query per sentence it sees every slot.
 
         Returns:
-          ``(outputs (N, K, C), self_cache grown by this position, cross weights (N, h, K, S))``.
+          ``(outputs (N, K, C), self_cache grown to T + K slots, cross weights (N, h, K, S))``.
+
+        Raises:
+          ValueError: `K` > 1 without `self_mask`.
         """
+        if self_mask is None and inputs.shape[1] != 1:
+            raise ValueError(f"{inputs.shape[1]} queries per sentence need a `self_mask`: "
+                             "which cache slots belong to each is the search's to say")
         attention = self.self_attention
-        hypotheses = inputs.shape[1]
         normed = attention.normalize_queries(inputs)
         new_keys, new_values = attention.project_keys_values(normed, normed)  # (N, h, K, d_k)
         keys = ops.concatenate([self_cache[0], ops.cast(new_keys, self_cache[0].dtype)], axis=2)
         values = ops.concatenate([self_cache[1], ops.cast(new_values, self_cache[1].dtype)],
-                                 axis=2)  # (N, h, (position+1)*K, d_k)
-        if history_mask is None:
-            history_mask = own_history(position + 1, hypotheses)
-        outputs = attention.attend_projected(inputs, keys, values, key_mask=history_mask)
+                                 axis=2)  # (N, h, T + K, d_k)
+        outputs = attention.attend_projected(inputs, keys, values, key_mask=self_mask)
         outputs, weights = self.cross_attention.attend_projected(
             outputs, *memory_keys_values, key_mask=memory_mask, return_attention_scores=True)
         return self.feed_forward(outputs), (keys, values), weights

@@ -166,15 +166,15 @@ class Transformer(keras.Model):
             "target_table": self.target_embedding.table(),  # (V, C)
         }
 
-    def decode_step(self, token_ids, position, cache, history_mask=None):
+    def decode_step(self, token_ids, position, cache, self_mask=None):
         """Logits of the next token after `token_ids` at `position`.
 
         Args:
           token_ids: `(N,)`, or `(N, K)` for `K` hypotheses per sentence.
           position: The index of `token_ids` in their sequences.
           cache: From `init_cache` or the previous step.
-          history_mask: Optional boolean `(N, K, (position+1)*K)`, the cache
-            slots each hypothesis descends from (see `DecoderBlock.step`).
+          self_mask: Boolean `(N, K, T + K)`, the self-attention cache slots
+            each hypothesis sees (see `DecoderBlock.step`); needed for `K` > 1.
 
         Returns:
           ``(logits, cache, coverage)``: logits `(N, V)` (or `(N, K, V)`), the
@@ -189,8 +189,8 @@ class Transformer(keras.Model):
         new_self = []
         for block, self_cache, memory_kv in zip(self.decoder_blocks, cache["self"],
                                                 cache["memory"]):
-            x, self_cache, weights = block.step(x, position, self_cache, memory_kv,
-                                                cache["source_mask"], history_mask)
+            x, self_cache, weights = block.step(x, self_cache, memory_kv,
+                                                cache["source_mask"], self_mask)
             new_self.append(self_cache)
         if self.norm_position == "pre":
             x = self.decoder_norm(x)

@@ -381,3 +381,22 @@ def test_the_search_knows_no_corpus():
     assert (data.PAD_ID, data.UNK_ID, data.BOS_ID, data.EOS_ID) == \
         (special_ids.PAD_ID, special_ids.UNK_ID, special_ids.BOS_ID, special_ids.EOS_ID) == \
         (0, 1, 2, 3)
+
+
+def test_the_beam_cache_layout_is_the_searchs(rng):
+    """Slot ``l * K + j`` is position `l` of hypothesis `j`; layers keep the old import."""
+    from kyu_transformer import layers
+    from kyu_transformer.decoding import own_history
+    expected = np.array([[[slot % 3 == j for slot in range(6)] for j in range(3)]])
+    np.testing.assert_array_equal(own_history(2, 3), expected)
+    np.testing.assert_array_equal(layers.own_history(2, 3), expected)
+    # A decoder step does not guess the layout: several queries need their mask.
+    model = Transformer(50, d_model=16, d_ff=32, num_blocks=1, num_heads=2, maxlen1=10,
+                        maxlen2=10)
+    memory, source_mask = model.encode(rng.integers(4, 50, size=(2, 5)).astype("int32"))
+    cache = model.init_cache(memory, source_mask)
+    with pytest.raises(ValueError, match="3 queries per sentence need a `self_mask`"):
+        model.decode_step(tf.constant(np.full((2, 3), 2, "int32")), 0, cache)
+    logits, _, _ = model.decode_step(tf.constant(np.full((2, 3), 2, "int32")), 0, cache,
+                                     tf.constant(np.broadcast_to(expected[:, :, :3], (2, 3, 3))))
+    assert logits.shape == (2, 3, 50)
