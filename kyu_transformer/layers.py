@@ -95,13 +95,6 @@ def causal_mask(num_queries, num_keys):
     return ops.greater_equal(query_positions, key_positions)  # (T_q, T_k)
 
 
-def own_history(length, hypotheses):
-    """Kept for earlier imports: the beam-search cache layout is `decoding.own_history`."""
-    from kyu_transformer import decoding  # the search's, not the layers' (no import cycle)
-
-    return decoding.own_history(length, hypotheses)
-
-
 # ------------------------------------------------------------------- normalize
 
 
@@ -1065,3 +1058,13 @@ class Dropout(keras.layers.Dropout):
 
     def get_config(self):
         return {**super().get_config(), "fast_paths": self.fast_paths}
+
+
+# ------------------------------------------------------- kept for earlier imports
+
+
+def own_history(length, hypotheses):
+    """Kept for earlier imports: the beam-search cache layout is `decoding.own_history`."""
+    from kyu_transformer import decoding  # the search's, not the layers' (no import cycle)
+
+    return decoding.own_history(length, hypotheses)
