@@ -31,7 +31,7 @@ from kyu_transformer.checkpoints import (  # noqa: E402
     CheckpointError, add_checkpoint_arguments, describe, load_model)
 from kyu_transformer.decoding import DEFAULT_BATCH_SIZE, Translator  # noqa: E402
 from kyu_transformer.evaluation import score  # noqa: E402
-from kyu_transformer.training import set_precision  # noqa: E402
+from kyu_transformer.precision import set_precision  # noqa: E402
 
 
 def parse_args(argv):

@@ -25,7 +25,7 @@ from kyu_transformer import data, serving  # noqa: E402
 from kyu_transformer.checkpoints import (  # noqa: E402
     CheckpointError, add_checkpoint_arguments, describe, load_model)
 from kyu_transformer.decoding import DEFAULT_BATCH_SIZE  # noqa: E402
-from kyu_transformer.training import PRECISION_POLICIES, set_precision  # noqa: E402
+from kyu_transformer.precision import PRECISION_POLICIES, set_precision  # noqa: E402
 
 FORMATS = ("saved_model", "ctranslate2")
 # The weight types of CTranslate2's CPU wheel.

@@ -58,7 +58,7 @@ def timed(function, repeats):
 def ours(logdir, hparams, subwords, sources, args):
     from kyu_transformer.checkpoints import load_model
     from kyu_transformer.decoding import Translator
-    from kyu_transformer.training import set_precision
+    from kyu_transformer.precision import set_precision
 
     set_precision(hparams["mixed_precision"])
     model, _ = load_model(hparams, logdir)

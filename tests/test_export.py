@@ -14,7 +14,7 @@ import export
 from kyu_transformer import data, decoding, serving
 from kyu_transformer.checkpoints import load_model
 from kyu_transformer.decoding import Translator, length_penalty, sequence_log_probs
-from kyu_transformer.training import set_precision
+from kyu_transformer.precision import set_precision
 from tests.conftest import copy_of_trained_logdir, load_trained
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT
