@@ -19,21 +19,24 @@ def explicit_loss(labels, logits, epsilon, pad_id=0):
     return per_token[keep].sum() / keep.sum(), np.where(keep, per_token, 0.0)
 
 
+@pytest.mark.parametrize("fast_paths", [True, False])
 @pytest.mark.parametrize("epsilon", [0.0, 0.1, 0.3])
-def test_loss_equals_explicit_one_hot_cross_entropy(rng, epsilon):
+def test_loss_equals_explicit_one_hot_cross_entropy(rng, epsilon, fast_paths):
     labels = rng.integers(1, 11, size=(4, 6))
     labels[0, 3:] = 0
     labels[2, 1:] = 0
     logits = rng.normal(size=(4, 6, 11)) * 3
-    loss = LabelSmoothedCrossEntropy(epsilon=epsilon)
+    loss = LabelSmoothedCrossEntropy(epsilon=epsilon, fast_paths=fast_paths)
     expected, expected_tokens = explicit_loss(labels, logits, epsilon)
     assert float(loss(labels, logits.astype("float32"))) == pytest.approx(expected, rel=1e-5)
     np.testing.assert_allclose(loss.token_losses(labels, logits.astype("float32")),
                                expected_tokens, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fast_paths", [True, False])
 @pytest.mark.parametrize("epsilon", [0.0, 0.1])
-def test_gradient_equals_softmax_minus_smoothed_targets(rng, epsilon, value_and_gradients):
+def test_gradient_equals_softmax_minus_smoothed_targets(rng, epsilon, fast_paths,
+                                                        value_and_gradients):
     labels = rng.integers(1, 11, size=(3, 5))
     labels[1, 2:] = 0
     logits = rng.normal(size=(3, 5, 11)) * 3
@@ -41,7 +44,7 @@ def test_gradient_equals_softmax_minus_smoothed_targets(rng, epsilon, value_and_
     targets = np.asarray(label_smoothing(np.eye(11)[labels], epsilon))
     probabilities = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     expected = (probabilities - targets) * keep[..., None] / keep.sum()  # padding: no gradient
-    loss = LabelSmoothedCrossEntropy(epsilon=epsilon)
+    loss = LabelSmoothedCrossEntropy(epsilon=epsilon, fast_paths=fast_paths)
     _, (gradient,) = value_and_gradients(lambda inputs: (loss(labels, inputs), None),
                                          [logits.astype("float32")])
     np.testing.assert_allclose(gradient, expected, atol=1e-6)
@@ -82,6 +85,10 @@ def test_loss_config_round_trip():
     again = keras.losses.deserialize(keras.losses.serialize(loss))
     assert (again.epsilon, again.pad_id, again.from_logits) == (0.2, 1, False)
     assert again.reduction == "sum"
+    assert again.fast_paths is True
+    plain = keras.losses.deserialize(keras.losses.serialize(
+        LabelSmoothedCrossEntropy(fast_paths=False)))
+    assert plain.fast_paths is False
 
 
 def test_configs_saved_without_a_reduction_load_with_the_mean(rng):
@@ -90,10 +97,28 @@ def test_configs_saved_without_a_reduction_load_with_the_mean(rng):
               "from_logits": True}
     loss = LabelSmoothedCrossEntropy.from_config(config)
     assert loss.reduction == "sum_over_batch_size"
+    assert loss.fast_paths is True  # nor `fast_paths`: the stated gradient
     labels = np.array([[3, 4, 0]])
     logits = rng.normal(size=(1, 3, 6)).astype("float32")
     expected, _ = explicit_loss(labels, logits.astype("float64"), 0.2)
     assert float(loss(labels, logits)) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype, atol", [("float32", 1e-6), ("bfloat16", 4e-3)])
+def test_fast_paths_switch_keeps_the_value_and_the_gradient(rng, dtype, atol, value_and_gradients):
+    """The stated gradient (on) and automatic differentiation (off) agree."""
+    labels = rng.integers(1, 40, size=(3, 6))
+    labels[1, 3:] = 0
+    logits = keras.ops.cast(rng.normal(size=(3, 6, 40)) * 3, dtype)
+    results = {}
+    for fast_paths in (True, False):
+        loss = LabelSmoothedCrossEntropy(0.1, fast_paths=fast_paths)
+        value, (gradient,) = value_and_gradients(
+            lambda inputs, loss=loss: (loss(labels, inputs),) * 2, [logits])
+        results[fast_paths] = (float(value), np.asarray(keras.ops.cast(gradient, "float32")))
+    assert results[True][0] == pytest.approx(results[False][0], rel=1e-6)
+    np.testing.assert_allclose(results[True][1], results[False][1], atol=atol)
+    assert np.all(results[False][1][1, 3:] == 0) and np.abs(results[False][1]).sum() > 0
 
 
 def test_loss_rejects_bad_epsilon():

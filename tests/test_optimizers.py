@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kyu_transformer.optimizers import Adam
+from kyu_transformer.optimizers import Adam, make_adam
 from kyu_transformer.schedules import NoamSchedule
 
 
@@ -62,3 +62,16 @@ def test_fused_adam_checkpoint_restores_into_keras_adam(tmp_path):
     tf.train.Checkpoint(optimizer=reference).restore(path).assert_existing_objects_matched()
     for a, b in zip(reference.variables, ours.variables):
         np.testing.assert_array_equal(a, b)
+
+
+def test_fast_paths_switch_picks_the_fused_adam_or_keras_adam():
+    strategy = tf.distribute.get_strategy()
+    fast, plain = (make_adam(NoamSchedule(16, 4, 0.5), fast_paths=fast_paths, beta_1=0.9,
+                             beta_2=0.98, epsilon=1e-9) for fast_paths in (True, False))
+    assert type(fast) is Adam and type(plain) is keras.optimizers.Adam
+    settings = [{k: v for k, v in o.get_config().items() if k != "name"} for o in (fast, plain)]
+    assert settings[0] == settings[1] and settings[0]["beta_2"] == 0.98
+    got, expected = train(fast, strategy), train(plain, strategy)
+    assert not np.allclose(expected[0], 0.5)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
