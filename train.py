@@ -21,14 +21,17 @@ import hparams as hp  # noqa: E402
 from kyu_transformer import data  # noqa: E402
 from kyu_transformer.corpus import Corpus  # noqa: E402
 from kyu_transformer.evaluation import ValidationBleu  # noqa: E402
-from kyu_transformer.training import (  # noqa: E402
-    STRATEGIES, Trainer, TrainingError, copy_aside, is_chief, make_strategy, seed_everything)
+from kyu_transformer.distribution import STRATEGIES, is_chief, make_strategy  # noqa: E402
+from kyu_transformer.resumption import copy_aside  # noqa: E402
+from kyu_transformer.seeding import seed_everything  # noqa: E402
+from kyu_transformer.training import Trainer, TrainingError  # noqa: E402
 from kyu_transformer.workers import (  # noqa: E402
     WorkerDisagreement, barrier, check_agreement, is_multi_worker, short_digest)
 
 # Hyperparameters that may change when a run is resumed: none changes the model or the data.
 RESUMABLE = ("num_epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
-             "eval_sentences", "eval_batch_size", "jit_compile", "xla_loss", "steps_per_epoch")
+             "eval_sentences", "eval_batch_size", "jit_compile", "xla_loss", "steps_per_epoch",
+             "fast_paths")
 
 
 def parse_args(argv):

@@ -31,7 +31,7 @@ from kyu_transformer.corpus import Corpus  # noqa: E402
 from prerequisites import DEFAULT_DATA, require_data  # noqa: E402
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
 from kyu_transformer.optimizers import Adam  # noqa: E402
-from kyu_transformer.training import loss_terms_function  # noqa: E402
+from kyu_transformer.train_step import loss_terms_function  # noqa: E402
 
 
 

@@ -9,7 +9,7 @@ cross-entropy; the peer with `jit_compile`, ours as --variants says). Each
 trains as its users would: the peer with Keras' Adam, ours as the trainer
 does, with its Adam (`kyu_transformer.optimizers.Adam`, the same update in
 one fused kernel; `--keras_adam` gives ours Keras' Adam) and its loss compiled
-alone with XLA (`training.loss_terms_function`; `--no_xla_loss` leaves it to
+alone with XLA (`train_step.loss_terms_function`; `--no_xla_loss` leaves it to
 TensorFlow's kernels, as the rest of the step). The peer is built from
 keras-hub's `TokenAndPositionEmbedding`, `TransformerEncoder` and
 `TransformerDecoder` (install with `pip install -e .[bench]`).
@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
 from kyu_transformer.optimizers import Adam  # noqa: E402
-from kyu_transformer.training import loss_terms_function  # noqa: E402
+from kyu_transformer.train_step import loss_terms_function  # noqa: E402
 from prerequisites import require  # noqa: E402
 
 SHAPE = dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4)

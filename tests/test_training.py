@@ -155,6 +155,60 @@ def test_a_checkpoint_without_random_states_or_training_time_still_restores(tmp_
         np.testing.assert_array_equal(restored.numpy(), saved.numpy())
 
 
+def fixed_batches(epoch):
+    """Three global batches (with padding), the same for every epoch."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for size in (8, 7, 5):
+        source = rng.integers(4, 400, size=(size, 9)).astype("int32")
+        source[0, 6:] = 0
+        target = rng.integers(4, 400, size=(size, 8)).astype("int32")
+        target[-1, 3:] = 0
+        rows.append(({"source": source, "target_in": target}, np.roll(target, -1, axis=1)))
+    return tf.data.Dataset.from_generator(lambda: iter(rows), output_signature=(
+        {"source": tf.TensorSpec((None, None), tf.int32),
+         "target_in": tf.TensorSpec((None, None), tf.int32)},
+        tf.TensorSpec((None, None), tf.int32)))
+
+
+def test_trainer_fast_paths_switch_trains_the_same_steps(tmp_path):
+    """Fused Adam, stated loss gradient and XLA loss (on) against Keras' Adam,
+    autodiff and no XLA (off): the same losses, step by step."""
+    import keras
+
+    from kyu_transformer.optimizers import Adam
+
+    losses = {}
+    for fast_paths in (True, False):
+        keras.utils.set_random_seed(7)
+        hparams = tiny(tmp_path / str(fast_paths), dropout_rate=0.0, fast_paths=fast_paths)
+        trainer = Trainer(hparams, verbose=False)
+        assert isinstance(trainer.optimizer, Adam) == fast_paths
+        assert isinstance(trainer.optimizer, keras.optimizers.Adam)
+        assert trainer.loss_fn.fast_paths == fast_paths
+        assert getattr(trainer.model, "fast_paths", fast_paths) == fast_paths
+        losses[fast_paths] = []
+        for _ in range(2):
+            iterator = iter(trainer.distribute(lambda: fixed_batches(0)))
+            for _ in range(3):
+                _, loss_sum, _, tokens = trainer._train_step(iterator)
+                losses[fast_paths].append(float(loss_sum) / float(tokens))
+    assert losses[True][-1] < losses[True][0]  # it trains
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+
+
+def test_eval_and_export_do_not_import_the_trainer():
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import eval, export; "
+              "print(sorted(m for m in sys.modules if m.startswith('kyu_transformer')))")
+    output = subprocess.run([sys.executable, "-c", script, ROOT], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert output.returncode == 0, output.stderr[-3000:]
+    modules = output.stdout.strip().splitlines()[-1]
+    assert "'kyu_transformer.precision'" in modules
+    assert "'kyu_transformer.training'" not in modules, modules
+
+
 MIRRORED_SCRIPT = r"""
 import json, os, sys
 import numpy as np, tensorflow as tf, keras

@@ -1,0 +1,93 @@
+"""What a training run reports: `history.jsonl`, TensorBoard scalars and the progress shown."""
+
+import json
+import os
+import sys
+import time
+
+import keras
+import tensorflow as tf
+
+
+class TrainingLog:
+    """Records to `<logdir>/history.jsonl` and TensorBoard scalars in `<logdir>/train`.
+
+    Only the chief writes; on other workers `write` does nothing. A record is
+    a dict with ``kind`` (``"train"`` or ``"epoch"``), ``step``, ``epoch`` and
+    numbers, each a scalar ``<kind>/<key>`` in TensorBoard.
+    """
+
+    def __init__(self, logdir, chief):
+        self.logdir, self.chief = logdir, chief
+        self.writer = None
+
+    def open(self):
+        """Creates the logdir and the summary writer (a no-op writer on other workers)."""
+        if self.chief:
+            os.makedirs(self.logdir, exist_ok=True)
+        self.writer = (tf.summary.create_file_writer(os.path.join(self.logdir, "train"))
+                       if self.chief else tf.summary.create_noop_writer())
+
+    def write(self, record):
+        if not self.chief:
+            return
+        with open(os.path.join(self.logdir, "history.jsonl"), "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        with self.writer.as_default(step=record["step"]):
+            for key, value in record.items():
+                if key not in ("step", "epoch", "kind") and isinstance(value, (int, float)):
+                    tf.summary.scalar(f"{record.get('kind', 'train')}/{key}", value)
+        self.writer.flush()
+
+
+class Window:
+    """Sums of loss, hits and tokens since the last summary."""
+
+    def __init__(self):
+        self.loss = self.correct = self.tokens = 0.0
+        self.started = time.time()
+
+    def add(self, loss_sum, correct, tokens):
+        self.loss += loss_sum
+        self.correct += correct
+        self.tokens += tokens
+
+    def summary(self):
+        tokens = max(self.tokens, 1.0)
+        return {"loss": self.loss / tokens, "accuracy": self.correct / tokens,
+                "tokens_per_sec": self.tokens / max(time.time() - self.started, 1e-9)}
+
+
+class Progress:
+    """A Keras progress bar on a terminal; one line per summary in a log file."""
+
+    def __init__(self, epoch, num_epochs, skip, steps_per_epoch, enabled):
+        self.enabled = enabled
+        self.bar = None
+        self.totals = Window()
+        if not enabled:
+            return
+        print(f"epoch {epoch + 1}/{num_epochs}"
+              + (f" (resuming after {skip} steps)" if skip else ""), flush=True)
+        if sys.stdout.isatty():
+            self.bar = keras.utils.Progbar(steps_per_epoch, unit_name="step",
+                                           stateful_metrics=["loss", "acc"])
+
+    def update(self, done, loss_sum, correct, tokens):
+        self.totals.add(loss_sum, correct, tokens)
+        if self.bar is not None:
+            summary = self.totals.summary()
+            self.bar.update(done, [("loss", summary["loss"]), ("acc", summary["accuracy"])])
+
+    def log(self, record):
+        if self.enabled and self.bar is None:
+            print(f"step {record['step']}: loss {record['loss']:.4f}, accuracy "
+                  f"{record['accuracy']:.4f}, lr {record['lr']:.2e}, "
+                  f"{record['tokens_per_sec']:.0f} target tokens/s", flush=True)
+
+    def finish(self, message=None):
+        if self.enabled:
+            if self.bar is not None:
+                print()
+            if message:
+                print(message, flush=True)
