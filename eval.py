@@ -52,8 +52,7 @@ def parse_args(argv):
                              "(EOS included, at most maxlen2)")
     parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
                         help="precision of decoding (default: the one the model was trained "
-                             "in; bf16 runs at about twice the float32 speed on CPUs with "
-                             "AVX512-BF16)")
+                             "in; bf16 is fast only on CPUs with AVX512-BF16 or AMX)")
     parser.add_argument("--plot_attention", type=int, default=0, metavar="K",
                         help="save cross-attention heatmaps of the first K sentences, "
                              "decoded greedily whatever --beam_size")

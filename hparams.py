@@ -35,8 +35,10 @@ SPEC = {
     "share_embeddings": (True, "one embedding table for source, target and output"),
     # kyu_transformer.layers.LAYER_NORM_EPSILON (which says why 1e-6).
     "epsilon": (1e-6, "layer-norm epsilon"),
-    "fast_paths": (True, "CPU fast paths of the layers (kyu_transformer/fast_paths.py); false: "
-                         "Keras' own layer norm and dropout, the same function on any device"),
+    "fast_paths": (True, "CPU fast paths (layers: kyu_transformer/fast_paths.py; trainer: the "
+                         "loss's stated gradient, the fused Adam, the XLA loss); false: Keras' "
+                         "own layer norm, dropout, autodiff and Adam, the same function on any "
+                         "device"),
     # training
     "lr": (1.0, "scale of the Noam learning-rate schedule"),
     "warmup_steps": (4000, "warm-up steps of the Noam schedule"),

@@ -10,7 +10,7 @@ def masked_accuracy_counts(labels, logits, pad_id=0):
     tied for the largest counts as a hit (as ``tf.math.in_top_k`` with
     ``k=1``), where an argmax would pick the first of the tied classes. The
     comparison is made on the float32 logits, the values the loss reduces:
-    compiled together with the loss (`training.loss_terms_function`), XLA
+    compiled together with the loss (`train_step.loss_terms_function`), XLA
     computes the row maxima once for both, where an argmax would be one more
     reduction over the `(N, T, V)` logits.
     """
