@@ -224,7 +224,7 @@ def test_a_translation_does_not_depend_on_its_batch(trained, mixed_lengths, beam
     """Alone, or in one batch with much shorter and longer sources: the same output."""
     # A small margin makes many outputs stop at their limit, where a limit
     # shared by the batch would show.
-    translator = Translator(trained["model"], beam_size=beam_size, length_margin=2)
+    translator = Translator(trained["model"], beam_size=beam_size, length_margin=1)
     together = translator.translate_ids(mixed_lengths, batch_size=len(mixed_lengths))
     cut = translator.truncated_outputs
     alone = [translator.translate_ids([ids])[0] for ids in mixed_lengths]
