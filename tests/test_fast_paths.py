@@ -64,15 +64,20 @@ def test_normalize_switch_gives_equal_outputs_and_gradients(rng, value_and_gradi
                                    **tolerance)
 
 
-def test_normalize_switch_selects_the_path(rng, monkeypatch):
-    calls = []
-    real = fast_paths.layer_norm
+def calls_of(monkeypatch, name):
+    """The list of calls that `fast_paths.<name>` will record from now on."""
+    calls, real = [], getattr(fast_paths, name)
 
     def counting(*args):
         calls.append(args)
         return real(*args)
 
-    monkeypatch.setattr(fast_paths, "layer_norm", counting)
+    monkeypatch.setattr(fast_paths, name, counting)
+    return calls
+
+
+def test_normalize_switch_selects_the_path(rng, monkeypatch):
+    calls = calls_of(monkeypatch, "layer_norm")
     x = rng.normal(size=(2, 3, 8)).astype("float32")
     Normalize(fast_paths=False)(x)
     assert not calls
@@ -127,14 +132,7 @@ def test_dropout_switch_gives_equal_outputs_and_gradients(rng, value_and_gradien
 
 
 def test_dropout_switch_selects_the_path(rng, monkeypatch):
-    calls = []
-    real = fast_paths.dropout
-
-    def counting(*args):
-        calls.append(args)
-        return real(*args)
-
-    monkeypatch.setattr(fast_paths, "dropout", counting)
+    calls = calls_of(monkeypatch, "dropout")
     x = rng.normal(size=(4, 8)).astype("float32")
     Dropout(0.5, fast_paths=False)(x, training=True)
     Dropout(0.5, noise_shape=(4, 1))(x, training=True)  # Keras' own, whatever the switch
