@@ -231,11 +231,9 @@ class CTranslate2Translator:
                                      for ids, hypotheses in zip(source_ids, results))
         if not n_best:
             return [hypotheses[0].ids for hypotheses in results]
-        # An empty source is not decoded: one empty hypothesis scored 0, as Translator.
-        return ([[h.ids for h in hypotheses] if ids else [[]]
-                 for ids, hypotheses in zip(source_ids, results)],
-                [[h.score for h in hypotheses] if ids else [0.0]
-                 for ids, hypotheses in zip(source_ids, results)])
+        # An empty source has one empty hypothesis scored 0, as Translator gives it.
+        return ([[h.ids for h in hypotheses] for hypotheses in results],
+                [[h.score for h in hypotheses] for hypotheses in results])
 
     def translate(self, sentences, subwords, batch_size=DEFAULT_BATCH_SIZE):
         source_ids = subwords.encode(sentences)

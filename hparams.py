@@ -49,7 +49,8 @@ SPEC = {
     "seed": (42, "seed of initialization, shuffling and dropout"),
     "mixed_precision": ("no", "no, bf16 (CPU/TPU) or fp16 (GPU, with loss scaling)"),
     "jit_compile": (False, "compile the training step with XLA"),
-    "xla_loss": (True, "compile the loss alone with XLA (fuses its passes over the logits)"),
+    "xla_loss": (True, "compile the loss alone with XLA (fuses its passes over the logits; "
+                       "a fast path: off whenever fast_paths is false)"),
     "logdir": ("log/default", "where checkpoints, summaries, plots and the subword model go"),
     "keep_checkpoints": (5, "how many recent checkpoints to keep"),
     "checkpoint_every": (500, "also checkpoint every this many steps; 0: only per epoch"),

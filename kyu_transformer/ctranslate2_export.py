@@ -455,7 +455,8 @@ def translate_with_ctranslate2(model_dir, sources, beam_size=1, alpha=0.6, lengt
       patience: CTranslate2's beam-search patience factor.
 
     Returns:
-      One list of `n_best` `Hypothesis` per source, in the order given.
+      One list of `n_best` `Hypothesis` per source, in the order given; an
+      empty source has one, empty and scored 0.
 
     Raises:
       ValueError: naming an option out of range.
@@ -487,8 +488,9 @@ def translate_with_ctranslate2(model_dir, sources, beam_size=1, alpha=0.6, lengt
     ids_of = {piece: i for i, piece in enumerate(pieces)}
     eos = pieces[EOS_ID]
 
-    results = [[Hypothesis([], 0.0, 0.0, [] if return_log_probs else None, False)
-                for _ in range(n_best)] for _ in sources]
+    # An empty source is not decoded: one empty hypothesis, scored 0 (as Translator).
+    results = [[Hypothesis([], 0.0, 0.0, [] if return_log_probs else None, False)]
+               for _ in sources]
     groups = collections.defaultdict(list)  # limit: indices of its sources
     inputs = {}
     for index, source in enumerate(sources):

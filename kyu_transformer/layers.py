@@ -44,11 +44,13 @@ from kyu_transformer import fast_paths as fast
 NORM_POSITIONS = ("post", "pre")
 ENCODING_STYLES = ("interleaved", "concat")
 
-# The layer-norm epsilon of the layers, the model and hparams.py. 1e-6 rather
-# than the original's 1e-8, which float16 cannot hold: its smallest subnormal
-# is 2**-24 (~6e-8), so 1e-8 rounds to zero there, while 1e-6 is representable
-# and still negligible next to the activations' variance. Trained models keep
-# the epsilon stored in their config and hparams.json.
+# The layer-norm epsilon of the layers, the model and hparams.py: one value,
+# so that a layer built alone normalizes as the same layer inside a model
+# trained with the default hyperparameters. 1e-6 (OpenNMT-tf's and tensor2tensor's)
+# rather than the original's 1e-8: the statistics are computed in float32, where
+# both are negligible next to the activations' variance, and 1e-6 was already
+# the value every model here was trained with. Trained models keep the epsilon
+# stored in their config and hparams.json.
 LAYER_NORM_EPSILON = 1e-6
 
 # Score given to masked positions before the softmax. Finite and representable
@@ -568,7 +570,7 @@ class MultiHeadAttention(keras.layers.Layer):
         """The output: the residual sum normalized in post-norm, unchanged in pre-norm."""
         return self.norm(inputs) if self.norm_position == "post" else inputs
 
-    # The name incremental decoding knows `pre_norm` by.
+    # The earlier name of `pre_norm`, kept for code that calls it.
     normalize_queries = pre_norm
 
     def sublayer(self, queries, keys=None, values=None, query_mask=None, key_mask=None,
@@ -995,11 +997,16 @@ class DecoderBlock(_Block):
         Raises:
           ValueError: `K` > 1 without `self_mask`.
         """
+        if not (isinstance(self_cache, (tuple, list)) and len(self_cache) == 2):
+            raise TypeError("`self_cache` must be the (keys, values) pair of the cache; "
+                            "`step` no longer takes the position (the cache holds the "
+                            "earlier ones): step(inputs, self_cache, memory_keys_values, "
+                            "memory_mask, self_mask)")
         if self_mask is None and inputs.shape[1] != 1:
             raise ValueError(f"{inputs.shape[1]} queries per sentence need a `self_mask`: "
                              "which cache slots belong to each is the search's to say")
         attention = self.self_attention
-        normed = attention.normalize_queries(inputs)
+        normed = attention.pre_norm(inputs)
         new_keys, new_values = attention.project_keys_values(normed, normed)  # (N, h, K, d_k)
         keys = ops.concatenate([self_cache[0], ops.cast(new_keys, self_cache[0].dtype)], axis=2)
         values = ops.concatenate([self_cache[1], ops.cast(new_values, self_cache[1].dtype)],

@@ -11,7 +11,8 @@ CPU fast paths: the fused Adam (`optimizers.Adam`), the loss's stated gradient
 (`losses.LabelSmoothedCrossEntropy`) and the loss compiled alone with XLA
 (`train_step.loss_terms_function`, also subject to ``xla_loss``). Off, the
 trainer uses `keras.optimizers.Adam`, automatic differentiation through the
-loss and no XLA: the same function on any device.
+loss and no separately compiled loss (``jit_compile`` still compiles the
+whole step when asked): the same function on any device.
 """
 
 import hashlib

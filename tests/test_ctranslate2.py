@@ -146,6 +146,17 @@ def test_per_token_log_probs_equal_ours(trained, sources, greedy_results):
 
 
 @pytest.mark.slow
+def test_an_empty_source_has_one_empty_hypothesis_as_in_translator(trained, exported,
+                                                                    sources):
+    theirs = translate_with_ctranslate2(exported, [[]] + sources[:3], beam_size=3, n_best=2)
+    hypotheses, scores = Translator(trained["model"], beam_size=3).translate_ids(
+        [[]] + sources[:3], n_best=2)
+    assert [(h.ids, h.score) for h in theirs[0]] == list(zip(hypotheses[0], scores[0])) == \
+        [([], 0.0)]
+    assert all(len(row) == 2 for row in theirs[1:])
+
+
+@pytest.mark.slow
 def test_pieces_and_unknown_characters_translate_as_ids(trained, exported, sources,
                                                         greedy_results):
     """Pieces outside the vocabulary (unknown characters) are <unk> to CTranslate2 too."""

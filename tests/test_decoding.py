@@ -400,3 +400,16 @@ def test_the_beam_cache_layout_is_the_searchs(rng):
     logits, _, _ = model.decode_step(tf.constant(np.full((2, 3), 2, "int32")), 0, cache,
                                      tf.constant(np.broadcast_to(expected[:, :, :3], (2, 3, 3))))
     assert logits.shape == (2, 3, 50)
+
+
+def test_a_step_called_the_earlier_way_says_what_changed(rng):
+    model = Transformer(50, d_model=16, d_ff=32, num_blocks=1, num_heads=2, maxlen1=10,
+                        maxlen2=10)
+    memory, source_mask = model.encode(rng.integers(4, 50, size=(2, 5)).astype("int32"))
+    cache = model.init_cache(memory, source_mask)
+    block = model.decoder_blocks[0]
+    inputs = tf.zeros((2, 1, 16))
+    with pytest.raises(TypeError, match="`step` no longer takes the position"):
+        block.step(inputs, 0, cache["self"][0], cache["memory"][0], source_mask)
+    outputs, grown, _ = block.step(inputs, cache["self"][0], cache["memory"][0], source_mask)
+    assert outputs.shape == (2, 1, 16) and grown[0].shape[2] == 1

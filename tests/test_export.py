@@ -145,6 +145,8 @@ def test_export_refuses_bad_flags_naming_them(capsys):
         (["--format", "ctranslate2", "--beam_size", "1", "--alpha", "1"],
          "--beam_size, --alpha applies to --format saved_model only"),
         (["--format", "ctranslate2", "--n_best", "1"], "--n_best applies to --format saved_model"),
+        (["--format", "ctranslate2", "--length_margin", "3", "--batch_size", "8"],
+         "--length_margin, --batch_size applies to --format saved_model only"),
         (["--format", "ctranslate2", "--mixed_precision", "bf16"],
          "--mixed_precision (bf16) applies to --format saved_model only"),
     ]
