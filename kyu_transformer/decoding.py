@@ -164,12 +164,9 @@ def _relaxed(structure):
 
 
 def _gather_beams(tensor, indices):
-    """Rows of `tensor` `(N, K, ...)` picked per sentence by `indices` `(N, K')`."""
-    return _take_per_row(tensor, indices)
+    """Rows of `tensor` `(N, K, ...)` picked per sentence by `indices` `(N, J)`.
 
-
-def _take_per_row(tensor, indices):
-    """``tensor[n, indices[n, j], ...]`` `(N, J, ...)`: one gather with a batch axis.
+    ``tensor[n, indices[n, j], ...]`` `(N, J, ...)`: one gather with a batch axis.
 
     `ops.take_along_axis` would do it too, but its broadcasting of the index
     shapes adds some sixty graph nodes a call where this adds one; in the
@@ -211,7 +208,7 @@ def _top_k_rows(values, count):
     block_rows = best_blocks + ops.arange(rows)[:, None] * (vocab // width)  # (R, count)
     candidates = tf.gather(ops.reshape(values, (-1, width)), block_rows)  # (R, count, W)
     best, flat = ops.top_k(ops.reshape(candidates, (rows, count * width)), count)
-    block = _take_per_row(best_blocks, flat // width)
+    block = _gather_beams(best_blocks, flat // width)
     indices = block * width + flat % width
     return best, indices, ops.max(block_maxima, axis=-1, keepdims=True)
 
@@ -240,7 +237,7 @@ def _top_extensions(logits, alive_scores, count):
     candidates = candidates + ops.repeat(alive_scores, count, axis=1)  # (N, K*count)
     scores, flat = ops.top_k(candidates, count)
     beams = flat // count
-    tokens = _take_per_row(ops.reshape(best_tokens, (batch, hypotheses * count)), flat)
+    tokens = _gather_beams(ops.reshape(best_tokens, (batch, hypotheses * count)), flat)
     return scores, beams, ops.cast(tokens, "int32")
 
 
@@ -539,7 +536,8 @@ class Translator:
         """`log_probs` divided by GNMT's length penalty of `lengths` (EOS included)."""
         return np.asarray(log_probs) / np.asarray(length_penalty(lengths, self.alpha), "float64")
 
-    def translate_ids(self, source_ids, batch_size=DEFAULT_BATCH_SIZE, with_coverage=False, n_best=None):
+    def translate_ids(self, source_ids, batch_size=DEFAULT_BATCH_SIZE, with_coverage=False,
+                      n_best=None):
         """Lists of output ids (EOS and padding removed), in the order given.
 
         Sentences are decoded in batches of similar source length; which

@@ -38,10 +38,10 @@ import os
 
 import tensorflow as tf
 
-from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID
 from kyu_transformer.decoding import (DEFAULT_BATCH_SIZE, NO_HYPOTHESIS_SCORE, beam_search,
                                       greedy_search, length_penalty, output_limit,
                                       sequence_log_probs)
+from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID
 
 TEXT_SIGNATURE = "serving_default"
 IDS_SIGNATURE = "ids"
