@@ -1,6 +1,7 @@
 """Training throughput (target tokens/s) of our Transformer against keras-hub's, in one run.
 
     python benchmarks/train_throughput.py [--repeats 3] [--steps 20] [--variants fp32,bf16]
+                                          [--baseline REV]
 
 Both models: d_model 256, d_ff 1024, 3 encoder + 3 decoder blocks, 4 heads,
 vocabulary 8000, trained on the same fixed batch (64 pairs, 24 source and 24
@@ -15,16 +16,24 @@ keras-hub's `TokenAndPositionEmbedding`, `TransformerEncoder` and
 `TransformerDecoder` (install with `pip install -e .[bench]`).
 
 Repetitions take turns (each times every configuration once, so that the
-machine's drifts in speed reach all alike). Prints each repetition, the
-medians, their ratio, and the model FLOP utilisation against a
+machine's drifts in speed reach all alike). With `--baseline REV`, our model
+as the package stood at git revision REV (say, the commit before a change)
+trains in the same process and turns, so that a change is measured against
+the same peer timings rather than across processes. Prints each repetition,
+the medians, their ratios, and the model FLOP utilisation against a
 matrix-multiply peak measured in the same run.
 """
 
 import argparse
+import importlib
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from types import SimpleNamespace
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -32,19 +41,59 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
 from kyu_transformer.optimizers import Adam  # noqa: E402
 from kyu_transformer.train_step import loss_terms_function  # noqa: E402
 from prerequisites import require  # noqa: E402
 
+# The units a training step takes from our package (`package_at` gives an earlier one's).
+CURRENT = SimpleNamespace(Transformer=Transformer, Adam=Adam,
+                          loss_terms_function=loss_terms_function,
+                          LabelSmoothedCrossEntropy=LabelSmoothedCrossEntropy)
+
 SHAPE = dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4)
 BATCH, SOURCE_LEN, TARGET_LEN = 64, 24, 24
 
 
-def ours():
-    return Transformer(**SHAPE, maxlen1=64, maxlen2=64, dropout_rate=0.1, name="ours")
+def ours(package=CURRENT):
+    return package.Transformer(**SHAPE, maxlen1=64, maxlen2=64, dropout_rate=0.1, name="ours")
+
+
+def package_at(revision):
+    """Our package as it stood at git `revision`, importable beside the current one.
+
+    Its files are extracted with `git archive` into a temporary folder under
+    another name (every `kyu_transformer` in them renamed), so that both
+    versions live in one process.
+    """
+    name = "kyu_transformer_at_" + re.sub(r"\W", "_", revision)
+    folder = tempfile.mkdtemp(prefix="baseline_")
+    archive = subprocess.run(["git", "-C", ROOT, "archive", revision, "kyu_transformer"],
+                             capture_output=True, check=False)
+    if archive.returncode != 0:
+        sys.exit(f"error: --baseline {revision}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
+    os.rename(os.path.join(folder, "kyu_transformer"), os.path.join(folder, name))
+    for directory, _, files in os.walk(os.path.join(folder, name)):
+        for file_name in files:
+            if file_name.endswith(".py"):
+                path = os.path.join(directory, file_name)
+                with open(path) as source:
+                    text = re.sub(r"\bkyu_transformer\b", name, source.read())
+                with open(path, "w") as source:
+                    source.write(text)
+    sys.path.insert(0, folder)
+    module = lambda unit: importlib.import_module(f"{name}.{unit}")  # noqa: E731
+    try:  # the training step's loss moved from training.py to train_step.py
+        loss_terms = module("train_step").loss_terms_function
+    except ModuleNotFoundError:
+        loss_terms = module("training").loss_terms_function
+    return SimpleNamespace(Transformer=module("model").Transformer, Adam=module("optimizers").Adam,
+                           loss_terms_function=loss_terms,
+                           LabelSmoothedCrossEntropy=module("losses").LabelSmoothedCrossEntropy)
 
 
 def keras_hub_model():
@@ -73,10 +122,13 @@ def batch():
     return features, labels
 
 
-def make_step(model, jit_compile, optimizer_class, xla_loss=False):
-    """A training step; `xla_loss`: the loss compiled apart, as the trainer does."""
+def make_step(model, jit_compile, optimizer_class, xla_loss=False, package=CURRENT):
+    """A training step; `xla_loss`: the loss compiled apart, as the trainer does.
+
+    `package`: where the loss comes from (the current package, or `package_at`'s).
+    """
     optimizer = optimizer_class(1e-4, beta_1=0.9, beta_2=0.98, epsilon=1e-9)
-    loss_terms = loss_terms_function(LabelSmoothedCrossEntropy(0.1), xla=xla_loss)
+    loss_terms = package.loss_terms_function(package.LabelSmoothedCrossEntropy(0.1), xla=xla_loss)
 
     @tf.function(jit_compile=jit_compile)
     def step(features, labels):
@@ -123,7 +175,7 @@ def matmul_peak(dtype, size=2048, repeats=20):
 
 
 def measure(steps_by_name, features, labels, steps, repeats, warmup=3):
-    """Median target tokens/s of each step function, timed in turns.
+    """Target tokens/s of each step function, per repetition, timed in turns.
 
     Each repetition times every configuration once, one after the other, so
     that the machine's drifts in speed reach all of them alike.
@@ -142,7 +194,7 @@ def measure(steps_by_name, features, labels, steps, repeats, warmup=3):
             rates[name].append(BATCH * TARGET_LEN * steps / seconds)
             print(f"  {name:10s} repeat {repeat + 1}: {rates[name][-1]:8.0f} target tokens/s "
                   f"({seconds / steps * 1000:.0f} ms/step)", flush=True)
-    return {name: statistics.median(values) for name, values in rates.items()}
+    return rates
 
 
 def main():
@@ -157,6 +209,9 @@ def main():
                         help="train ours with Keras' Adam instead of the trainer's fused one")
     parser.add_argument("--no_xla_loss", action="store_true",
                         help="leave our loss uncompiled (the trainer's xla_loss=false)")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="also time our model as it stood at git revision REV, in the "
+                             "same process and turns (variants named REV-fp32, ...)")
     args = parser.parse_args()
     if not args.skip_peer:
         require("keras_hub")
@@ -166,28 +221,34 @@ def main():
         keras.config.set_dtype_policy("float32")
         keras.utils.set_random_seed(0)
         steps_by_name["keras-hub"] = make_step(keras_hub_model(), True, keras.optimizers.Adam)
+    packages = {"ours": CURRENT}
+    if args.baseline:
+        packages[args.baseline] = package_at(args.baseline)
     for variant in args.variants.split(","):
         dtype, _, compiler = variant.partition("-")
-        keras.config.set_dtype_policy({"fp32": "float32", "bf16": "mixed_bfloat16"}[dtype])
-        keras.utils.set_random_seed(0)
-        model = ours()
-        model.build()
-        optimizer_class = keras.optimizers.Adam if args.keras_adam else Adam
-        steps_by_name[f"ours-{variant}"] = make_step(model, compiler == "xla", optimizer_class,
-                                                     xla_loss=not args.no_xla_loss)
+        for label, package in packages.items():
+            keras.config.set_dtype_policy({"fp32": "float32", "bf16": "mixed_bfloat16"}[dtype])
+            keras.utils.set_random_seed(0)
+            model = ours(package)
+            model.build()
+            optimizer_class = keras.optimizers.Adam if args.keras_adam else package.Adam
+            steps_by_name[f"{label}-{variant}"] = make_step(
+                model, compiler == "xla", optimizer_class, xla_loss=not args.no_xla_loss,
+                package=package)
     keras.config.set_dtype_policy("float32")
-    results = measure(steps_by_name, features, labels, args.steps, args.repeats)
+    rates = measure(steps_by_name, features, labels, args.steps, args.repeats)
+    results = {name: statistics.median(values) for name, values in rates.items()}
 
     flops = training_flops_per_step()
     peaks = {"float32": matmul_peak(tf.float32)}
-    if any(name.startswith("ours-bf16") for name in results):
+    if any("-bf16" in name for name in results):
         peaks["bfloat16"] = matmul_peak(tf.bfloat16)
     print(f"\nshape: {SHAPE}, batch {BATCH} x {SOURCE_LEN}/{TARGET_LEN} tokens, "
           f"{flops / 1e9:.1f} GFLOP per training step")
     for dtype, peak in peaks.items():
         print(f"measured {dtype} matmul peak: {peak / 1e9:.0f} GFLOP/s")
     for name, rate in results.items():
-        peak = peaks["bfloat16" if name.startswith("ours-bf16") else "float32"]
+        peak = peaks["bfloat16" if "-bf16" in name else "float32"]
         achieved = rate / (BATCH * TARGET_LEN) * flops
         print(f"{name:12s} median {rate:8.0f} target tokens/s, {achieved / 1e9:6.0f} GFLOP/s, "
               f"MFU {achieved / peak:.0%}")
@@ -195,6 +256,12 @@ def main():
         for name, rate in results.items():
             if name != "keras-hub":
                 print(f"ratio {name} / keras-hub: {rate / results['keras-hub']:.2f}x")
+    if args.baseline:
+        for variant in args.variants.split(","):
+            paired = [ours_rate / baseline_rate for ours_rate, baseline_rate
+                      in zip(rates[f"ours-{variant}"], rates[f"{args.baseline}-{variant}"])]
+            print(f"ratio ours-{variant} / {args.baseline}-{variant}: "
+                  f"{statistics.median(paired):.3f}x (median over the repetitions)")
 
 
 if __name__ == "__main__":

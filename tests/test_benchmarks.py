@@ -26,3 +26,24 @@ def test_benchmark_without_its_extra_names_the_extra(tmp_path, script):
     assert result.stderr.strip().splitlines()[-1] == (
         'error: this benchmark compares with keras_hub, which is not installed: '
         'pip install -e ".[bench]" (or --skip_peer)')
+
+
+def test_a_baseline_revision_trains_beside_the_current_package():
+    """`train_throughput.py --baseline REV`: the package at REV, importable under another name."""
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: --baseline reads the package from git")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import train_throughput
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    import kyu_transformer.model
+
+    baseline = train_throughput.package_at("HEAD")
+    assert baseline.Transformer.__module__ == "kyu_transformer_at_HEAD.model"
+    assert baseline.Transformer is not kyu_transformer.model.Transformer
+    assert sys.modules["kyu_transformer.model"] is kyu_transformer.model  # left in place
+    model = train_throughput.ours(baseline)
+    assert model.name == "ours" and type(model).__module__.startswith("kyu_transformer_at_HEAD")
+    with pytest.raises(SystemExit, match="--baseline no-such-revision: "):
+        train_throughput.package_at("no-such-revision")
