@@ -5,7 +5,8 @@ SERVE = ["tensorflow-text>=2.21,<2.22", "ctranslate2>=4"]
 setup(
     name="kyu_transformer",
     version="0.1.0",
-    description="A readable Transformer for Keras 3 / TensorFlow 2, ported from Kyubyong Park's modules.py.",
+    description=("A readable Transformer for Keras 3 / TensorFlow 2, ported from Kyubyong Park's "
+                 "modules.py."),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["kyu_transformer", "kyu_transformer.*"]),

@@ -420,7 +420,8 @@ class ScaledDotProductAttention(keras.layers.Layer):
             # selected: the bias is built at the mask's size (no head axis)
             # and an addition passes its gradient through unchanged.
             hidden_score = ops.cast(_masked_score(scores.dtype), scores.dtype)
-            bias = ops.where(mask, ops.zeros_like(hidden_score), hidden_score)  # (N|1, 1, T_q|1, T_k)
+            # bias: (N|1, 1, T_q|1, T_k)
+            bias = ops.where(mask, ops.zeros_like(hidden_score), hidden_score)
             scores = scores + bias
         weights = ops.softmax(scores, axis=-1)  # (N, h, T_q, T_k)
         if mask is not None:

@@ -60,7 +60,8 @@ class Transformer(keras.Model):
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
         _check_rate("dropout_rate", dropout_rate)
         if d_model % num_heads:
-            raise ValueError(f"`d_model` ({d_model}) must be divisible by `num_heads` ({num_heads}).")
+            raise ValueError(
+                f"`d_model` ({d_model}) must be divisible by `num_heads` ({num_heads}).")
         self.vocab_size, self.d_model, self.d_ff = int(vocab_size), int(d_model), int(d_ff)
         self.num_blocks, self.num_heads = int(num_blocks), int(num_heads)
         self.maxlen1, self.maxlen2 = int(maxlen1), int(maxlen2)

@@ -13,7 +13,7 @@ from kyu_transformer.metrics import masked_accuracy_counts
 
 
 def loss_terms_function(loss_fn, xla=True):
-    """``loss_terms(labels, logits)`` -> ``(loss_sum, correct, tokens)``, compiled with XLA if `xla`.
+    """``loss_terms(labels, logits)`` -> ``(loss_sum, correct, tokens)``; XLA-compiled if `xla`.
 
     The summed token losses of `loss_fn`, the top-1 hits and the non-padding
     tokens of a batch. With `xla` (a fast path), only this is compiled, not

@@ -164,7 +164,7 @@ def _value_and_gradients_fixture():
 
 
 def compiled(fn):
-    """`fn` traced and compiled by the backend (tf.function, jax.jit), as `fit` and `predict` run it."""
+    """`fn` traced and compiled by the backend (tf.function, jax.jit), as `fit` and `predict` do."""
     if BACKEND == "tensorflow":
         import tensorflow as tf
 

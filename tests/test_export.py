@@ -184,7 +184,8 @@ def test_overwrite_replaces_only_an_earlier_export_and_never_the_logdir(tmp_path
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("not an export")
-    for out, message in ((logdir, "is or holds the --logdir"), (tmp_path, "is or holds the --logdir"),
+    for out, message in ((logdir, "is or holds the --logdir"),
+                         (tmp_path, "is or holds the --logdir"),
                          (mine, "holds no earlier export")):
         with pytest.raises(SystemExit, match=message):
             export.check_out(str(out), overwrite=True, logdir=str(logdir))

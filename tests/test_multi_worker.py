@@ -94,7 +94,8 @@ def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_pa
     # from step 0 while the chief resumes from step 12: both stop, saying so.
     results = run_workers(tmp_path, [logdir, tmp_path / "elsewhere"], "--d_model", "64",
                           "--num_epochs", "3")
-    expected = "the workers do not agree with the chief: worker 1 has restored step 0 but the chief 12"
+    expected = ("the workers do not agree with the chief: "
+                "worker 1 has restored step 0 but the chief 12")
     for code, output in results:
         assert code != 0 and expected in output, output[-4000:]
         assert "Traceback" not in output, output[-4000:]
