@@ -25,9 +25,11 @@ matrix-multiply peak measured in the same run.
 """
 
 import argparse
+import atexit
 import importlib
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,16 +67,21 @@ def ours(package=CURRENT):
 def package_at(revision):
     """Our package as it stood at git `revision`, importable beside the current one.
 
-    Its files are extracted with `git archive` into a temporary folder under
-    another name (every `kyu_transformer` in them renamed), so that both
-    versions live in one process.
+    Its files are extracted with `git archive` into a temporary folder
+    (removed when the process ends) under another name (every
+    `kyu_transformer` in them renamed), so that both versions live in one
+    process, each with its own model, Adam and loss.
     """
     name = "kyu_transformer_at_" + re.sub(r"\W", "_", revision)
-    folder = tempfile.mkdtemp(prefix="baseline_")
-    archive = subprocess.run(["git", "-C", ROOT, "archive", revision, "kyu_transformer"],
-                             capture_output=True, check=False)
+    try:
+        archive = subprocess.run(["git", "-C", ROOT, "archive", revision, "kyu_transformer"],
+                                 capture_output=True, check=False)
+    except FileNotFoundError:
+        sys.exit(f"error: --baseline {revision}: needs git, which is not installed")
     if archive.returncode != 0:
         sys.exit(f"error: --baseline {revision}: {archive.stderr.decode().strip()}")
+    folder = tempfile.mkdtemp(prefix="baseline_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
     os.rename(os.path.join(folder, "kyu_transformer"), os.path.join(folder, name))
     for directory, _, files in os.walk(os.path.join(folder, name)):
@@ -178,14 +185,17 @@ def measure(steps_by_name, features, labels, steps, repeats, warmup=3):
     """Target tokens/s of each step function, per repetition, timed in turns.
 
     Each repetition times every configuration once, one after the other, so
-    that the machine's drifts in speed reach all of them alike.
+    that the machine's drifts in speed reach all of them alike; every other
+    repetition in reverse order, so that no configuration always runs right
+    after the same one.
     """
     for step in steps_by_name.values():
         for _ in range(warmup):
             step(features, labels).numpy()
     rates = {name: [] for name in steps_by_name}
     for repeat in range(repeats):
-        for name, step in steps_by_name.items():
+        order = list(steps_by_name.items())
+        for name, step in (order if repeat % 2 == 0 else order[::-1]):
             started = time.perf_counter()
             for _ in range(steps):
                 loss = step(features, labels)
@@ -211,22 +221,25 @@ def main():
                         help="leave our loss uncompiled (the trainer's xla_loss=false)")
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also time our model as it stood at git revision REV, in the "
-                             "same process and turns (variants named REV-fp32, ...)")
+                             "same process and turns (configurations named at-REV-fp32, ...)")
     args = parser.parse_args()
     if not args.skip_peer:
         require("keras_hub")
     features, labels = batch()
     steps_by_name = {}
+    dtypes = {"keras-hub": "float32"}  # each configuration's compute dtype, for its peak
     if not args.skip_peer:
         keras.config.set_dtype_policy("float32")
         keras.utils.set_random_seed(0)
         steps_by_name["keras-hub"] = make_step(keras_hub_model(), True, keras.optimizers.Adam)
     packages = {"ours": CURRENT}
     if args.baseline:
-        packages[args.baseline] = package_at(args.baseline)
+        baseline_label = f"at-{args.baseline}"
+        packages[baseline_label] = package_at(args.baseline)
     for variant in args.variants.split(","):
         dtype, _, compiler = variant.partition("-")
         for label, package in packages.items():
+            dtypes[f"{label}-{variant}"] = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
             keras.config.set_dtype_policy({"fp32": "float32", "bf16": "mixed_bfloat16"}[dtype])
             keras.utils.set_random_seed(0)
             model = ours(package)
@@ -241,14 +254,14 @@ def main():
 
     flops = training_flops_per_step()
     peaks = {"float32": matmul_peak(tf.float32)}
-    if any("-bf16" in name for name in results):
+    if "bfloat16" in dtypes.values():
         peaks["bfloat16"] = matmul_peak(tf.bfloat16)
     print(f"\nshape: {SHAPE}, batch {BATCH} x {SOURCE_LEN}/{TARGET_LEN} tokens, "
           f"{flops / 1e9:.1f} GFLOP per training step")
     for dtype, peak in peaks.items():
         print(f"measured {dtype} matmul peak: {peak / 1e9:.0f} GFLOP/s")
     for name, rate in results.items():
-        peak = peaks["bfloat16" if "-bf16" in name else "float32"]
+        peak = peaks[dtypes[name]]
         achieved = rate / (BATCH * TARGET_LEN) * flops
         print(f"{name:12s} median {rate:8.0f} target tokens/s, {achieved / 1e9:6.0f} GFLOP/s, "
               f"MFU {achieved / peak:.0%}")
@@ -259,8 +272,8 @@ def main():
     if args.baseline:
         for variant in args.variants.split(","):
             paired = [ours_rate / baseline_rate for ours_rate, baseline_rate
-                      in zip(rates[f"ours-{variant}"], rates[f"{args.baseline}-{variant}"])]
-            print(f"ratio ours-{variant} / {args.baseline}-{variant}: "
+                      in zip(rates[f"ours-{variant}"], rates[f"{baseline_label}-{variant}"])]
+            print(f"ratio ours-{variant} / {baseline_label}-{variant}: "
                   f"{statistics.median(paired):.3f}x (median over the repetitions)")
 
 

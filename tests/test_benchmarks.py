@@ -1,9 +1,11 @@
-"""The benchmark scripts on a machine without their extra: one line that names it."""
+"""The benchmark scripts: their message without the `bench` extra, and `--baseline`."""
 
 import os
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tests.test_training import ROOT
@@ -29,21 +31,39 @@ def test_benchmark_without_its_extra_names_the_extra(tmp_path, script):
 
 
 def test_a_baseline_revision_trains_beside_the_current_package():
-    """`train_throughput.py --baseline REV`: the package at REV, importable under another name."""
-    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+    """`train_throughput.py --baseline REV`: the package at REV trains in the same process.
+
+    At HEAD its units are today's code under another name, so its first
+    training step gives the current package's loss exactly.
+    """
+    if shutil.which("git") is None or subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout: --baseline reads the package from git")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
-        import train_throughput
+        import train_throughput as bench
     finally:
         sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    import keras
+
     import kyu_transformer.model
 
-    baseline = train_throughput.package_at("HEAD")
+    baseline = bench.package_at("HEAD")
     assert baseline.Transformer.__module__ == "kyu_transformer_at_HEAD.model"
     assert baseline.Transformer is not kyu_transformer.model.Transformer
+    assert baseline.Adam.__module__ == "kyu_transformer_at_HEAD.optimizers"
+    assert baseline.loss_terms_function.__module__ == "kyu_transformer_at_HEAD.train_step"
     assert sys.modules["kyu_transformer.model"] is kyu_transformer.model  # left in place
-    model = train_throughput.ours(baseline)
-    assert model.name == "ours" and type(model).__module__.startswith("kyu_transformer_at_HEAD")
+    features, labels = bench.batch()
+    losses = []
+    for package in (bench.CURRENT, baseline):
+        keras.utils.set_random_seed(0)
+        model = bench.ours(package)
+        model.build()
+        step = bench.make_step(model, False, package.Adam, xla_loss=True, package=package)
+        losses.append(float(step(features, labels)))
+    assert type(model).__module__ == "kyu_transformer_at_HEAD.model"
+    assert np.isfinite(losses[0]) and losses[0] > 1.0
+    assert losses[1] == losses[0]
     with pytest.raises(SystemExit, match="--baseline no-such-revision: "):
-        train_throughput.package_at("no-such-revision")
+        bench.package_at("no-such-revision")
