@@ -34,7 +34,6 @@ from kyu_transformer.optimizers import Adam  # noqa: E402
 from kyu_transformer.train_step import loss_terms_function  # noqa: E402
 
 
-
 def timed(function, arguments, steps, repeats):
     function(*arguments)  # trace and warm up
     function(*arguments)

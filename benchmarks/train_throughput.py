@@ -202,7 +202,7 @@ def measure(steps_by_name, features, labels, steps, repeats, warmup=3):
             loss.numpy()
             seconds = time.perf_counter() - started
             rates[name].append(BATCH * TARGET_LEN * steps / seconds)
-            print(f"  {name:10s} repeat {repeat + 1}: {rates[name][-1]:8.0f} target tokens/s "
+            print(f"  {name:16s} repeat {repeat + 1}: {rates[name][-1]:8.0f} target tokens/s "
                   f"({seconds / steps * 1000:.0f} ms/step)", flush=True)
     return rates
 
@@ -263,7 +263,7 @@ def main():
     for name, rate in results.items():
         peak = peaks[dtypes[name]]
         achieved = rate / (BATCH * TARGET_LEN) * flops
-        print(f"{name:12s} median {rate:8.0f} target tokens/s, {achieved / 1e9:6.0f} GFLOP/s, "
+        print(f"{name:16s} median {rate:8.0f} target tokens/s, {achieved / 1e9:6.0f} GFLOP/s, "
               f"MFU {achieved / peak:.0%}")
     if "keras-hub" in results:
         for name, rate in results.items():

@@ -33,8 +33,9 @@ def test_benchmark_without_its_extra_names_the_extra(tmp_path, script):
 def test_a_baseline_revision_trains_beside_the_current_package():
     """`train_throughput.py --baseline REV`: the package at REV trains in the same process.
 
-    At HEAD its units are today's code under another name, so its first
-    training step gives the current package's loss exactly.
+    At HEAD (in a clean checkout) its units are today's code under another
+    name, so its first two training steps, the second after its own Adam's
+    update, give the current package's losses exactly.
     """
     if shutil.which("git") is None or subprocess.run(
             ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
@@ -61,9 +62,28 @@ def test_a_baseline_revision_trains_beside_the_current_package():
         model = bench.ours(package)
         model.build()
         step = bench.make_step(model, False, package.Adam, xla_loss=True, package=package)
-        losses.append(float(step(features, labels)))
+        losses.append([float(step(features, labels)) for _ in range(2)])
     assert type(model).__module__ == "kyu_transformer_at_HEAD.model"
-    assert np.isfinite(losses[0]) and losses[0] > 1.0
+    assert np.isfinite(losses[0]).all() and losses[0][0] > 1.0
+    assert losses[0][1] != losses[0][0]  # the update moved the weights
     assert losses[1] == losses[0]
     with pytest.raises(SystemExit, match="--baseline no-such-revision: "):
         bench.package_at("no-such-revision")
+
+
+@pytest.mark.slow
+def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
+    """`--baseline HEAD` end to end: both packages timed, in reverse order every other turn."""
+    if shutil.which("git") is None or subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: --baseline reads the package from git")
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "train_throughput.py"), "--skip_peer",
+         "--baseline", "HEAD", "--variants", "fp32", "--repeats", "2", "--steps", "1"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    timed = [line.split()[0] for line in result.stdout.splitlines() if " repeat " in line]
+    assert timed == ["ours-fp32", "at-HEAD-fp32", "at-HEAD-fp32", "ours-fp32"]
+    assert "ratio ours-fp32 / at-HEAD-fp32: " in result.stdout
+    assert "at-HEAD-fp32     median" in result.stdout
