@@ -56,6 +56,7 @@ CURRENT = SimpleNamespace(Transformer=Transformer, Adam=Adam,
                           loss_terms_function=loss_terms_function,
                           LabelSmoothedCrossEntropy=LabelSmoothedCrossEntropy)
 
+POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16"}  # --variants' dtype policies
 SHAPE = dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4)
 BATCH, SOURCE_LEN, TARGET_LEN = 64, 24, 24
 
@@ -239,8 +240,9 @@ def main():
     for variant in args.variants.split(","):
         dtype, _, compiler = variant.partition("-")
         for label, package in packages.items():
-            dtypes[f"{label}-{variant}"] = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
-            keras.config.set_dtype_policy({"fp32": "float32", "bf16": "mixed_bfloat16"}[dtype])
+            policy = keras.DTypePolicy(POLICIES[dtype])
+            dtypes[f"{label}-{variant}"] = policy.compute_dtype
+            keras.config.set_dtype_policy(policy)
             keras.utils.set_random_seed(0)
             model = ours(package)
             model.build()

@@ -30,6 +30,12 @@ def test_benchmark_without_its_extra_names_the_extra(tmp_path, script):
         'pip install -e ".[bench]" (or --skip_peer)')
 
 
+def _skip_unless_git_checkout():
+    if shutil.which("git") is None or subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: --baseline reads the package from git")
+
+
 def test_a_baseline_revision_trains_beside_the_current_package():
     """`train_throughput.py --baseline REV`: the package at REV trains in the same process.
 
@@ -37,9 +43,7 @@ def test_a_baseline_revision_trains_beside_the_current_package():
     name, so its first two training steps, the second after its own Adam's
     update, give the current package's losses exactly.
     """
-    if shutil.which("git") is None or subprocess.run(
-            ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
-        pytest.skip("not a git checkout: --baseline reads the package from git")
+    _skip_unless_git_checkout()
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import train_throughput as bench
@@ -74,9 +78,7 @@ def test_a_baseline_revision_trains_beside_the_current_package():
 @pytest.mark.slow
 def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
     """`--baseline HEAD` end to end: both packages timed, in reverse order every other turn."""
-    if shutil.which("git") is None or subprocess.run(
-            ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
-        pytest.skip("not a git checkout: --baseline reads the package from git")
+    _skip_unless_git_checkout()
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "train_throughput.py"), "--skip_peer",
          "--baseline", "HEAD", "--variants", "fp32", "--repeats", "2", "--steps", "1"],
