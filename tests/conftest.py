@@ -67,12 +67,18 @@ def pytest_collection_modifyitems(config, items):
                 reason=f"needs TensorFlow itself ({reason}); KERAS_BACKEND is {BACKEND}"))
 
 
+# The trained model's last logged loss is below this fraction of its first.
+LEARNED_LOSS_RATIO = 0.7
+# The size of both session logdirs' models, beside the `tiny` preset's other settings.
+TINY_ARCHITECTURE = {"d_model": 64, "d_ff": 128, "num_heads": 4}
+
+
 @pytest.fixture(scope="session")
 def trained_tiny_logdir(tmp_path_factory):
     """A logdir of a small model trained by train.py for 300 steps, with validation BLEU.
 
     Trained once for the session (several modules decode with it); a module
-    copies it (`copy_of_trained_logdir`) before writing into it.
+    copies it (`copy_of_logdir`) before writing into it.
     """
     import subprocess
     import sys
@@ -82,18 +88,50 @@ def trained_tiny_logdir(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("trained-tiny") / "log"
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "train.py"), "--hparams", "tiny", "--data_dir",
-         MULTI30K, "--logdir", str(logdir), "--d_model", "64", "--d_ff", "128", "--num_heads",
-         "4", "--lr", "1.0", "--num_epochs", "3", "--steps_per_epoch", "100",
-         "--eval_sentences", "50"],
+         MULTI30K, "--logdir", str(logdir), "--lr", "1.0", "--num_epochs", "3",
+         "--steps_per_epoch", "100", "--eval_sentences", "50",
+         *[word for key, value in TINY_ARCHITECTURE.items()
+           for word in (f"--{key}", str(value))]],
         capture_output=True, text=True, cwd=ROOT, timeout=900,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
     (logdir / "train_output.txt").write_text(result.stdout)
+    # What the tests of a trained model rely on, on any processor: it learned.
+    import json
+
+    losses = [row["loss"] for row in map(json.loads, (logdir / "history.jsonl").read_text()
+                                         .splitlines()) if row.get("kind") == "train"]
+    assert losses[-1] < LEARNED_LOSS_RATIO * losses[0], (
+        f"the trained model did not learn: its logged loss went from {losses[0]:.3f} to "
+        f"{losses[-1]:.3f}, above {LEARNED_LOSS_RATIO} of the first")
     return logdir
 
 
-def load_trained(logdir):
-    """``(hparams, model, subwords)`` of a trained logdir, as eval.py loads them."""
+@pytest.fixture(scope="session")
+def varied_tiny_logdir(tmp_path_factory):
+    """A logdir of the trained model's architecture whose weights are set, not trained.
+
+    Its outputs vary and often reach their limit on every processor (see
+    `tests/varied_model.py`, which checks it once here), for the tests of the
+    search, the exports and the engines. Made once for the session; a module
+    copies it (`copy_of_logdir`) before writing into it.
+    """
+    import pathlib
+
+    from kyu_transformer import data
+    from tests.test_data import MULTI30K
+    from tests.varied_model import check_varied_outputs, write_varied_logdir
+
+    logdir = pathlib.Path(write_varied_logdir(tmp_path_factory.mktemp("varied-tiny") / "log",
+                                              MULTI30K, TINY_ARCHITECTURE))
+    _, model, subwords = load_logdir(logdir)
+    val, _, _ = data.load_split(MULTI30K, "val")
+    check_varied_outputs(model, subwords.encode(val))
+    return logdir
+
+
+def load_logdir(logdir):
+    """``(hparams, model, subwords)`` of a logdir, as eval.py loads them."""
     import hparams as hp
     from kyu_transformer import data
     from kyu_transformer.checkpoints import load_model
@@ -103,12 +141,12 @@ def load_trained(logdir):
     return hparams, model, data.Subwords(str(logdir / data.Subwords.FILE_NAME))
 
 
-def copy_of_trained_logdir(trained_tiny_logdir, tmp_path_factory, name):
-    """A copy of the session's trained logdir, for a module to write into."""
+def copy_of_logdir(logdir, tmp_path_factory, name):
+    """A copy of one of the session's logdirs, for a module to write into."""
     import shutil
 
     copy = tmp_path_factory.mktemp(name) / "log"
-    shutil.copytree(trained_tiny_logdir, copy)
+    shutil.copytree(logdir, copy)
     return copy
 
 

@@ -1,4 +1,4 @@
-"""Greedy and beam search, the key/value cache, and eval.py on a small trained model."""
+"""Greedy and beam search, the key/value cache, and eval.py, on a model with set weights."""
 
 import json
 import os
@@ -17,7 +17,7 @@ from kyu_transformer.checkpoints import CheckpointError, list_checkpoints, load_
 from kyu_transformer.decoding import (Translator, _top_k_rows, beam_search, greedy_search,
                                       recompute_greedy_search, sequence_log_probs)
 from kyu_transformer.model import Transformer
-from tests.conftest import copy_of_trained_logdir, load_trained
+from tests.conftest import copy_of_logdir, load_logdir
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT
 
@@ -33,11 +33,17 @@ def run(script, *args, stdin=None):
 @pytest.fixture(scope="module")
 def trained(trained_tiny_logdir, tmp_path_factory):
     """The session's small trained model (300 steps, with validation BLEU), in a logdir copy."""
-    logdir = copy_of_trained_logdir(trained_tiny_logdir, tmp_path_factory, "decoding")
-    _, model, subwords = load_trained(logdir)
+    logdir = copy_of_logdir(trained_tiny_logdir, tmp_path_factory, "trained")
+    return {"logdir": logdir, "train_output": (logdir / "train_output.txt").read_text()}
+
+
+@pytest.fixture(scope="module")
+def varied(varied_tiny_logdir, tmp_path_factory):
+    """The session's model with set weights (outputs that vary and run long), in a logdir copy."""
+    logdir = copy_of_logdir(varied_tiny_logdir, tmp_path_factory, "decoding")
+    _, model, subwords = load_logdir(logdir)
     sources, _, _ = data.load_split(MULTI30K, "val")
     return {"logdir": logdir, "model": model, "subwords": subwords,
-            "train_output": (logdir / "train_output.txt").read_text(),
             "sources": [ids + [data.EOS_ID] for ids in subwords.encode(sources)
                         if len(ids) < 30][:96]}
 
@@ -48,13 +54,13 @@ def _pad(sequences):
 
 
 @pytest.fixture(scope="module")
-def mixed_lengths(trained):
+def mixed_lengths(varied):
     """300 val and test sources (without EOS), and 6 of 5 joined sentences, longer than maxlen1."""
     val, _, _ = data.load_split(MULTI30K, "val")
     test, _, _ = data.load_split(MULTI30K, "test_2016_flickr")
-    encode = trained["subwords"].encode
+    encode = varied["subwords"].encode
     joined = [sum(encode(val[first:first + 5]), []) for first in range(200, 230, 5)]
-    assert all(len(ids) >= trained["model"].maxlen1 for ids in joined)
+    assert all(len(ids) >= varied["model"].maxlen1 for ids in joined)
     return encode(val[:150] + test[:150]) + joined
 
 
@@ -123,10 +129,10 @@ def test_two_stage_top_k_equals_top_k(rng, vocab):
     np.testing.assert_array_equal(maxima[:, 0], values.max(axis=1))
 
 
-def test_batched_beam_search_equals_one_sentence_at_a_time(trained):
+def test_batched_beam_search_equals_one_sentence_at_a_time(varied):
     """Sentences leave the batch when finished: nobody else's result may change."""
-    model = trained["model"]
-    sources = trained["sources"][:24]
+    model = varied["model"]
+    sources = varied["sources"][:24]
 
     def search(batch):
         return beam_search(model, tf.constant(_pad(batch)), 40, beam_size=3, alpha=0.6,
@@ -143,25 +149,67 @@ def test_batched_beam_search_equals_one_sentence_at_a_time(trained):
         np.testing.assert_allclose(batched_scores[row], alone_scores[0], atol=1e-4)
 
 
-def test_cached_greedy_equals_recomputing_greedy(trained):
-    source = _pad(trained["sources"][:32])
-    cached, _ = greedy_search(trained["model"], tf.constant(source), 40)
-    recomputed = recompute_greedy_search(trained["model"], tf.constant(source), 40)
+def test_cached_greedy_equals_recomputing_greedy(varied):
+    source = _pad(varied["sources"][:32])
+    cached, _ = greedy_search(varied["model"], tf.constant(source), 40)
+    recomputed = recompute_greedy_search(varied["model"], tf.constant(source), 40)
     np.testing.assert_array_equal(cached, recomputed)
     # Enough sentences stop before the limit for the stopping to be compared too.
     assert (np.asarray(cached) == data.EOS_ID).any(axis=1).sum() >= 8
 
 
-def test_beam_size_one_equals_greedy(trained):
-    source = tf.constant(_pad(trained["sources"][:32]))
-    greedy, _ = greedy_search(trained["model"], source, 40)
-    beam, _ = beam_search(trained["model"], source, 40, beam_size=1, alpha=0.0)
-    np.testing.assert_array_equal(beam[:, 0], greedy)
+def _beam_of_one(model, source, greedy, limit):
+    """What beam search of width 1 returns with alpha 0, found from the greedy outputs.
+
+    Its one alive hypothesis follows greedy search, and at each step the two
+    likeliest tokens compete: an EOS among them makes a finished hypothesis
+    (the greedy prefix, then EOS), and at the limit the greedy output itself
+    is one. The output is the likeliest of those (log-probabilities only fall,
+    so stopping early changes nothing).
+    """
+    greedy = np.asarray(greedy)
+    target_in = np.concatenate([np.full((len(greedy), 1), data.BOS_ID), greedy[:, :-1]], 1)
+    logits = np.asarray(model({"source": source, "target_in": target_in.astype("int32")}),
+                        "float64")
+    log_probs = logits - logits.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    outputs = []
+    for row, steps in zip(greedy, log_probs):
+        candidates, prefix = [], 0.0
+        for step in range(limit):
+            if data.EOS_ID in np.argsort(-steps[step])[:2]:
+                candidates.append((prefix + steps[step, data.EOS_ID], list(row[:step])))
+            if row[step] == data.EOS_ID:
+                break
+            prefix += steps[step, row[step]]
+        else:  # cut at the limit: the output without EOS competes too
+            candidates.append((prefix, list(row[:limit])))
+        outputs.append(max(candidates)[1])
+    return outputs
 
 
-def test_beam_search_finds_likelier_outputs_than_greedy(trained):
-    model = trained["model"]
-    source = tf.constant(_pad(trained["sources"]))
+def test_beam_size_one_is_greedy_search_with_a_finished_pool(varied):
+    """Beam search of width 1 follows greedy search; an EOS ranked second ends a rival."""
+    source = tf.constant(_pad(varied["sources"][:32]))
+    greedy, _ = greedy_search(varied["model"], source, 40)
+    beam, _ = beam_search(varied["model"], source, 40, beam_size=1, alpha=0.0)
+    expected = _beam_of_one(varied["model"], source, greedy, 40)
+    assert [_stripped(row) for row in np.asarray(beam[:, 0])] == expected
+    # Both kinds of sentence are there: the greedy output, and an earlier end.
+    same = sum(_stripped(row) == output for row, output in zip(np.asarray(greedy), expected))
+    print(f"{same} of 32 are the greedy output")
+    assert same >= 8 and len(expected) - same >= 4, same
+
+
+def _stripped(row):
+    """An output row as a list, EOS and the padding after it removed."""
+    row = list(row)
+    return row[:row.index(data.EOS_ID)] if data.EOS_ID in row else [i for i in row if i]
+
+
+def test_beam_search_finds_likelier_outputs_than_greedy(varied):
+    model = varied["model"]
+    source = tf.constant(_pad(varied["sources"]))
     greedy, _ = greedy_search(model, source, 40)
     beam, scores = beam_search(model, source, 40, beam_size=4, alpha=0.0, n_best=2)
     greedy_log_probs = np.asarray(sequence_log_probs(model, source, greedy))
@@ -174,9 +222,9 @@ def test_beam_search_finds_likelier_outputs_than_greedy(trained):
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
-def test_finished_sentences_stay_padded(trained, beam_size):
-    translator = Translator(trained["model"], beam_size=beam_size)
-    source = tf.constant(_pad(trained["sources"][:32]))
+def test_finished_sentences_stay_padded(varied, beam_size):
+    translator = Translator(varied["model"], beam_size=beam_size)
+    source = tf.constant(_pad(varied["sources"][:32]))
     limits = np.array([40, 12, 25, 6] * 8, dtype="int32")
     ids = (translator._greedy(source, limits)[0] if beam_size == 1
            else translator._beam(source, limits)).numpy()
@@ -191,13 +239,13 @@ def test_finished_sentences_stay_padded(trained, beam_size):
         finished += 1
         assert ends[0] < limit
         assert np.all(row[ends[0] + 1:] == 0) and np.all(row[:ends[0]] != 0)
-    assert finished >= 8 and cut >= 4  # the small model gives enough of both to test this
+    assert finished >= 8 and cut >= 4  # the set weights give enough of both to test this
 
 
-def test_each_sentence_stops_at_its_own_limit(trained):
+def test_each_sentence_stops_at_its_own_limit(varied):
     """A sentence of a batch with mixed limits gets what a batch of its own limit gives it."""
-    model = trained["model"]
-    source = tf.constant(_pad(trained["sources"][:24]))
+    model = varied["model"]
+    source = tf.constant(_pad(varied["sources"][:24]))
     limits = np.array([3, 9, 40] * 8, dtype="int32")
     greedy, _ = greedy_search(model, source, tf.constant(limits))
     beam, scores = beam_search(model, source, tf.constant(limits), beam_size=3, n_best=2)
@@ -220,11 +268,11 @@ def _widen(ids, width):
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
-def test_a_translation_does_not_depend_on_its_batch(trained, mixed_lengths, beam_size):
+def test_a_translation_does_not_depend_on_its_batch(varied, mixed_lengths, beam_size):
     """Alone, or in one batch with much shorter and longer sources: the same output."""
     # A small margin makes many outputs stop at their limit, where a limit
     # shared by the batch would show.
-    translator = Translator(trained["model"], beam_size=beam_size, length_margin=1)
+    translator = Translator(varied["model"], beam_size=beam_size, length_margin=1)
     together = translator.translate_ids(mixed_lengths, batch_size=len(mixed_lengths))
     cut = translator.truncated_outputs
     alone = [translator.translate_ids([ids])[0] for ids in mixed_lengths]
@@ -234,8 +282,8 @@ def test_a_translation_does_not_depend_on_its_batch(trained, mixed_lengths, beam
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
-def test_translator_counts_cut_sources_and_cut_outputs(trained, mixed_lengths, beam_size):
-    model = trained["model"]
+def test_translator_counts_cut_sources_and_cut_outputs(varied, mixed_lengths, beam_size):
+    model = varied["model"]
     counts = []
     for margin in (0, 16):
         translator = Translator(model, beam_size=beam_size, length_margin=margin)
@@ -251,9 +299,9 @@ def test_translator_counts_cut_sources_and_cut_outputs(trained, mixed_lengths, b
     assert counts[0] > counts[1]
 
 
-def test_impossible_requests_are_refused(trained):
-    model = trained["model"]
-    source = tf.constant(_pad(trained["sources"][:2]))
+def test_impossible_requests_are_refused(varied):
+    model = varied["model"]
+    source = tf.constant(_pad(varied["sources"][:2]))
     with pytest.raises(ValueError, match=r"`n_best` \(5\) must be at most `beam_size` \(4\)"):
         beam_search(model, source, 10, beam_size=4, n_best=5)
     with pytest.raises(ValueError, match="`with_coverage` needs greedy search.*beam_size=3"):
@@ -266,12 +314,12 @@ def test_impossible_requests_are_refused(trained):
         Translator(model, length_margin=-1)
 
 
-def test_empty_source_lines_give_empty_translations(trained):
-    translator = Translator(trained["model"], beam_size=2)
-    outputs = translator.translate(["Ein Hund.", "", "   ", "Zwei Frauen."], trained["subwords"])
+def test_empty_source_lines_give_empty_translations(varied):
+    translator = Translator(varied["model"], beam_size=2)
+    outputs = translator.translate(["Ein Hund.", "", "   ", "Zwei Frauen."], varied["subwords"])
     assert outputs[1] == "" and outputs[2] == ""
     assert outputs[0] and outputs[3]
-    assert translator.translate([], trained["subwords"]) == []
+    assert translator.translate([], varied["subwords"]) == []
 
 
 def test_training_scored_validation_bleu_and_kept_the_best(trained):
@@ -310,8 +358,8 @@ def test_eval_scores_a_split_with_sacrebleu(trained):
     assert (logdir / "eval" / "val.attention.2.png").is_file()
 
 
-def test_eval_translates_files_and_standard_input(trained, tmp_path):
-    logdir = trained["logdir"]
+def test_eval_translates_files_and_standard_input(varied, tmp_path):
+    logdir = varied["logdir"]
     val, val_references, _ = data.load_split(MULTI30K, "val")
     sources = ["Ein Mann fährt Fahrrad.", "", "Zwei Hunde spielen im Schnee.",
                " ".join(val[:5])]  # longer than maxlen1
@@ -331,7 +379,7 @@ def test_eval_translates_files_and_standard_input(trained, tmp_path):
     # The counts are those of the same translation made here.
     model, _ = load_model(hp.load(str(logdir / "hparams.json")), str(logdir), average_last=2)
     translator = Translator(model, length_margin=0)
-    translator.translate(sources, trained["subwords"])
+    translator.translate(sources, varied["subwords"])
     assert scores["truncated_sources"] == translator.truncated_sources == 1
     assert scores["truncated_outputs"] == translator.truncated_outputs
     assert "note: 1 sentences were longer than maxlen1" in result.stdout
@@ -343,30 +391,30 @@ def test_eval_translates_files_and_standard_input(trained, tmp_path):
     assert len(typed.stdout.strip().splitlines()) == 2
 
 
-def test_eval_errors_are_clear(trained, tmp_path):
+def test_eval_errors_are_clear(varied, tmp_path):
     broken = tmp_path / "broken"
-    shutil.copytree(trained["logdir"], broken)
+    shutil.copytree(varied["logdir"], broken)
     (broken / data.Subwords.FILE_NAME).unlink()
     result = run("eval.py", "--logdir", broken)
     assert result.returncode != 0 and "subwords.model: no subword model" in result.stderr
     empty = tmp_path / "empty"
-    shutil.copytree(trained["logdir"], empty)
+    shutil.copytree(varied["logdir"], empty)
     shutil.rmtree(empty / "checkpoints")
     result = run("eval.py", "--logdir", empty)
     assert result.returncode != 0 and "no checkpoint in" in result.stderr
     result = run("eval.py", "--logdir", tmp_path / "nothing")
     assert result.returncode != 0 and "hparams.json: no such file" in result.stderr
-    result = run("eval.py", "--logdir", trained["logdir"], "--ckpt", "best", "--average_last", 2)
+    result = run("eval.py", "--logdir", varied["logdir"], "--ckpt", "best", "--average_last", 2)
     assert result.returncode != 0
     assert "--ckpt (best) and --average_last (2) exclude each other" in result.stderr
-    result = run("eval.py", "--logdir", trained["logdir"], "--average_last", 9)
-    names = ", ".join(os.path.basename(path) for path in list_checkpoints(str(trained["logdir"])))
+    result = run("eval.py", "--logdir", varied["logdir"], "--average_last", 9)
+    names = ", ".join(os.path.basename(path) for path in list_checkpoints(str(varied["logdir"])))
     assert result.returncode != 0
     assert f"last 9 checkpoints (average_last=9), but 3 exist: {names}" in result.stderr
-    other = hp.load(str(trained["logdir"] / "hparams.json"))
+    other = hp.load(str(varied["logdir"] / "hparams.json"))
     other["d_model"] = 32
     with pytest.raises(CheckpointError, match="does not fit the model"):
-        load_model(other, str(trained["logdir"]))
+        load_model(other, str(varied["logdir"]))
 
 
 def test_the_search_knows_no_corpus():

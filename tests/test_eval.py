@@ -15,7 +15,7 @@ from kyu_transformer import data
 from kyu_transformer.checkpoints import load_model
 from kyu_transformer.decoding import Translator
 from kyu_transformer.model import Transformer
-from tests.conftest import copy_of_trained_logdir
+from tests.conftest import copy_of_logdir
 from tests.test_data import MULTI30K, ROOT
 
 ENVIRONMENT = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
@@ -37,9 +37,9 @@ def read_json_lines(path):
 
 
 @pytest.fixture(scope="module")
-def trained(trained_tiny_logdir, tmp_path_factory):
-    """The session's small trained model, in a logdir copy, and val text around it."""
-    logdir = copy_of_trained_logdir(trained_tiny_logdir, tmp_path_factory, "eval")
+def varied(varied_tiny_logdir, tmp_path_factory):
+    """The session's model with set weights, in a logdir copy, and val text around it."""
+    logdir = copy_of_logdir(varied_tiny_logdir, tmp_path_factory, "eval")
     hparams = hp.load(str(logdir / "hparams.json"))
     model, _ = load_model(hparams, str(logdir))
     sources, references, _ = data.load_split(MULTI30K, "val")
@@ -48,9 +48,9 @@ def trained(trained_tiny_logdir, tmp_path_factory):
             "sources": sources, "references": references}
 
 
-def _sources(trained):
+def _sources(varied):
     """60 val sentences, an empty line, and 5 joined sentences (longer than maxlen1)."""
-    sources = trained["sources"]
+    sources = varied["sources"]
     return sources[:60] + ["", " ".join(sources[200:205])]
 
 
@@ -98,11 +98,11 @@ def test_translator_refuses_more_hypotheses_than_its_beam():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("beam_size", [1, 4])
-def test_n_best_keeps_the_best_output_its_limits_and_scores(trained, beam_size):
+def test_n_best_keeps_the_best_output_its_limits_and_scores(varied, beam_size):
     """The first hypothesis is the plain output; each is within its sentence's limit; the
     scores are the model's, as `score_ids` computes them for the outputs that ended."""
-    model, n_best = trained["model"], min(beam_size, 3)
-    source_ids = trained["subwords"].encode(_sources(trained))
+    model, n_best = varied["model"], min(beam_size, 3)
+    source_ids = varied["subwords"].encode(_sources(varied))
     # A small margin makes outputs reach their own limits.
     translator = Translator(model, beam_size=beam_size, length_margin=2)
     best = translator.translate_ids(source_ids, batch_size=16)
@@ -125,9 +125,9 @@ def test_n_best_keeps_the_best_output_its_limits_and_scores(trained, beam_size):
 
 
 @pytest.mark.slow
-def test_eval_writes_the_n_best_hypotheses_sorted_by_score(trained, tmp_path):
-    logdir = trained["logdir"]
-    sources = _sources(trained)
+def test_eval_writes_the_n_best_hypotheses_sorted_by_score(varied, tmp_path):
+    logdir = varied["logdir"]
+    sources = _sources(varied)
     source = write_lines(tmp_path / "nbest.de", sources)
     plain = run("eval.py", "--logdir", logdir, "--src", source, "--beam_size", 4,
                 "--name", "plain")
@@ -167,9 +167,9 @@ def _log_prob_by_hand(model, source_ids, target_ids):
 
 
 @pytest.mark.slow
-def test_eval_scores_given_translations_as_the_model_does(trained, tmp_path):
-    model, subwords = trained["model"], trained["subwords"]
-    sources, references = trained["sources"], trained["references"]
+def test_eval_scores_given_translations_as_the_model_does(varied, tmp_path):
+    model, subwords = varied["model"], varied["subwords"]
+    sources, references = varied["sources"], varied["references"]
     # References, an empty source, an empty translation, and a translation
     # longer than maxlen2 (cut to maxlen2, without EOS).
     pairs = list(zip(sources[:30], references[:30])) + [
@@ -177,10 +177,10 @@ def test_eval_scores_given_translations_as_the_model_does(trained, tmp_path):
         (" ".join(sources[100:105]), " ".join(references[100:105]))]
     source = write_lines(tmp_path / "given.de", [pair[0] for pair in pairs])
     target = write_lines(tmp_path / "given.en", [pair[1] for pair in pairs])
-    result = run("eval.py", "--logdir", trained["logdir"], "--src", source, "--score", target,
+    result = run("eval.py", "--logdir", varied["logdir"], "--src", source, "--score", target,
                  "--alpha", 1.0)
     assert result.returncode == 0, result.stdout + result.stderr
-    rows = read_json_lines(trained["logdir"] / "eval" / "given.scores.jsonl")
+    rows = read_json_lines(varied["logdir"] / "eval" / "given.scores.jsonl")
     assert [(row["source"], row["target"]) for row in rows] == pairs
     for (source_text, target_text), row in zip(pairs, rows):
         target_ids = subwords.encode([target_text])[0] + [data.EOS_ID]
@@ -199,10 +199,10 @@ def test_eval_scores_given_translations_as_the_model_does(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_refuses_a_score_file_of_another_length(trained, tmp_path):
-    source = write_lines(tmp_path / "three.de", trained["sources"][:3])
-    target = write_lines(tmp_path / "two.en", trained["references"][:2])
-    result = run("eval.py", "--logdir", trained["logdir"], "--src", source, "--score", target)
+def test_eval_refuses_a_score_file_of_another_length(varied, tmp_path):
+    source = write_lines(tmp_path / "three.de", varied["sources"][:3])
+    target = write_lines(tmp_path / "two.en", varied["references"][:2])
+    result = run("eval.py", "--logdir", varied["logdir"], "--src", source, "--score", target)
     assert result.returncode != 0
     assert f"{target} has 2 lines but {source} has 3" in result.stderr
 
@@ -211,15 +211,15 @@ def test_eval_refuses_a_score_file_of_another_length(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_with_ctranslate2_writes_the_keras_greedy_translations(trained, tmp_path):
+def test_eval_with_ctranslate2_writes_the_keras_greedy_translations(varied, tmp_path):
     pytest.importorskip("ctranslate2")
     from kyu_transformer.ctranslate2_export import convert
 
-    logdir, sources = trained["logdir"], _sources(trained)
-    model_dir = convert(trained["model"], trained["hparams"], trained["subwords"],
+    logdir, sources = varied["logdir"], _sources(varied)
+    model_dir = convert(varied["model"], varied["hparams"], varied["subwords"],
                         str(tmp_path / "ct2"))
     source = write_lines(tmp_path / "engines.de", sources)
-    reference = write_lines(tmp_path / "engines.en", trained["references"][:len(sources)])
+    reference = write_lines(tmp_path / "engines.en", varied["references"][:len(sources)])
     # A small margin makes outputs reach their own limits, which both engines must agree on.
     common = ["--logdir", logdir, "--src", source, "--ref", reference, "--beam_size", 1,
               "--length_margin", 2]
@@ -246,17 +246,17 @@ def test_eval_with_ctranslate2_writes_the_keras_greedy_translations(trained, tmp
 
 
 @pytest.mark.slow
-def test_eval_refuses_a_ctranslate2_model_of_other_subwords(trained, tmp_path):
+def test_eval_refuses_a_ctranslate2_model_of_other_subwords(varied, tmp_path):
     pytest.importorskip("ctranslate2")
     from kyu_transformer.ctranslate2_export import SUBWORDS_FILE, convert
 
-    model_dir = convert(trained["model"], trained["hparams"], trained["subwords"],
+    model_dir = convert(varied["model"], varied["hparams"], varied["subwords"],
                         str(tmp_path / "ct2"))
     with open(os.path.join(model_dir, SUBWORDS_FILE), "ab") as handle:
         handle.write(b"another model")
-    result = run("eval.py", "--logdir", trained["logdir"], "--ctranslate2", model_dir)
+    result = run("eval.py", "--logdir", varied["logdir"], "--ctranslate2", model_dir)
     assert result.returncode != 0
     assert f"{model_dir} was converted with another subword model than" in result.stderr
-    result = run("eval.py", "--logdir", trained["logdir"], "--ctranslate2", tmp_path / "none")
+    result = run("eval.py", "--logdir", varied["logdir"], "--ctranslate2", tmp_path / "none")
     assert result.returncode != 0
     assert f"--ctranslate2 {tmp_path / 'none'}: no such directory" in result.stderr

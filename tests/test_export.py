@@ -15,7 +15,7 @@ from kyu_transformer import data, decoding, serving
 from kyu_transformer.checkpoints import load_model
 from kyu_transformer.decoding import Translator, length_penalty, sequence_log_probs
 from kyu_transformer.precision import set_precision
-from tests.conftest import copy_of_trained_logdir, load_trained
+from tests.conftest import copy_of_logdir, load_logdir
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT
 
@@ -37,6 +37,7 @@ EXPORTS = {
 # writes the outputs (and whether kyu_transformer got imported) as JSON.
 SERVE_SCRIPT = r"""
 import json, sys
+import numpy as np
 import tensorflow as tf
 import tensorflow_text  # registers the SentencePiece ops
 
@@ -50,8 +51,10 @@ for key, call in request.items():
         outputs = signature(ids=tf.constant(call["ids"], tf.int32, shape=call["shape"]))
     else:
         outputs = signature(text=tf.constant(call["text"], tf.string, shape=[len(call["text"])]))
-    results[key] = {name: (value.numpy().astype(str) if value.dtype == tf.string
-                           else value.numpy()).tolist() for name, value in outputs.items()}
+    # Strings as UTF-8 (numpy's own conversion of bytes assumes ASCII).
+    results[key] = {name: (np.char.decode(value.numpy().astype(bytes), "utf-8")
+                           if value.dtype == tf.string else value.numpy()).tolist()
+                    for name, value in outputs.items()}
 results["kyu_transformer_imported"] = "kyu_transformer" in sys.modules
 json.dump(results, open(sys.argv[2], "w", encoding="utf-8"))
 """
@@ -78,10 +81,10 @@ def _stripped(row):
 
 
 @pytest.fixture(scope="module")
-def trained(trained_tiny_logdir, tmp_path_factory):
-    """The session's small trained model (a logdir copy), its subword model, val sentences."""
-    logdir = copy_of_trained_logdir(trained_tiny_logdir, tmp_path_factory, "export")
-    hparams, model, subwords = load_trained(logdir)
+def varied(varied_tiny_logdir, tmp_path_factory):
+    """The session's model with set weights (a logdir copy), its subword model, val sentences."""
+    logdir = copy_of_logdir(varied_tiny_logdir, tmp_path_factory, "export")
+    hparams, model, subwords = load_logdir(logdir)
     val, _, _ = data.load_split(MULTI30K, "val")
     # Five val sentences joined: longer than the encoder's maxlen1.
     long = [" ".join(val[first:first + 5]) for first in range(200, 230, 5)]
@@ -91,21 +94,21 @@ def trained(trained_tiny_logdir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def exports(trained, tmp_path_factory):
+def exports(varied, tmp_path_factory):
     """The directories written by export.py for each of `EXPORTS`, and its output."""
     root = tmp_path_factory.mktemp("exports")
     written = {}
     for name, flags in EXPORTS.items():
-        result = run_export(trained["logdir"], root / name, *flags)
+        result = run_export(varied["logdir"], root / name, *flags)
         assert result.returncode == 0, result.stdout + result.stderr
         written[name] = {"dir": str(root / name), "stdout": result.stdout}
     return written
 
 
 @pytest.fixture(scope="module")
-def served(trained, exports, tmp_path_factory):
+def served(varied, exports, tmp_path_factory):
     """The SavedModels' outputs, from a process that never imports kyu_transformer."""
-    val, long, subwords = trained["val"], trained["long"], trained["subwords"]
+    val, long, subwords = varied["val"], varied["long"], varied["subwords"]
     ids = subwords.encode(val[:100] + long)
     # Tabs, a no-break space, an ideographic space and runs of them, as raw input may hold.
     messy = [" \t" + line.replace(" ", "\t", 1).replace(" ", "\u00a0 ", 1)
@@ -197,23 +200,23 @@ def test_overwrite_replaces_only_an_earlier_export_and_never_the_logdir(tmp_path
 
 
 @pytest.mark.slow
-def test_a_non_empty_out_is_refused_without_overwrite_and_replaced_whole_with_it(trained,
+def test_a_non_empty_out_is_refused_without_overwrite_and_replaced_whole_with_it(varied,
                                                                                   tmp_path):
     out = tmp_path / "out"
     fake_earlier_export(out)
-    result = run_export(trained["logdir"], out, "--beam_size", 1)
+    result = run_export(varied["logdir"], out, "--beam_size", 1)
     assert result.returncode != 0
     assert "already exists and is not empty; pass --overwrite" in result.stderr
     assert (out / "saved_model.pb").read_text() == "an earlier export"
 
-    result = run_export(trained["logdir"], out, "--beam_size", 1, "--overwrite")
+    result = run_export(varied["logdir"], out, "--beam_size", 1, "--overwrite")
     assert result.returncode == 0, result.stdout + result.stderr
     assert (out / "saved_model.pb").read_bytes() != b"an earlier export"
     assert sorted(os.listdir(tmp_path)) == ["out"]  # no staging directory left behind
 
 
 @pytest.mark.slow
-def test_an_export_that_fails_leaves_the_old_one_intact(trained, tmp_path, monkeypatch):
+def test_an_export_that_fails_leaves_the_old_one_intact(varied, tmp_path, monkeypatch):
     out = tmp_path / "out"
     fake_earlier_export(out)
 
@@ -225,7 +228,7 @@ def test_an_export_that_fails_leaves_the_old_one_intact(trained, tmp_path, monke
 
     monkeypatch.setattr(export, "write_saved_model", crash)
     with pytest.raises(RuntimeError, match="disk full"):
-        export.main(["--logdir", str(trained["logdir"]), "--out", str(out), "--overwrite"])
+        export.main(["--logdir", str(varied["logdir"]), "--out", str(out), "--overwrite"])
     assert sorted(os.listdir(out)) == ["assets.extra", "saved_model.pb"]
     assert (out / "saved_model.pb").read_text() == "an earlier export"
     assert sorted(os.listdir(tmp_path)) == ["out"]
@@ -233,7 +236,7 @@ def test_an_export_that_fails_leaves_the_old_one_intact(trained, tmp_path, monke
 
 @needs_tensorflow_text
 @pytest.mark.slow
-def test_export_says_what_it_wrote_and_how_to_call_it(trained, exports):
+def test_export_says_what_it_wrote_and_how_to_call_it(varied, exports):
     stdout = exports["beam"]["stdout"]
     assert f"wrote a SavedModel to {exports['beam']['dir']}" in stdout
     assert "beam 4, alpha 0.6, n_best 3, length margin 16" in stdout
@@ -249,9 +252,9 @@ def test_export_says_what_it_wrote_and_how_to_call_it(trained, exports):
 
 @needs_tensorflow_text
 @pytest.mark.slow
-def test_the_subword_model_is_an_asset_of_the_saved_model(trained, exports):
+def test_the_subword_model_is_an_asset_of_the_saved_model(varied, exports):
     asset = os.path.join(exports["beam"]["dir"], "assets", data.Subwords.FILE_NAME)
-    with open(asset, "rb") as copy, open(trained["subwords"].path, "rb") as original:
+    with open(asset, "rb") as copy, open(varied["subwords"].path, "rb") as original:
         assert copy.read() == original.read()
     serving.import_tensorflow_text()  # registers the SentencePiece ops the graph holds
     loaded = tf.saved_model.load(exports["beam"]["dir"])
@@ -273,11 +276,11 @@ def test_saved_model_cli_lists_both_signatures(exports):
 
 
 @pytest.mark.slow
-def test_without_tensorflow_text_only_the_ids_signature_is_written(trained, tmp_path):
+def test_without_tensorflow_text_only_the_ids_signature_is_written(varied, tmp_path):
     out = tmp_path / "ids_only"
     # tensorflow_text made unimportable, as where it is not installed.
     block = ("import runpy, sys; sys.modules['tensorflow_text'] = None; "
-             f"sys.argv = ['export.py', '--logdir', {str(trained['logdir'])!r}, "
+             f"sys.argv = ['export.py', '--logdir', {str(varied['logdir'])!r}, "
              f"'--out', {str(out)!r}, '--beam_size', '1']; "
              "runpy.run_path('export.py', run_name='__main__')")
     result = run("-c", block)
@@ -288,14 +291,14 @@ def test_without_tensorflow_text_only_the_ids_signature_is_written(trained, tmp_
 
 
 @pytest.mark.slow
-def test_ctranslate2_format_writes_a_model_ctranslate2_loads(trained, tmp_path):
+def test_ctranslate2_format_writes_a_model_ctranslate2_loads(varied, tmp_path):
     ctranslate2 = pytest.importorskip("ctranslate2")
     out = tmp_path / "ct2"
-    result = run_export(trained["logdir"], out, "--format", "ctranslate2",
+    result = run_export(varied["logdir"], out, "--format", "ctranslate2",
                         "--quantization", "int8")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"wrote a CTranslate2 model to {out}" in result.stdout
-    assert f"python eval.py --logdir {trained['logdir']} --ctranslate2 {out}" in result.stdout
+    assert f"python eval.py --logdir {varied['logdir']} --ctranslate2 {out}" in result.stdout
     assert "model.bin" in os.listdir(out)
     ctranslate2.Translator(str(out), device="cpu")
     assert sorted(os.listdir(tmp_path)) == ["ct2"]
@@ -313,9 +316,9 @@ def test_the_saved_model_loads_without_kyu_transformer(served):
 @needs_tensorflow_text
 @pytest.mark.slow
 @pytest.mark.parametrize("name, beam_size", [("greedy", 1), ("beam", 4)])
-def test_translations_equal_the_translators_line_for_line(trained, served, name, beam_size):
-    expected = Translator(trained["model"], beam_size, ALPHA).translate(trained["val"],
-                                                                        trained["subwords"])
+def test_translations_equal_the_translators_line_for_line(varied, served, name, beam_size):
+    expected = Translator(varied["model"], beam_size, ALPHA).translate(varied["val"],
+                                                                        varied["subwords"])
     got = served[f"{name}_val"]["translations"]
     assert len(got) == len(expected) == 300
     assert [i for i, (a, b) in enumerate(zip(got, expected)) if a != b] == []
@@ -325,13 +328,13 @@ def test_translations_equal_the_translators_line_for_line(trained, served, name,
 @needs_tensorflow_text
 @pytest.mark.slow
 @pytest.mark.parametrize("name, beam_size", [("greedy", 1), ("beam", 4)])
-def test_translations_equal_eval_pys_hyp_txt_line_for_line(trained, served, name, beam_size):
+def test_translations_equal_eval_pys_hyp_txt_line_for_line(varied, served, name, beam_size):
     """eval.py run as a user runs it, on the 300 val sentences the SavedModel translated."""
-    result = run(os.path.join(ROOT, "eval.py"), "--logdir", trained["logdir"], "--split", "val",
+    result = run(os.path.join(ROOT, "eval.py"), "--logdir", varied["logdir"], "--split", "val",
                  "--data_dir", MULTI30K, "--beam_size", beam_size, "--alpha", ALPHA,
                  "--name", f"export_{name}")
     assert result.returncode == 0, result.stdout + result.stderr
-    with open(trained["logdir"] / "eval" / f"export_{name}.hyp.txt", encoding="utf-8") as handle:
+    with open(varied["logdir"] / "eval" / f"export_{name}.hyp.txt", encoding="utf-8") as handle:
         expected = handle.read().split("\n")[:-1]
     got = served[f"{name}_val"]["translations"]
     assert len(got) == len(expected) == 300
@@ -340,11 +343,11 @@ def test_translations_equal_eval_pys_hyp_txt_line_for_line(trained, served, name
 
 @needs_tensorflow_text
 @pytest.mark.slow
-def test_bfloat16_translations_equal_the_bfloat16_translators(trained, served):
+def test_bfloat16_translations_equal_the_bfloat16_translators(varied, served):
     set_precision("bf16")  # as eval.py --mixed_precision bf16; conftest restores float32
-    model, _ = load_model(trained["hparams"], str(trained["logdir"]))
+    model, _ = load_model(varied["hparams"], str(varied["logdir"]))
     assert model.compute_dtype == "bfloat16"
-    expected = Translator(model, 4, ALPHA).translate(trained["val"], trained["subwords"])
+    expected = Translator(model, 4, ALPHA).translate(varied["val"], varied["subwords"])
     got = served["bf16_val"]["translations"]
     assert [i for i, (a, b) in enumerate(zip(got, expected)) if a != b] == []
 
@@ -365,11 +368,11 @@ def test_n_best_rows_are_sorted_and_start_with_the_translation(served):
 @needs_tensorflow_text
 @pytest.mark.slow
 @pytest.mark.parametrize("name, beam_size, n_best", [("greedy", 1, 1), ("beam", 4, 3)])
-def test_the_ids_signature_equals_translate_ids(trained, served, name, beam_size, n_best):
-    translator = Translator(trained["model"], beam_size, ALPHA)
+def test_the_ids_signature_equals_translate_ids(varied, served, name, beam_size, n_best):
+    translator = Translator(varied["model"], beam_size, ALPHA)
     best = translator.translate_ids(served["source_ids"])
-    too_long = [ids for ids in served["source_ids"] if len(ids) + 1 > trained["model"].maxlen1]
-    assert translator.truncated_sources == len(too_long) >= len(trained["long"])
+    too_long = [ids for ids in served["source_ids"] if len(ids) + 1 > varied["model"].maxlen1]
+    assert translator.truncated_sources == len(too_long) >= len(varied["long"])
     hypotheses, scores = translator.translate_ids(served["source_ids"], n_best=n_best)
     result = served[f"{name}_ids"]
     got = [[_stripped(row) for row in rows] for rows in result["ids"]]
@@ -381,9 +384,9 @@ def test_the_ids_signature_equals_translate_ids(trained, served, name, beam_size
 @needs_tensorflow_text
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["greedy", "beam"])
-def test_scores_are_length_normalized_log_probabilities(trained, served, name):
+def test_scores_are_length_normalized_log_probabilities(varied, served, name):
     """Each hypothesis' score is its log-probability, EOS included, over GNMT's penalty."""
-    model, maxlen1 = trained["model"], trained["model"].maxlen1
+    model, maxlen1 = varied["model"], varied["model"].maxlen1
     sources, outputs = [], []
     for source, hypotheses in zip(served["source_ids"], served[f"{name}_ids"]["ids"]):
         encoder_input = (source + [data.EOS_ID])[:maxlen1]
@@ -403,7 +406,7 @@ def test_scores_are_length_normalized_log_probabilities(trained, served, name):
 
 @needs_tensorflow_text
 @pytest.mark.slow
-def test_empty_strings_give_empty_translations(trained, served):
+def test_empty_strings_give_empty_translations(varied, served):
     result = served["beam_empty"]
     assert result["translations"][0] == result["translations"][2] == \
         result["translations"][3] == ""
@@ -412,7 +415,7 @@ def test_empty_strings_give_empty_translations(trained, served):
         assert result["n_best"][row] == ["", "", ""]
         assert result["scores"][row] == [0, decoding.NO_HYPOTHESIS_SCORE,
                                          decoding.NO_HYPOTHESIS_SCORE]
-    hypotheses, scores = Translator(trained["model"], 4, ALPHA).translate_ids(
+    hypotheses, scores = Translator(varied["model"], 4, ALPHA).translate_ids(
         [[]], n_best=3)
     assert (hypotheses, scores) == ([[[]]], [[0.0]])
     assert served["beam_none"] == {"translations": [], "n_best": [], "scores": []}
@@ -420,10 +423,10 @@ def test_empty_strings_give_empty_translations(trained, served):
 
 @needs_tensorflow_text
 @pytest.mark.slow
-def test_sources_longer_than_maxlen1_are_cut_as_eval_cuts_them(trained, served):
-    translator = Translator(trained["model"], 4, ALPHA)
-    expected = translator.translate(trained["long"], trained["subwords"])
-    assert translator.truncated_sources == len(trained["long"])
+def test_sources_longer_than_maxlen1_are_cut_as_eval_cuts_them(varied, served):
+    translator = Translator(varied["model"], 4, ALPHA)
+    expected = translator.translate(varied["long"], varied["subwords"])
+    assert translator.truncated_sources == len(varied["long"])
     assert served["beam_long"]["translations"] == expected
 
 
@@ -442,9 +445,9 @@ def test_a_batch_of_one_and_one_of_thousands(served):
 
 
 @pytest.mark.slow
-def test_the_ids_signature_refuses_ids_outside_the_vocabulary(trained, exports):
+def test_the_ids_signature_refuses_ids_outside_the_vocabulary(varied, exports):
     translate = tf.saved_model.load(exports["greedy"]["dir"]).signatures[serving.IDS_SIGNATURE]
-    vocab = trained["model"].vocab_size
+    vocab = varied["model"].vocab_size
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=f"ids must be below the vocabulary size {vocab}"):
         translate(ids=tf.constant([[5, vocab, 7]], tf.int32))

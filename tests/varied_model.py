@@ -1,0 +1,121 @@
+"""A logdir whose model has set weights: outputs that vary and often run to their limit.
+
+The search, export and engine tests need a model whose greedy and beam outputs
+differ from sentence to sentence, some ending with EOS and many reaching their
+length limit. A model trained for a few hundred steps gives that only by luck
+of its training run, which ends elsewhere on another processor (its kernels
+round differently). The weights here are set instead: seeded uniform values
+(numpy's generator draws the same numbers on every machine), scaled so that
+
+- the decoder does not echo its input: with tied embeddings, an input
+  embedding that dominates the residual sum makes the last token the likeliest
+  next one, so the embeddings are small against the sub-layers' outputs;
+- the source decides the output: the cross-attention's value and output
+  projections are scaled up;
+- the logits are peaked, as a trained model's are (the last normalization's
+  gain), so that beam search does not favour the shortest outputs;
+- EOS wins now and then: its row is scaled up, so that about half of the
+  greedy outputs end before a limit of 16 tokens beyond the source and the
+  rest reach it (`check_varied_outputs` states what the tests rely on).
+
+Only rounding separates two machines' outputs then, which moves an argmax only
+where two logits tie to the last bits: the properties hold with wide margins.
+"""
+
+import os
+
+import numpy as np
+import tensorflow as tf
+
+import hparams as hp
+from kyu_transformer import data
+from kyu_transformer.checkpoints import checkpoint_dir, model_weights
+from kyu_transformer.model import Transformer
+
+EMBEDDING_SCALE = 0.1  # half-width / sqrt(3) of the table's uniform values
+SUBLAYER_GAIN = 3.0  # of the projections, against a unit-variance (fan-in) start
+CROSS_ATTENTION_GAIN = 3.0  # of the cross-attention's value and output projections
+LOGIT_GAIN = 8.0  # gamma of the decoder's last normalization
+EOS_SCALE = 1.6  # of the EOS embedding row
+CHECKPOINT_STEPS = (100, 200, 300)  # three rolling checkpoints, for --average_last
+
+
+def set_varied_weights(model, seed, jitter=0.0):
+    """Sets every weight of a built post-norm `Transformer` as the module docstring says.
+
+    `jitter`: relative noise of a second draw (seed + 1) on every weight, so
+    that checkpoints of one logdir differ a little, as a run's do.
+    """
+    rng = np.random.default_rng(seed)
+    noise = np.random.default_rng(seed + 1)
+    last_norm = f"decoder_{model.num_blocks - 1}/feed_forward/norm/gamma"
+    values = []
+    for path, variable in model_weights(model).items():
+        shape = tuple(variable.shape)
+        if path.endswith("gamma"):
+            value = np.full(shape, LOGIT_GAIN if path == last_norm else 1.0)
+        elif path.endswith("beta"):
+            value = np.zeros(shape)
+        elif path.endswith("embeddings"):
+            value = rng.uniform(-1, 1, shape) * EMBEDDING_SCALE * np.sqrt(3.0)
+            value[data.PAD_ID] = 0.0
+            value[data.EOS_ID] *= EOS_SCALE
+        elif path.endswith("bias"):
+            value = rng.uniform(-0.1, 0.1, shape)
+        else:  # a kernel (fan_in, fan_out)
+            gain = (CROSS_ATTENTION_GAIN if "cross_attention" in path
+                    and ("value_dense" in path or "output_dense" in path) else SUBLAYER_GAIN)
+            value = rng.uniform(-1, 1, shape) * np.sqrt(3.0 / shape[0]) * gain
+        if jitter and not path.endswith(("gamma", "beta")):
+            value = value * (1.0 + jitter * noise.uniform(-1, 1, shape))
+        values.append(value.astype("float32"))
+    for variable, value in zip(model_weights(model).values(), values):
+        variable.assign(value)
+
+
+def write_varied_logdir(logdir, data_dir, architecture, seed=0):
+    """A logdir as eval.py and export.py read it: hparams.json, subwords, checkpoints.
+
+    `architecture`: hparams that change the `tiny` preset's model (a post-norm one).
+
+    The subword model is trained on `data_dir`'s training split (both sides),
+    as train.py does. The checkpoints (`CHECKPOINT_STEPS`) hold the weights of
+    `set_varied_weights(seed)`, each with its own 1% jitter; the last has none.
+    """
+    logdir = str(logdir)
+    hparams = hp.parse("tiny", {**architecture, "data_dir": data_dir, "logdir": logdir})
+    sources, targets, _ = data.load_split(data_dir, "train")
+    subwords = data.Subwords.train_or_load(logdir, sources + targets, hparams["vocab_size"],
+                                           hparams["subword_model_type"])
+    assert subwords.vocab_size == hparams["vocab_size"], subwords.vocab_size
+    hp.save(hparams, os.path.join(logdir, "hparams.json"))
+    model = Transformer.from_hparams(hparams, name="transformer")
+    model.build()
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(weights=model_weights(model)),
+                                         checkpoint_dir(logdir),
+                                         max_to_keep=len(CHECKPOINT_STEPS))
+    for index, step in enumerate(CHECKPOINT_STEPS):
+        last = index == len(CHECKPOINT_STEPS) - 1
+        set_varied_weights(model, seed, jitter=0.0 if last else 0.01 * (index + 1))
+        manager.save(checkpoint_number=step)
+    return logdir
+
+
+def check_varied_outputs(model, sources):
+    """Raises AssertionError, naming the figure, unless the outputs vary and run long.
+
+    What the tests rely on, checked once: greedy outputs of `sources` (id
+    lists) with the default margin of 16 are mostly distinct, and both ending
+    with EOS and reaching the limit are common.
+    """
+    from kyu_transformer.decoding import Translator
+
+    translator = Translator(model, beam_size=1)
+    outputs = translator.translate_ids(sources, batch_size=128)
+    distinct = len({tuple(output) for output in outputs})
+    cut = translator.truncated_outputs
+    figures = (f"{distinct} distinct outputs, {cut} at their limit, of {len(sources)} "
+               "sources")
+    assert distinct >= 0.8 * len(sources), f"the set weights give too few outputs: {figures}"
+    assert 0.2 * len(sources) <= cut <= 0.8 * len(sources), \
+        f"the set weights end too many or too few outputs: {figures}"
