@@ -24,8 +24,9 @@ setup(
         # Serving exports (export.py): tensorflow-text's ops are built for one
         # TensorFlow minor version, the one installed here (2.21).
         "serve": SERVE,
-        # The tests cover the exports too, and run the layers on JAX.
-        "test": ["pytest", "jax", *SERVE],
+        # The tests cover the exports too, run the layers on JAX, and run on two
+        # processes at once (pytest-xdist).
+        "test": ["pytest", "pytest-xdist", "jax", *SERVE],
         "bench": ["keras-hub"],
     },
 )

@@ -36,6 +36,7 @@ def _skip_unless_git_checkout():
         pytest.skip("not a git checkout: --baseline reads the package from git")
 
 
+@pytest.mark.slow  # trains two models of the benchmark's size
 def test_a_baseline_revision_trains_beside_the_current_package():
     """`train_throughput.py --baseline REV`: the package at REV trains in the same process.
 
