@@ -5,14 +5,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # -m pytest -q tests` runs every test that does not need TensorFlow itself on
 # JAX (the others skip, see TENSORFLOW_ONLY_MODULES and `tensorflow_only`).
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-# Under pytest-xdist the workers share the cores: TensorFlow in each worker, and in the
-# programs its tests start, takes its share of threads per op instead of all of them
-# (threads competing for a core cost time and give nothing).
-if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    _THREADS = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", _THREADS)
-    os.environ.setdefault("OMP_NUM_THREADS", _THREADS)
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -84,7 +76,7 @@ TINY_ARCHITECTURE = {"d_model": 64, "d_ff": 128, "num_heads": 4}
 
 @pytest.fixture(scope="session")
 def trained_tiny_logdir(tmp_path_factory):
-    """A logdir of a small model trained by train.py for 300 steps, with validation BLEU.
+    """A logdir of a small model trained by train.py for 3 epochs (240 steps), with validation BLEU.
 
     Trained once for the session (several modules decode with it); a module
     copies it (`copy_of_logdir`) before writing into it.

@@ -142,7 +142,7 @@ def _our_log_probs(model, sources, outputs):
             for source, output in zip(_encoder_inputs(model, sources), outputs)]
 
 
-# ------------------------------------------------------------ the varied model
+# ------------------------------------------- the models of the logdirs (set, trained)
 
 @pytest.mark.slow
 def test_greedy_outputs_equal_ours_token_for_token(varied, sources, greedy_results):

@@ -1,4 +1,5 @@
-"""Greedy and beam search, the key/value cache, and eval.py, on a model with set weights."""
+"""Greedy and beam search, the key/value cache, and eval.py (on a model with set weights; the
+trained model for what needs learning: BLEU, training's records)."""
 
 import json
 import os
@@ -32,7 +33,7 @@ def run(script, *args, stdin=None):
 
 @pytest.fixture(scope="module")
 def trained(trained_tiny_logdir, tmp_path_factory):
-    """The session's small trained model (300 steps, with validation BLEU), in a logdir copy."""
+    """The session's small trained model (with validation BLEU), in a logdir copy."""
     logdir = copy_of_logdir(trained_tiny_logdir, tmp_path_factory, "trained")
     return {"logdir": logdir, "train_output": (logdir / "train_output.txt").read_text()}
 

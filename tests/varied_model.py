@@ -41,7 +41,8 @@ CHECKPOINT_STEPS = (100, 200, 300)  # three rolling checkpoints, for --average_l
 
 
 def set_varied_weights(model, seed, jitter=0.0):
-    """Sets every weight of a built post-norm `Transformer` as the module docstring says.
+    """Sets every weight of a built post-norm `Transformer` with sinusoid positions, as the
+    module docstring says.
 
     `jitter`: relative noise of a second draw (seed + 1) on every weight, so
     that checkpoints of one logdir differ a little, as a run's do.
@@ -80,7 +81,7 @@ def write_varied_logdir(logdir, data_dir, architecture, seed=0):
 
     The subword model is trained on `data_dir`'s training split (both sides),
     as train.py does. The checkpoints (`CHECKPOINT_STEPS`) hold the weights of
-    `set_varied_weights(seed)`, each with its own 1% jitter; the last has none.
+    `set_varied_weights(seed)`, the first jittered by 1%, the second by 2%, the last not.
     """
     logdir = str(logdir)
     hparams = hp.parse("tiny", {**architecture, "data_dir": data_dir, "logdir": logdir})
