@@ -331,15 +331,29 @@ class PositionalEncoding(keras.layers.Layer):
     def _table(self, length):
         table = self._sinusoids if self.sinusoid else self.position_embeddings
         table = ops.cast(table, self.compute_dtype)[:length]  # (T, C)
+        return self._finished(table, self._keep_rows[:length] if self.zero_pad else None)
+
+    def _finished(self, rows, keep_rows):
+        """Rows of the table (in the compute dtype), padding zeroed and scaled as configured.
+
+        `keep_rows`: the rows' `_keep_rows` (read with `zero_pad` only).
+        """
         if self.zero_pad:
-            table = table * ops.cast(self._keep_rows[:length], self.compute_dtype)
+            rows = rows * ops.cast(keep_rows, self.compute_dtype)
         if self.scale:
-            table = table * ops.cast(math.sqrt(self._units), self.compute_dtype)
-        return table
+            rows = rows * ops.cast(math.sqrt(self._units), self.compute_dtype)
+        return rows
 
     def encoding_at(self, position):
-        """The `(1, C)` encoding of one position (for step-by-step decoding)."""
-        return ops.take(self._table(self.maxlen), ops.reshape(position, (1,)), axis=0)
+        """The `(1, C)` encoding of one position (for step-by-step decoding).
+
+        Only that row is read and finished, not the whole table.
+        """
+        table = self._sinusoids if self.sinusoid else self.position_embeddings
+        index = ops.reshape(ops.cast(position, "int32"), (1,))
+        keep_rows = ops.take(self._keep_rows, index, axis=0) if self.zero_pad else None
+        return self._finished(ops.cast(ops.take(table, index, axis=0), self.compute_dtype),
+                              keep_rows)
 
     def call(self, inputs, mask=None):
         length = inputs.shape[1]
@@ -472,7 +486,8 @@ class MultiHeadAttention(keras.layers.Layer):
     Call arguments:
       queries: `(N, T_q, C_q)`.
       keys: `(N, T_k, C_k)`; None (or `queries` itself) for self-attention.
-      values: `(N, T_k, C_v)`; `keys` when None.
+      values: `(N, T_k, C_v)`; `keys` when None. Values of their own are
+        always used, also when the keys are the queries.
       query_mask: Optional boolean `(N, T_q)`; default the Keras mask of
         `queries`. A masked query gets all-zero attention weights.
       key_mask: Optional boolean `(N, T_k)`; default the Keras mask of `keys`
@@ -550,13 +565,21 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def call(self, queries, keys=None, values=None, query_mask=None, key_mask=None,
              training=None, return_attention_scores=False):
-        self_attention = keys is None or keys is queries
+        # Keys that are the queries (or none) are self-attention's, normalized in
+        # pre-norm; so are values that are the queries (or none). Values of their
+        # own are used as given. Tensors are told apart by identity.
+        keys_are_queries = keys is None or keys is queries
+        if keys_are_queries and (values is None or values is queries):
+            values = None
         if query_mask is None:
             query_mask = _keras_mask(queries)
         if key_mask is None:
-            key_mask = query_mask if self_attention else _keras_mask(keys)
+            key_mask = query_mask if keys_are_queries else _keras_mask(keys)
+        normalized = self.pre_norm(queries)
+        if keys_are_queries:
+            keys = None if values is None else normalized
         outputs, weights = self.sublayer(
-            self.pre_norm(queries), None if self_attention else keys, values,
+            normalized, keys, values,
             query_mask=query_mask, key_mask=key_mask, training=training)  # (N, T_q, C_q)
         outputs = self.post_norm(queries + self.residual_dropout(outputs, training=training))
         if return_attention_scores:

@@ -447,6 +447,42 @@ def test_self_attention_takes_the_mask_of_its_queries(rng):
     np.testing.assert_array_equal(layer(embedded), layer(embedded, embedded))
 
 
+@pytest.mark.parametrize("sinusoid", [True, False])
+def test_one_positions_encoding_is_that_row_of_the_table(rng, sinusoid):
+    """`encoding_at(p)` (a decoding step's) equals row `p` of the encodings `call` adds,
+    and is made from that row alone (a step does not rebuild the whole table)."""
+    layer = PositionalEncoding(12, 6, sinusoid=sinusoid)
+    ids = rng.integers(1, 50, size=(1, 12)).astype("int32")
+    table = np.asarray(layer(ids))[0]  # (T, C), every position present
+    rows = [np.asarray(layer.encoding_at(ops.convert_to_tensor(p)))[0] for p in range(12)]
+    np.testing.assert_array_equal(np.stack(rows), table)
+
+    def whole_table(length):
+        raise AssertionError(f"encoding_at built the table of {length} positions")
+
+    layer._table = whole_table
+    np.testing.assert_array_equal(np.asarray(layer.encoding_at(3))[0], table[3])
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_values_of_their_own_are_used_when_the_keys_are_the_queries(rng, norm_position):
+    """`mha(x, x, v)`: the keys are the queries' (normalized in pre-norm), the values `v`."""
+    # Tensors, as a model passes them (the layer tells the keys from the queries by identity).
+    x = ops.convert_to_tensor(rng.normal(size=(2, 5, 8)).astype("float32"))
+    v = ops.convert_to_tensor(rng.normal(size=(2, 5, 8)).astype("float32"))
+    layer = MultiHeadAttention(num_heads=2, norm_position=norm_position)
+    self_attention = np.asarray(layer(x))
+    np.testing.assert_array_equal(np.asarray(layer(x, x)), self_attention)
+    np.testing.assert_array_equal(np.asarray(layer(x, x, x)), self_attention)
+    given = np.asarray(layer(x, x, v))
+    assert not np.allclose(given, self_attention)
+    # The same as keys that are another tensor, holding what self-attention's keys hold.
+    keys = np.asarray(layer.pre_norm(x)) if norm_position == "pre" else np.asarray(x)
+    np.testing.assert_allclose(given, np.asarray(layer(x, keys, v, key_mask=np.ones((2, 5),
+                                                                                   bool))),
+                               atol=1e-6)
+
+
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
 def test_fully_masked_row_is_finite(rng, value_and_gradients, policy):
     keras.config.set_dtype_policy(policy)
