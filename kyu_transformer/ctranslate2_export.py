@@ -36,7 +36,7 @@ import collections
 import json
 import os
 import shutil
-import tempfile
+import uuid
 
 import keras
 import numpy as np
@@ -341,7 +341,10 @@ def convert(model, hparams, subwords, out_dir, quantization="float32"):
 
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".ctranslate2-", dir=parent)
+    # Made with mode 0o777, which the process umask reduces as for any new folder
+    # (mkdtemp's 0o700 would follow the rename; the umask is never changed to be read).
+    staging = os.path.join(parent, f".ctranslate2-{uuid.uuid4().hex}")
+    os.mkdir(staging, 0o777)
     try:
         spec.save(staging)
         settings = {"maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
@@ -350,9 +353,6 @@ def convert(model, hparams, subwords, out_dir, quantization="float32"):
         with open(os.path.join(staging, SETTINGS_FILE), "w", encoding="utf-8") as handle:
             json.dump(settings, handle, indent=2, sort_keys=True)
             handle.write("\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would follow the rename
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty (checked above)
         os.replace(staging, out_dir)

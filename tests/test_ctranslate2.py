@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 
 import keras
 import numpy as np
@@ -293,6 +294,21 @@ def test_model_directory_holds_what_a_user_needs(subwords, tmp_path):
             open(subwords.path, "rb") as original:
         assert copy.read() == original.read()
     assert [name for name in os.listdir(tmp_path) if name != "model"] == []  # no staging left
+
+
+def test_the_model_folder_takes_the_umask_without_changing_it(subwords, tmp_path, monkeypatch):
+    """Mode 0o777 less the umask, as any new folder's; the process umask is never set (a file
+    another thread made meanwhile would be world-writable)."""
+    model = _random_model(subwords.vocab_size)
+    set_umask, calls = os.umask, []
+    monkeypatch.setattr(os, "umask", lambda mask: calls.append(mask) or set_umask(mask))
+    previous = set_umask(0o027)
+    try:
+        out_dir = convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "model"))
+    finally:
+        set_umask(previous)
+    assert calls == []
+    assert stat.S_IMODE(os.stat(out_dir).st_mode) == 0o750
 
 
 def test_mixed_precision_models_write_their_float32_weights(subwords, tmp_path):
