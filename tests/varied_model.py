@@ -9,9 +9,9 @@ round differently). The weights here are set instead: seeded uniform values
 
 - the decoder does not echo its input: with tied embeddings, an input
   embedding that dominates the residual sum makes the last token the likeliest
-  next one, so the embeddings are small against the sub-layers' outputs;
-- the source decides the output: the cross-attention's value and output
-  projections are scaled up;
+  next one, so the embeddings are small and the sub-layers' projections large
+  (3 times a unit-variance start): what the cross-attention brings from the
+  source then decides the output;
 - the logits are peaked, as a trained model's are (the last normalization's
   gain), so that beam search does not favour the shortest outputs;
 - EOS wins now and then: its row is scaled up, so that about half of the
@@ -33,8 +33,7 @@ from kyu_transformer.checkpoints import checkpoint_dir, model_weights
 from kyu_transformer.model import Transformer
 
 EMBEDDING_SCALE = 0.1  # half-width / sqrt(3) of the table's uniform values
-SUBLAYER_GAIN = 3.0  # of the projections, against a unit-variance (fan-in) start
-CROSS_ATTENTION_GAIN = 3.0  # of the cross-attention's value and output projections
+SUBLAYER_GAIN = 3.0  # of every projection, against a unit-variance (fan-in) start
 LOGIT_GAIN = 8.0  # gamma of the decoder's last normalization
 EOS_SCALE = 1.6  # of the EOS embedding row
 CHECKPOINT_STEPS = (100, 200, 300)  # three rolling checkpoints, for --average_last
@@ -64,9 +63,7 @@ def set_varied_weights(model, seed, jitter=0.0):
         elif path.endswith("bias"):
             value = rng.uniform(-0.1, 0.1, shape)
         else:  # a kernel (fan_in, fan_out)
-            gain = (CROSS_ATTENTION_GAIN if "cross_attention" in path
-                    and ("value_dense" in path or "output_dense" in path) else SUBLAYER_GAIN)
-            value = rng.uniform(-1, 1, shape) * np.sqrt(3.0 / shape[0]) * gain
+            value = rng.uniform(-1, 1, shape) * np.sqrt(3.0 / shape[0]) * SUBLAYER_GAIN
         if jitter and not path.endswith(("gamma", "beta")):
             value = value * (1.0 + jitter * noise.uniform(-1, 1, shape))
         values.append(value.astype("float32"))
