@@ -10,14 +10,13 @@ import pytest
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
-import hparams as hp  # noqa: E402
 from kyu_transformer import data  # noqa: E402
-from kyu_transformer.checkpoints import load_model  # noqa: E402
 from kyu_transformer.ctranslate2_export import (  # noqa: E402
     QUANTIZATIONS, SETTINGS_FILE, SUBWORDS_FILE, ExportError, convert, output_limit,
     translate_with_ctranslate2)
 from kyu_transformer.decoding import Translator, sequence_log_probs  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
+from tests.conftest import load_logdir  # noqa: E402
 from tests.test_data import MULTI30K  # noqa: E402
 
 # Characters that no Multi30k sentence holds: the subword model maps them to <unk>.
@@ -25,9 +24,7 @@ UNKNOWN_TEXT = ["Ein Mann ☃ spielt 𝄞 Gitarre.", "Zwei Hunde ✈ im Schnee �
 
 
 def _load(logdir):
-    hparams = hp.load(str(logdir / "hparams.json"))
-    model, _ = load_model(hparams, str(logdir))
-    subwords = data.Subwords(str(logdir / data.Subwords.FILE_NAME))
+    hparams, model, subwords = load_logdir(logdir)
     return {"model": model, "hparams": hparams, "subwords": subwords}
 
 

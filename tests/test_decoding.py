@@ -15,7 +15,7 @@ import tensorflow as tf
 import hparams as hp
 from kyu_transformer import data
 from kyu_transformer.checkpoints import CheckpointError, list_checkpoints, load_model
-from kyu_transformer.decoding import (Translator, _top_k_rows, beam_search, greedy_search,
+from kyu_transformer.decoding import (Translator, _strip, _top_k_rows, beam_search, greedy_search,
                                       recompute_greedy_search, sequence_log_probs)
 from kyu_transformer.model import Transformer
 from tests.conftest import copy_of_logdir, load_logdir
@@ -195,17 +195,11 @@ def test_beam_size_one_is_greedy_search_with_a_finished_pool(varied):
     greedy, _ = greedy_search(varied["model"], source, 40)
     beam, _ = beam_search(varied["model"], source, 40, beam_size=1, alpha=0.0)
     expected = _beam_of_one(varied["model"], source, greedy, 40)
-    assert [_stripped(row) for row in np.asarray(beam[:, 0])] == expected
+    assert [_strip(row) for row in np.asarray(beam[:, 0])] == expected
     # Both kinds of sentence are there: the greedy output, and an earlier end.
-    same = sum(_stripped(row) == output for row, output in zip(np.asarray(greedy), expected))
+    same = sum(_strip(row) == output for row, output in zip(np.asarray(greedy), expected))
     print(f"{same} of 32 are the greedy output")
     assert same >= 8 and len(expected) - same >= 4, same
-
-
-def _stripped(row):
-    """An output row as a list, EOS and the padding after it removed."""
-    row = list(row)
-    return row[:row.index(data.EOS_ID)] if data.EOS_ID in row else [i for i in row if i]
 
 
 def test_beam_search_finds_likelier_outputs_than_greedy(varied):
