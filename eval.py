@@ -31,6 +31,8 @@ from kyu_transformer.checkpoints import (  # noqa: E402
     CheckpointError, add_checkpoint_arguments, describe, load_model)
 from kyu_transformer.decoding import DEFAULT_BATCH_SIZE, Translator  # noqa: E402
 from kyu_transformer.evaluation import score  # noqa: E402
+from kyu_transformer.files import (  # noqa: E402
+    replaced_atomically, stops_cleanly_when_full, write_text)
 from kyu_transformer.precision import set_precision  # noqa: E402
 
 
@@ -141,10 +143,7 @@ def load_inputs(args, hparams):
 
 
 def write_lines(path, lines):
-    temporary = f"{path}.tmp"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        handle.writelines(line + "\n" for line in lines)
-    os.replace(temporary, path)
+    write_text(path, "".join(line + "\n" for line in lines))
 
 
 def translate_stdin(translator, subwords):
@@ -179,8 +178,11 @@ def plot_attention(model, translator, subwords, sources, count, out_dir, name):
         axes.set_ylabel("output")
         figure.tight_layout()
         path = os.path.join(out_dir, f"{name}.attention.{index + 1}.png")
-        figure.savefig(path, dpi=80)
-        plt.close(figure)
+        try:
+            with replaced_atomically(path) as temporary:
+                figure.savefig(temporary, dpi=80)
+        finally:
+            plt.close(figure)
         paths.append(path)
     return paths
 
@@ -332,6 +334,7 @@ def write_json_lines(path, rows):
     write_lines(path, [json.dumps(row, ensure_ascii=False) for row in rows])
 
 
+@stops_cleanly_when_full
 def main(argv=None):
     started = time.time()
     args = parse_args(argv)

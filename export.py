@@ -25,6 +25,7 @@ from kyu_transformer import data, serving  # noqa: E402
 from kyu_transformer.checkpoints import (  # noqa: E402
     CheckpointError, add_checkpoint_arguments, describe, load_model)
 from kyu_transformer.decoding import DEFAULT_BATCH_SIZE  # noqa: E402
+from kyu_transformer.files import stops_cleanly_when_full  # noqa: E402
 from kyu_transformer.precision import PRECISION_POLICIES, set_precision  # noqa: E402
 
 FORMATS = ("saved_model", "ctranslate2")
@@ -306,6 +307,7 @@ def print_ctranslate2_usage(out, args, checkpoints):
           "directory)")
 
 
+@stops_cleanly_when_full
 def main(argv=None):
     args = parse_args(argv)
     check_out(args.out, args.overwrite, args.logdir)

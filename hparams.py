@@ -12,6 +12,8 @@ import difflib
 import json
 import os
 
+from kyu_transformer.files import write_text
+
 # name: (default, help). Kyubyong's names where they exist.
 SPEC = {
     # data
@@ -227,11 +229,7 @@ def from_args(args):
 
 def save(hparams, path):
     """Writes `hparams` to `path` as JSON, atomically (never a half-written file)."""
-    temporary = f"{path}.tmp"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(hparams, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-    os.replace(temporary, path)
+    write_text(path, json.dumps(hparams, indent=2, sort_keys=True) + "\n")
 
 
 def load(path):

@@ -3,13 +3,16 @@
     python train.py --hparams small --data_dir ../shared/data/multi30k --logdir log/small
 
 Re-running the same command after a crash (or `kill -9`) resumes from the last
-checkpoint. A logdir trained with other hyperparameters is refused unless
+checkpoint. SIGTERM or SIGINT stops the run after an update with a checkpoint
+(exit status 75). A run holds its logdir's lock: a second run on it is
+refused. A logdir trained with other hyperparameters is refused unless
 ``--overwrite`` (which moves the old logdir aside; nothing is deleted).
 """
 
 import atexit
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -20,7 +23,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import hparams as hp  # noqa: E402
 from kyu_transformer import data  # noqa: E402
 from kyu_transformer.corpus import Corpus  # noqa: E402
+from kyu_transformer.checkpoints import list_checkpoints  # noqa: E402
 from kyu_transformer.evaluation import ValidationBleu  # noqa: E402
+from kyu_transformer.files import as_out_of_space, is_out_of_space  # noqa: E402
+from kyu_transformer.logdir_lock import LOCK_FILE, LogdirBusy, LogdirLock  # noqa: E402
 from kyu_transformer.distribution import STRATEGIES, is_chief, make_strategy  # noqa: E402
 from kyu_transformer.resumption import copy_aside  # noqa: E402
 from kyu_transformer.seeding import seed_everything  # noqa: E402
@@ -32,6 +38,10 @@ from kyu_transformer.workers import (  # noqa: E402
 RESUMABLE = ("num_epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
              "eval_sentences", "eval_batch_size", "jit_compile", "xla_loss", "steps_per_epoch",
              "fast_paths")
+# The exit status of a run stopped by SIGTERM or SIGINT after saving a checkpoint
+# (EX_TEMPFAIL: run the same command again to resume).
+STOPPED_BY_SIGNAL = 75
+_HELD = []  # what this process keeps for its whole life: the logdir's lock
 
 
 def parse_args(argv):
@@ -46,15 +56,14 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def check_writable(directory, what):
+def hold_logdir(logdir):
+    """Takes the logdir's lock for the rest of the process (before anything is written)."""
     try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".write-test-{os.getpid()}")
-        with open(probe, "w", encoding="utf-8") as handle:
-            handle.write("ok")
-        os.remove(probe)
+        return LogdirLock(logdir).acquire()
+    except LogdirBusy as error:
+        raise SystemExit(f"error: {error}") from None
     except OSError as error:
-        raise SystemExit(f"error: {what} {directory} is not writable ({error.strerror})")
+        raise SystemExit(f"error: the logdir {logdir} is not writable ({error.strerror})")
 
 
 def settle_logdir(hparams, overwrite):
@@ -64,8 +73,8 @@ def settle_logdir(hparams, overwrite):
     refused; with `overwrite` it is moved aside (nothing is deleted).
     """
     logdir = hparams["logdir"]
-    if overwrite and os.path.isdir(logdir) and os.listdir(logdir):
-        print(f"--overwrite: moved the old logdir to {copy_aside(logdir)}")
+    if overwrite and set(os.listdir(logdir)) - {LOCK_FILE}:
+        print(f"--overwrite: moved the old logdir to {copy_aside(logdir, keep=(LOCK_FILE,))}")
         return hparams
     saved_path = os.path.join(logdir, "hparams.json")
     corpus_path = os.path.join(logdir, "corpus.json")
@@ -125,7 +134,8 @@ def subword_dir(logdir, chief):
 def prepare_run(args, strategy, chief):
     """``(hparams, corpus)``: the logdir settled, the subword model ready.
 
-    The chief goes first: it alone downloads a missing corpus, moves an old
+    The chief goes first: it takes the logdir's lock (held until the process
+    ends), and it alone downloads a missing corpus, moves an old
     logdir aside (``--overwrite``) and writes the subword model and
     `hparams.json`; the other workers wait for it, then read what it wrote
     (on a shared file system) or make the same themselves, and every worker
@@ -137,6 +147,7 @@ def prepare_run(args, strategy, chief):
     def chief_part():
         state["hparams"] = hp.from_args(args)
         if chief:
+            state["lock"] = hold_logdir(state["hparams"]["logdir"])
             prepare_data_dir(state["hparams"]["data_dir"])
             state["hparams"], state["corpus"] = prepare_logdir(state["hparams"], args.overwrite,
                                                                chief)
@@ -149,6 +160,7 @@ def prepare_run(args, strategy, chief):
     barrier(strategy, failure_of(chief_part, strategy))  # the chief has written what it had to
     barrier(strategy, failure_of(worker_part, strategy))  # every worker has hparams and subwords
     hparams, corpus = state["hparams"], state["corpus"]
+    _HELD.append(state.get("lock"))  # the lock lives as long as the process
     if is_multi_worker(strategy):
         digests = {f"hyperparameter {key}": short_digest(json.dumps(value))
                    for key, value in sorted(hparams.items()) if key not in ("logdir", "data_dir")}
@@ -185,41 +197,67 @@ def subword_digest(subwords):
 def prepare_logdir(hparams, overwrite, chief):
     hparams = settle_logdir(hparams, overwrite)
     logdir = hparams["logdir"]
-    if chief:
-        check_writable(logdir, "the logdir")
     corpus = Corpus(hparams["data_dir"], subword_dir(logdir, chief), hparams)
     if chief:
         record_run(hparams)
     return hparams, corpus
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    # Multi-worker collectives must be set up before TensorFlow runs anything else.
-    strategy = make_strategy(args.strategy)
-    chief = is_chief(strategy)
-    try:
-        hparams, corpus = prepare_run(args, strategy, chief)
-    except WorkerDisagreement as error:
-        raise SystemExit(f"error: {error}")
-    logdir = hparams["logdir"]
-    seed_everything(hparams["seed"], args.deterministic)
-    print(f"strategy: {type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)")
+def resume_command(argv):
+    """The command that resumes this run (without --overwrite, which would start afresh)."""
+    arguments = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg != "--overwrite"]
+    return shlex.join(["python", sys.argv[0] if argv is None else "train.py", *arguments])
 
+
+def make_trainer(hparams, corpus, strategy, deterministic):
+    seed_everything(hparams["seed"], deterministic)
+    print(f"strategy: {type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)")
     hooks = []
     if hparams["eval_sentences"]:
         hooks.append(ValidationBleu(corpus.val_sources, corpus.val_targets, corpus.subwords,
                                     hparams["eval_sentences"], hparams["eval_batch_size"]))
-    trainer = Trainer(hparams, strategy, logdir, hooks=hooks)
+    trainer = Trainer(hparams, strategy, hparams["logdir"], hooks=hooks)
     print(f"model: {trainer.model.count_params():,} parameters")
+    return trainer
+
+
+def out_of_space_line(error, logdir):
+    """The one line a run stopped by a full disk ends with."""
+    newest = list_checkpoints(logdir) if logdir and os.path.isdir(logdir) else []
+    return (f"error: {as_out_of_space(error)}; the newest complete checkpoint is "
+            f"{newest[-1] if newest else 'none yet'}. Free some space and run the same "
+            "command again to resume.")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # Multi-worker collectives must be set up before TensorFlow runs anything else.
+    strategy = make_strategy(args.strategy)
+    chief, hparams = is_chief(strategy), {}
     started = time.time()
     try:
+        hparams, corpus = prepare_run(args, strategy, chief)
+        trainer = make_trainer(hparams, corpus, strategy, args.deterministic)
+        started = time.time()
         result = trainer.fit(corpus.train_batches, hparams["steps_per_epoch"] or None)
     except (TrainingError, WorkerDisagreement) as error:
         raise SystemExit(f"error: {error}")
-    minutes = (time.time() - started) / 60
+    except Exception as error:  # pylint: disable=broad-except  (re-raised unless the disk is full)
+        if not is_out_of_space(error):
+            raise
+        raise SystemExit(out_of_space_line(error, hparams.get("logdir"))) from None
+    return report(result, trainer, hparams["logdir"], (time.time() - started) / 60, argv)
+
+
+def report(result, trainer, logdir, minutes, argv):
+    """Prints how the run ended; returns the exit status."""
     if result["resumed_from"]:
         print(f"resumed from {result['resumed_from']}")
+    if result["stopped"] not in ("done", "time"):
+        saved = result["checkpoint"] or "the chief's checkpoint"
+        print(f"stopped by {result['stopped']} after step {result['steps']}; saved {saved}. "
+              f"Resume with: {resume_command(argv)}", flush=True)
+        return STOPPED_BY_SIGNAL
     print(f"{result['stopped']}: {result['epochs']} epochs, {result['steps']} steps in "
           f"{minutes:.1f} min; last loss {result['last_loss']}; logdir {logdir}")
     print(f"weights sha256: {trainer.weights_digest()}")

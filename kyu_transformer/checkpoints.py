@@ -1,7 +1,14 @@
-"""Finding, restoring and averaging the checkpoints of a logdir."""
+"""Finding, restoring and averaging the checkpoints of a logdir.
+
+A checkpoint that cannot be read (cut short by a copy, damaged on disk: its
+checksums fail) is told apart from one that does not fit the model: the
+latest readable one is used in its place, with a note; one asked for by
+name, or one of those to average, is refused, named.
+"""
 
 import os
 
+import h5py
 import numpy as np
 import tensorflow as tf
 
@@ -12,6 +19,29 @@ BEST = "best"
 
 class CheckpointError(ValueError):
     """No usable checkpoint; the message says which and why."""
+
+
+class UnreadableCheckpoint(CheckpointError):
+    """A checkpoint whose files cannot be read; the message names it and the reason."""
+
+
+def unreadable(path):
+    """Why the checkpoint at `path` cannot be read (one line), or None when every tensor reads.
+
+    Reads all of it: TensorFlow checks each tensor's checksum as it reads.
+    """
+    try:
+        if path.endswith(".h5"):
+            with h5py.File(path, "r") as weights:
+                weights.visititems(lambda name, item: item[()] if isinstance(
+                    item, h5py.Dataset) else None)
+        else:
+            reader = tf.train.load_checkpoint(path)
+            for name in reader.get_variable_to_shape_map():
+                reader.get_tensor(name)
+    except Exception as error:  # pylint: disable=broad-except  (any failure to read)
+        return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return None
 
 
 def model_weights(model):
@@ -40,30 +70,29 @@ def checkpoint_dir(logdir):
 
 def list_checkpoints(logdir):
     """The rolling checkpoints of `logdir`, oldest first (paths without suffix)."""
-    state = tf.train.get_checkpoint_state(checkpoint_dir(logdir))
+    return listed_checkpoints(checkpoint_dir(logdir))
+
+
+def listed_checkpoints(directory):
+    """The complete checkpoints the index of `directory` lists, oldest first."""
+    state = tf.train.get_checkpoint_state(directory)
     if state is None:
         return []
     return [path for path in state.all_model_checkpoint_paths
             if tf.io.gfile.exists(path + ".index")]
 
 
-def resolve(logdir, ckpt=None):
-    """The checkpoint to use: `ckpt` (a path, or "best"), else the latest."""
+def resolve(logdir, ckpt):
+    """The checkpoint named by `ckpt`: a path, or "best" (the logdir's best weights)."""
     if ckpt == BEST:
         path = os.path.join(logdir, "best.weights.h5")
         if not os.path.isfile(path):
             raise CheckpointError(f"{logdir}: no best checkpoint (best.weights.h5); it is "
                                   "written when training scores validation BLEU")
         return path
-    if ckpt:
-        if not (tf.io.gfile.exists(ckpt + ".index") or os.path.isfile(ckpt)):
-            raise CheckpointError(f"{ckpt}: no such checkpoint")
-        return ckpt
-    available = list_checkpoints(logdir)
-    if not available:
-        raise CheckpointError(f"{logdir}: no checkpoint in {checkpoint_dir(logdir)} "
-                              "(has training saved one yet?)")
-    return available[-1]
+    if not (tf.io.gfile.exists(ckpt + ".index") or os.path.isfile(ckpt)):
+        raise CheckpointError(f"{ckpt}: no such checkpoint")
+    return ckpt
 
 
 def _restore_into(model, path):
@@ -73,12 +102,36 @@ def _restore_into(model, path):
         else:
             tf.train.Checkpoint(weights=model_weights(model)).restore(path).expect_partial() \
                 .assert_existing_objects_matched()
-    except (ValueError, AssertionError, tf.errors.InvalidArgumentError,
-            tf.errors.NotFoundError) as error:
+    except Exception as error:  # pylint: disable=broad-except  (told apart below)
+        reason = unreadable(path)
+        if reason:
+            raise UnreadableCheckpoint(f"{path}: cannot be read ({reason})") from None
+        if not isinstance(error, (ValueError, AssertionError, tf.errors.InvalidArgumentError,
+                                  tf.errors.NotFoundError)):
+            raise
         first_line = str(error).strip().splitlines()[0][:300]
         raise CheckpointError(
             f"{path}: does not fit the model described by the logdir's hparams.json "
             f"({first_line})") from None
+
+
+def _restore_latest_readable(model, logdir):
+    """Restores the newest checkpoint that reads, noting those skipped; returns its path."""
+    available = list_checkpoints(logdir)
+    if not available:
+        raise CheckpointError(f"{logdir}: no checkpoint in {checkpoint_dir(logdir)} "
+                              "(has training saved one yet?)")
+    skipped = []
+    for path in reversed(available):
+        try:
+            _restore_into(model, path)
+        except UnreadableCheckpoint as error:
+            print(f"note: skipped {error}", flush=True)
+            skipped.append(os.path.basename(path))
+            continue
+        return path
+    raise CheckpointError(f"{checkpoint_dir(logdir)}: no checkpoint can be read (tried "
+                          f"{', '.join(skipped)})")
 
 
 def checkpoints_to_average(logdir, count):
@@ -107,7 +160,12 @@ def _average_into(model, paths):
     """Sets the model's weights to the mean of the checkpoints at `paths`."""
     total = None
     for path in paths:
-        _restore_into(model, path)
+        try:
+            _restore_into(model, path)
+        except UnreadableCheckpoint as error:
+            raise UnreadableCheckpoint(f"{error}; it is one of the last {len(paths)} "
+                                       "checkpoints to average: average fewer, or give "
+                                       "one with --ckpt") from None
         # Summed in float64: the mean of many float32 checkpoints loses nothing to rounding.
         weights = [np.asarray(weight, np.float64) for weight in model.get_weights()]
         total = weights if total is None else [t + w for t, w in zip(total, weights)]
@@ -128,7 +186,8 @@ def load_model(hparams, logdir, ckpt=None, average_last=0):
     Args:
       hparams: The logdir's hyperparameters.
       logdir: A logdir written by training.
-      ckpt: A checkpoint path, or "best"; default: the latest.
+      ckpt: A checkpoint path, or "best"; default: the latest that can be read
+        (those skipped are named in a note).
       average_last: With N > 1, the weights are the mean of the last N rolling
         checkpoints (the checkpoint averaging of the Transformer paper);
         excludes `ckpt`.
@@ -140,7 +199,8 @@ def load_model(hparams, logdir, ckpt=None, average_last=0):
     Raises:
       ValueError: `ckpt` and `average_last` both given, or `average_last` < 0.
       CheckpointError: No such checkpoint, fewer than `average_last`, or one
-        that does not fit the model.
+        that does not fit the model; `UnreadableCheckpoint` when `ckpt`, or one
+        to average, cannot be read.
     """
     average_last = int(average_last or 0)
     if average_last < 0:
@@ -154,6 +214,8 @@ def load_model(hparams, logdir, ckpt=None, average_last=0):
         paths = checkpoints_to_average(logdir, average_last)
         _average_into(model, paths)
         return model, paths
+    if not ckpt:
+        return model, [_restore_latest_readable(model, logdir)]
     path = resolve(logdir, ckpt)
     _restore_into(model, path)
     return model, [path]

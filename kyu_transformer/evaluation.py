@@ -6,6 +6,7 @@ import os
 import sacrebleu
 
 from kyu_transformer.decoding import Translator
+from kyu_transformer.files import replaced_atomically, write_text
 
 
 def score(hypotheses, references):
@@ -58,9 +59,8 @@ class ValidationBleu:
               f"({len(hypotheses)} sentences, greedy)", flush=True)
         if best is None or result["bleu"] > best["bleu"]:
             weights = os.path.join(trainer.logdir, "best.weights.h5")
-            temporary = os.path.join(trainer.logdir, ".best.tmp.weights.h5")
-            trainer.model.save_weights(temporary)
-            os.replace(temporary, weights)
+            with replaced_atomically(weights) as temporary:
+                trainer.model.save_weights(temporary)
             _write_json(best_path, {"bleu": result["bleu"], "chrf": result["chrf"],
                                     "epoch": epoch, "step": logs["step"],
                                     "signature": result["signature"]})
@@ -74,8 +74,4 @@ def _read_json(path):
 
 
 def _write_json(path, value):
-    temporary = f"{path}.tmp"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(value, handle, indent=2)
-        handle.write("\n")
-    os.replace(temporary, path)
+    write_text(path, json.dumps(value, indent=2) + "\n")

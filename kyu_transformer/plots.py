@@ -8,6 +8,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from kyu_transformer.files import replaced_atomically  # noqa: E402
+
 
 def read_history(path):
     """The records of a history file, the last one kept for each step (resumed runs)."""
@@ -39,10 +41,11 @@ def plot_series(records, key, path, title, ylabel):
     axes.set_title(title)
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    temporary = path + ".tmp.png"
-    figure.savefig(temporary, dpi=100)
-    plt.close(figure)
-    os.replace(temporary, path)
+    try:
+        with replaced_atomically(path) as temporary:
+            figure.savefig(temporary, dpi=100)
+    finally:
+        plt.close(figure)
     return path
 
 

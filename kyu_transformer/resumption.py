@@ -10,6 +10,8 @@ checkpoints written before.
 """
 
 import atexit
+import glob
+import json
 import os
 import shutil
 import tempfile
@@ -17,7 +19,8 @@ import time
 
 import tensorflow as tf
 
-from kyu_transformer.checkpoints import model_weights
+from kyu_transformer.checkpoints import listed_checkpoints, model_weights, unreadable
+from kyu_transformer.files import as_out_of_space, is_out_of_space, write_text
 
 
 class RunCheckpoints:
@@ -47,7 +50,7 @@ class RunCheckpoints:
             self.train_seconds = tf.Variable(0.0, dtype=tf.float64, trainable=False,
                                              name="train_seconds")
         self.model, self.optimizer = model, optimizer
-        self.directory, self.chief = directory, chief
+        self.directory, self.chief, self.max_to_keep = directory, chief, max_to_keep
         self.checkpoint = tf.train.Checkpoint(
             weights=model_weights(model), optimizer=optimizer,
             epoch=self.epoch, step_in_epoch=self.step_in_epoch,
@@ -58,16 +61,36 @@ class RunCheckpoints:
             self.checkpoint, writable_dir(directory, chief), max_to_keep=max_to_keep)
 
     def restore(self):
-        """Restores the latest checkpoint, if any; returns its path or None."""
-        latest = self.manager.latest_checkpoint
-        if latest is None and not self.chief:
-            latest = tf.train.latest_checkpoint(self.directory)
-        if latest:
-            try:
-                self.checkpoint.restore(latest).assert_existing_objects_matched()
-            except AssertionError:
-                self._restore_without_run_state(latest)
-        return latest
+        """Restores the latest readable checkpoint, if any; returns its path or None.
+
+        One that cannot be read is skipped, named; the chief moves it aside
+        (`set_aside`). Each is read in full before anything is restored, so
+        that a damaged one never leaves half its values in the model.
+        """
+        # Another worker reads the chief's checkpoints (its own are throw-away).
+        paths = listed_checkpoints(self.directory)
+        moved = False
+        for path in reversed(paths):
+            reason = unreadable(path)
+            if reason is None:
+                self._restore(path)
+                break
+            if self.chief:
+                print(f"note: {path} cannot be read ({reason}); moved to "
+                      f"{set_aside(path)}; resuming from the checkpoint before it", flush=True)
+                moved = True
+        else:
+            path = None
+        if moved:  # the manager's list still holds what was moved: read the index again
+            self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory,
+                                                      max_to_keep=self.max_to_keep)
+        return path
+
+    def _restore(self, path):
+        try:
+            self.checkpoint.restore(path).assert_existing_objects_matched()
+        except AssertionError:
+            self._restore_without_run_state(path)
 
     def _restore_without_run_state(self, path):
         """Restores a checkpoint written before random states and training time were saved."""
@@ -79,10 +102,31 @@ class RunCheckpoints:
                   "checkpoint): dropout masks and the time budget start afresh", flush=True)
 
     def save(self, step, train_seconds):
-        """Saves as checkpoint number `step`; returns its path on the chief, else None."""
+        """Saves as checkpoint number `step`; returns its path on the chief, else None.
+
+        Raises:
+          files.OutOfSpace: The disk filled up; what the save had written is removed.
+        """
         self.train_seconds.assign(train_seconds)
-        path = self.manager.save(checkpoint_number=step)
+        try:
+            path = self.manager.save(checkpoint_number=step)
+        except Exception as error:  # pylint: disable=broad-except  (re-raised)
+            self._remove_partial(step)
+            if is_out_of_space(error):
+                latest = listed_checkpoints(self.manager.directory)
+                raise as_out_of_space(
+                    error, os.path.join(self.manager.directory, f"ckpt-{step}"),
+                    needed=checkpoint_bytes(latest[-1]) if latest else None) from None
+            raise
         return path if self.chief else None
+
+    def _remove_partial(self, step):
+        """Removes what a failed save of checkpoint `step` left (its temporary folder, files)."""
+        prefix = os.path.join(self.manager.directory, f"ckpt-{step}")
+        shutil.rmtree(prefix + "_temp", ignore_errors=True)
+        if prefix not in listed_checkpoints(self.manager.directory):
+            for name in glob.glob(prefix + ".*"):
+                os.remove(name)
 
     def discard_private(self):
         """Removes a worker's throw-away checkpoints (its part of the collective saves)."""
@@ -116,12 +160,69 @@ def writable_dir(directory, chief):
     return private
 
 
-def copy_aside(path):
-    """Moves `path` to `<path>.old-<time>` (nothing is deleted); returns the new name."""
+def set_aside(path):
+    """Moves checkpoint `path`'s files to `corrupt/` beside it, out of the index; returns where.
+
+    Never deleted; a later save of the same step number or the rotation of
+    old checkpoints cannot reach them there.
+    """
+    directory, name = os.path.split(path)
+    target = os.path.join(directory, "corrupt", f"{name}.{time.strftime('%Y%m%d-%H%M%S')}")
+    number, unique = 1, target
+    while os.path.exists(unique):
+        number += 1
+        unique = f"{target}-{number}"
+    os.makedirs(unique)
+    for file_name in glob.glob(path + ".*"):
+        shutil.move(file_name, unique)
+    drop_from_index(directory, path)
+    return unique
+
+
+def drop_from_index(directory, path):
+    """Rewrites the checkpoint index of `directory` (its `checkpoint` file) without `path`.
+
+    In the manager's text format, with its names relative to the folder (so
+    that a copied logdir still reads) and its timestamps (without which the
+    manager would neither list nor rotate the others). No index is left when
+    none remains (TensorFlow reads an empty one as broken).
+    """
+    state = tf.train.get_checkpoint_state(directory)
+    stamps = list(state.all_model_checkpoint_timestamps)
+    kept = [(os.path.basename(listed), stamps[number] if stamps else None)
+            for number, listed in enumerate(state.all_model_checkpoint_paths) if listed != path]
+    index = os.path.join(directory, "checkpoint")
+    if not kept:
+        os.remove(index)
+        return
+    lines = [f"model_checkpoint_path: {json.dumps(kept[-1][0])}"]
+    lines += [f"all_model_checkpoint_paths: {json.dumps(name)}" for name, _ in kept]
+    lines += [f"all_model_checkpoint_timestamps: {stamp!r}" for _, stamp in kept if stamps]
+    lines.append(f"last_preserved_timestamp: {state.last_preserved_timestamp!r}")
+    write_text(index, "\n".join(lines) + "\n")
+
+
+def checkpoint_bytes(path):
+    """The size of checkpoint `path`'s files (what another one of it needs)."""
+    return sum(os.path.getsize(name) for name in glob.glob(path + ".*"))
+
+
+def copy_aside(path, keep=()):
+    """Moves the contents of folder `path` to `<path>.old-<time>` (nothing is deleted).
+
+    Args:
+      path: The folder.
+      keep: Names of entries that stay (the lock of the run that moves the rest).
+
+    Returns:
+      The new folder's name.
+    """
     stem = f"{path}.old-{time.strftime('%Y%m%d-%H%M%S')}"
     aside, number = stem, 1
     while os.path.exists(aside):  # twice in one second: never move into the older copy
         number += 1
         aside = f"{stem}-{number}"
-    shutil.move(path, aside)
+    os.mkdir(aside)
+    for name in sorted(set(os.listdir(path)) - set(keep)):
+        shutil.move(os.path.join(path, name), os.path.join(aside, name))
     return aside

@@ -31,7 +31,7 @@ def loss_terms_function(loss_fn, xla=True):
 
 
 class TrainStep:
-    """``step(iterator)`` -> ``(has_batch, loss_sum, correct, tokens)`` on the next global batch.
+    """``step(iterator)`` -> ``(has_batch, loss_sum, correct, tokens, stops)`` on the next batch.
 
     Args:
       strategy: The `tf.distribute.Strategy` the model and optimizer live in.
@@ -41,7 +41,10 @@ class TrainStep:
       jit_compile: Whether to compile the whole step with XLA.
 
     ``has_batch`` is False at the end of the data, and the sums (over all
-    replicas) are then 0.
+    replicas) are then 0. ``stops`` counts the replicas whose process asked
+    to stop (`request_stop`) before the step: it travels in the all-reduce
+    the step makes anyway (the token count's), so that every worker learns of
+    a stop asked on any of them after the same update, at no cost.
     """
 
     def __init__(self, strategy, model, optimizer, loss_terms, jit_compile=False):
@@ -49,25 +52,33 @@ class TrainStep:
         self.model = model
         self.optimizer = optimizer
         self.loss_terms = loss_terms
+        # This process's request, outside the strategy: every worker has its own.
+        self.stop_requested = tf.Variable(0.0, trainable=False, name="stop_requested")
         self.function = tf.function(self._distributed_step, jit_compile=jit_compile or None,
                                     reduce_retracing=True)
 
     def __call__(self, iterator):
         return self.function(iterator)
 
+    def request_stop(self):
+        """Asks every worker to stop after the next step (see ``stops``)."""
+        self.stop_requested.assign(1.0)
+
     def _replica_step(self, features, labels):
         replica = tf.distribute.get_replica_context()
         with tf.GradientTape() as tape:
             logits = self.model(features, training=True)  # (n, T, V)
             loss_sum, correct, tokens = self.loss_terms(labels, logits)
-            global_tokens = replica.all_reduce(tf.distribute.ReduceOp.SUM, tokens)
-            loss = loss_sum / tf.maximum(global_tokens, 1.0)
+            tokens_and_stops = replica.all_reduce(
+                tf.distribute.ReduceOp.SUM,
+                tf.stack([tokens, tf.cast(self.stop_requested, tokens.dtype)]))  # (2,)
+            loss = loss_sum / tf.maximum(tokens_and_stops[0], 1.0)
             scaled_loss = (self.optimizer.scale_loss(loss)
                            if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
                            else loss)
         gradients = tape.gradient(scaled_loss, self.model.trainable_variables)
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
-        return loss_sum, correct, tokens
+        return loss_sum, correct, tokens, tokens_and_stops[1]
 
     def _distributed_step(self, iterator):
         """One step on the next global batch; ``has_batch`` False at the end of the data.
@@ -77,8 +88,9 @@ class TrainStep:
         """
         batch = iterator.get_next_as_optional()
         if not batch.has_value():
-            return tf.constant(False), tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)
-        per_replica = self.strategy.run(self._replica_step, args=batch.get_value())
+            return (tf.constant(False), *[tf.constant(0.0)] * 4)
+        *sums, stops = self.strategy.run(self._replica_step, args=batch.get_value())
         totals = [self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-                  for value in per_replica]
-        return (tf.constant(True), *totals)
+                  for value in sums]
+        # Already summed over all replicas: every replica holds the same count.
+        return (tf.constant(True), *totals, self.strategy.experimental_local_results(stops)[0])

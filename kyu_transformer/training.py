@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from kyu_transformer.distribution import (  # noqa: F401  (re-exported)
     STRATEGIES, distribute_batches, is_chief, make_strategy, replica_slices)
+from kyu_transformer.files import replaced_atomically
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
 from kyu_transformer.optimizers import make_adam
@@ -33,6 +34,7 @@ from kyu_transformer.precision import PRECISION_POLICIES, set_precision  # noqa:
 from kyu_transformer.resumption import RunCheckpoints, copy_aside, random_states  # noqa: F401
 from kyu_transformer.schedules import NoamSchedule
 from kyu_transformer.seeding import seed_everything  # noqa: F401
+from kyu_transformer.stop_requests import StopRequests
 from kyu_transformer.time_budget import TimeBudget
 from kyu_transformer.train_step import TrainStep, loss_terms_function
 from kyu_transformer.training_log import Progress, TrainingLog, Window
@@ -85,6 +87,8 @@ class Trainer:
         self.checkpoints = RunCheckpoints(self.strategy, self.model, self.optimizer,
                                           self.checkpoint_dir, hparams["keep_checkpoints"],
                                           self.chief)
+        self.last_saved = None
+        self._stop_requests = StopRequests()
         self.budget = TimeBudget(hparams["max_minutes"], self.strategy)
         self.log = TrainingLog(self.logdir, self.chief)
         self.loss_fn = LabelSmoothedCrossEntropy(hparams["smoothing"], fast_paths=fast_paths)
@@ -113,7 +117,9 @@ class Trainer:
         return self.checkpoints.restore()
 
     def save(self):
-        return self.checkpoints.save(self.global_step(), self.budget.used())
+        """Saves a checkpoint of the run; returns its path on the chief (else None)."""
+        self.last_saved = self.checkpoints.save(self.global_step(), self.budget.used())
+        return self.last_saved
 
     def weights_digest(self):
         """SHA-256 of all model weights: equal digests, bit-identical models."""
@@ -127,9 +133,8 @@ class Trainer:
         if not self.chief:
             return None
         path = os.path.join(self.logdir, "model.keras")
-        temporary = os.path.join(self.logdir, ".model.tmp.keras")
-        self.model.save(temporary)
-        os.replace(temporary, path)
+        with replaced_atomically(path) as temporary:
+            self.model.save(temporary)
         return path
 
     # ------------------------------------------------------------ the loop
@@ -145,21 +150,28 @@ class Trainer:
 
         Returns:
           A dict: ``resumed_from``, ``steps``, ``epochs``, ``stopped``
-          (``"done"`` or ``"time"``), ``last_loss``, ``train_seconds`` (the
-          run's training time, resumed runs included: what `max_minutes` limits).
+          (``"done"``, ``"time"``, or the signal that stopped it, ``"SIGTERM"``
+          or ``"SIGINT"``), ``last_loss``, ``train_seconds`` (the run's training
+          time, resumed runs included: what `max_minutes` limits), ``checkpoint``
+          (the last one saved, on the chief).
+
+        While it runs, SIGTERM and SIGINT stop it after an update, with a
+        checkpoint (`stop_requests`); `model.keras` and the plots are then
+        left for the run that completes it.
         """
-        resumed_from = self._resume()
-        # A run killed after its budget was spent (and saved) trains no further.
-        stopped, last_loss = ("time" if self.budget.spent() else "done"), None
-        while int(self.epoch.numpy()) < self.hparams["num_epochs"] and stopped == "done":
-            stopped, last_loss = self._train_epoch(make_epoch_batches, steps_per_epoch)
-        if self.chief:
-            self.export()
-            plot_training(self.logdir)
+        with StopRequests() as self._stop_requests:
+            resumed_from = self._resume()
+            # A run killed after its budget was spent (and saved) trains no further.
+            stopped, last_loss = ("time" if self.budget.spent() else "done"), None
+            while int(self.epoch.numpy()) < self.hparams["num_epochs"] and stopped == "done":
+                stopped, last_loss = self._train_epoch(make_epoch_batches, steps_per_epoch)
+            if self.chief and stopped in ("done", "time"):
+                self.export()
+                plot_training(self.logdir)
         self.checkpoints.discard_private()
         return {"resumed_from": resumed_from, "steps": self.global_step(),
                 "epochs": int(self.epoch.numpy()), "stopped": stopped, "last_loss": last_loss,
-                "train_seconds": self.budget.used()}
+                "train_seconds": self.budget.used(), "checkpoint": self.last_saved}
 
     def _resume(self):
         """Opens the log, restores the latest checkpoint and the clock; returns its path."""
@@ -200,7 +212,8 @@ class Trainer:
         """Steps until the data or the budget ends; ``(stopped, last_loss)``."""
         hparams, window, last_loss = self.hparams, Window(), None
         while True:
-            has_batch, *sums = self._train_step(iterator)
+            self._pass_on_stop_request()
+            has_batch, *sums, stops = self._train_step(iterator)
             if not bool(has_batch):
                 progress.finish()
                 return "done", last_loss
@@ -216,12 +229,21 @@ class Trainer:
                 self.log.write(record)
                 progress.log(record)
                 window = Window()
+            if float(stops):
+                progress.finish(f"stopping after step {step}: "
+                                f"{self._stop_requests.received or 'another worker'} received")
+                return self._stop_requests.received or "a signal to another worker", last_loss
             if hparams["checkpoint_every"] and step % hparams["checkpoint_every"] == 0:
                 self.save()
             if self.budget.spent():
                 progress.finish(f"stopping: the budget of {self.budget.minutes} minutes "
                                 "is used")
                 return "time", last_loss
+
+    def _pass_on_stop_request(self):
+        """Hands a signal received to the next step, which tells every worker."""
+        if self._stop_requests.received and not float(self._train_step.stop_requested.numpy()):
+            self._train_step.request_stop()
 
     def _checked_loss(self, loss_sum, tokens, step):
         """The step's mean loss; a `TrainingError` (nothing saved) when it is not finite."""

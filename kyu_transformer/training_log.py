@@ -8,6 +8,8 @@ import time
 import keras
 import tensorflow as tf
 
+from kyu_transformer.files import as_out_of_space, drop_torn_last_line, is_out_of_space
+
 
 class TrainingLog:
     """Records to `<logdir>/history.jsonl` and TensorBoard scalars in `<logdir>/train`.
@@ -19,20 +21,26 @@ class TrainingLog:
 
     def __init__(self, logdir, chief):
         self.logdir, self.chief = logdir, chief
+        self.path = os.path.join(logdir, "history.jsonl")
         self.writer = None
 
     def open(self):
         """Creates the logdir and the summary writer (a no-op writer on other workers)."""
         if self.chief:
             os.makedirs(self.logdir, exist_ok=True)
+            # A line cut by a crash or a full disk would swallow the next record.
+            drop_torn_last_line(self.path)
         self.writer = (tf.summary.create_file_writer(os.path.join(self.logdir, "train"))
                        if self.chief else tf.summary.create_noop_writer())
 
     def write(self, record):
         if not self.chief:
             return
-        with open(os.path.join(self.logdir, "history.jsonl"), "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
+        try:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+        except OSError as error:
+            raise (as_out_of_space(error, self.path) if is_out_of_space(error) else error)
         with self.writer.as_default(step=record["step"]):
             for key, value in record.items():
                 if key not in ("step", "epoch", "kind") and isinstance(value, (int, float)):

@@ -4,6 +4,7 @@ import gzip
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import time
@@ -11,7 +12,7 @@ import time
 import pytest
 
 import hparams as hp
-from kyu_transformer.checkpoints import list_checkpoints, load_model
+from kyu_transformer.checkpoints import list_checkpoints, load_model, unreadable
 from tests.test_data import MULTI30K
 from tests.test_decoding import run
 from tests.test_training import digest, run_train
@@ -26,11 +27,60 @@ def wait_for(predicate, process, seconds=300):
         time.sleep(0.005)
 
 
-def test_repeated_kills_including_during_checkpoint_writes_lose_nothing(tmp_path):
+def logged_steps(logdir):
+    history = logdir / "history.jsonl"
+    if not history.exists():
+        return []
+    return [json.loads(line)["step"] for line in history.read_text().splitlines()
+            if line.endswith("}")]
+
+
+def second_run_is_refused(process, logdir, flags):
+    """A second train.py on the logdir of `process` (paused meanwhile: it keeps its lock)."""
+    process.send_signal(signal.SIGSTOP)
+    try:
+        second = run_train(logdir, *flags)
+    finally:
+        process.send_signal(signal.SIGCONT)
+    assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr
+    assert f"error: {logdir} is in use by another training run (PID {process.pid} on host " \
+           in second.stderr, second.stderr
+    overwrite = run_train(logdir, *flags, "--overwrite")  # a busy logdir is never moved aside
+    assert overwrite.returncode != 0 and "is in use by another training run" in overwrite.stderr
+    assert not [path for path in logdir.parent.iterdir() if ".old-" in path.name]
+
+
+def stop_with_two_signals(process, logdir, flags):
+    """SIGTERM mid-epoch, SIGINT while the checkpoint is written; checks the run's last words."""
+    wait_for(lambda: any(step > 70 for step in logged_steps(logdir)), process)
+    process.send_signal(signal.SIGTERM)
+    wait_for(lambda: any("_temp" in name for name in os.listdir(logdir / "checkpoints")),
+             process, seconds=30)
+    process.send_signal(signal.SIGINT)
+    output = process.stdout.read()
+    assert process.wait(timeout=60) == 75, output
+    stopped = re.search(r"stopped by SIGTERM after step (\d+); saved (\S+)\. Resume with: "
+                        r"python \S*train\.py (.*)", output)
+    assert stopped, output[-3000:]
+    step, path, command = int(stopped.group(1)), stopped.group(2), stopped.group(3)
+    assert 70 < step < 120 and path == str(logdir / "checkpoints" / f"ckpt-{step}")
+    assert list_checkpoints(str(logdir))[-1] == path and unreadable(path) is None
+    assert command.split() == ["--hparams", "tiny", "--data_dir", str(MULTI30K), "--logdir",
+                               str(logdir), *flags]
+    assert "Traceback" not in output
+
+
+def test_kills_signals_and_a_second_run_lose_nothing(tmp_path):
+    """Kills at any moment (also during checkpoint writes), SIGTERM and SIGINT, a second
+    run on the logdir: the same command resumes, ending as an uninterrupted run."""
     logdir = tmp_path / "log"
     checkpoints = logdir / "checkpoints"
     flags = ["--num_epochs", "2", "--steps_per_epoch", "60", "--checkpoint_every", "4",
              "--dropout_rate", "0.1", "--deterministic"]
+    process = run_train(logdir, *flags, wait=False)
+    wait_for(lambda: logged_steps(logdir), process)
+    second_run_is_refused(process, logdir, flags)
+    stop_with_two_signals(process, logdir, flags)
     chooser = random.Random(5)
     kills = 0
     for attempt in range(4):

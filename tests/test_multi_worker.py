@@ -3,13 +3,17 @@
 import gzip
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
+from kyu_transformer.checkpoints import list_checkpoints
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT
 
@@ -27,10 +31,11 @@ def free_ports(count):
     return ports
 
 
-def run_workers(tmp_path, logdirs, *extra, worker_extra=()):
+def run_workers(tmp_path, logdirs, *extra, worker_extra=(), while_running=None):
     """train.py on two loopback workers; returns their ``(return code, output)``.
 
-    `extra` goes to both, `worker_extra` to the second only (after `extra`).
+    `extra` goes to both, `worker_extra` to the second only (after `extra`);
+    `while_running(processes)` is called once both have started.
     """
     workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     processes = []
@@ -49,6 +54,8 @@ def run_workers(tmp_path, logdirs, *extra, worker_extra=()):
                                           env=environment))
     results = []
     try:
+        if while_running:
+            while_running(processes)
         for process in processes:
             output, _ = process.communicate(timeout=420)
             results.append((process.returncode, output))
@@ -107,6 +114,37 @@ def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_pa
     assert results[0][0] != 0 and "was trained with other hyperparameters" in results[0][1]
     assert results[1][0] != 0
     assert "error: the chief stopped before training (see its output)" in results[1][1]
+
+
+def test_a_signal_to_one_worker_stops_both_after_the_same_update_with_a_checkpoint(tmp_path):
+    logdir = tmp_path / "log"
+    flags = ("--steps_per_epoch", "40", "--log_every", "2", "--checkpoint_every", "0")
+
+    def terminate_the_second_worker_mid_epoch(processes):
+        history = logdir / "history.jsonl"
+        deadline = time.time() + 300
+        while (not (history.exists() and '"step": 4,' in history.read_text())
+               and processes[1].poll() is None and time.time() < deadline):
+            time.sleep(0.005)
+        processes[1].send_signal(signal.SIGTERM)
+
+    results = run_workers(tmp_path, [logdir, logdir], *flags,
+                          while_running=terminate_the_second_worker_mid_epoch)
+    stops = [re.search(r"stopped by (SIGTERM|a signal to another worker) after step (\d+)",
+                       output) for _, output in results]
+    for (code, output), stop in zip(results, stops):
+        assert code == 75 and stop, output[-4000:]
+    assert [stop.group(1) for stop in stops] == ["a signal to another worker", "SIGTERM"]
+    step = int(stops[0].group(2))
+    assert 4 <= step < 40 and int(stops[1].group(2)) == step
+    assert f"saved {logdir / 'checkpoints' / f'ckpt-{step}'}" in results[0][1]
+    assert list_checkpoints(str(logdir))[-1].endswith(f"ckpt-{step}")
+    resumed = run_workers(tmp_path, [logdir, logdir], *flags)
+    for code, output in resumed:
+        assert code == 0 and f"resumed from {logdir}/checkpoints/ckpt-{step}\n" in output, \
+            output[-4000:]
+        assert "done: 2 epochs, 80 steps" in output
+    assert len(set(digests(resumed))) == 1
 
 
 def test_workers_that_disagree_with_the_chief_stop_and_name_the_difference(tmp_path):

@@ -191,7 +191,7 @@ def test_trainer_fast_paths_switch_trains_the_same_steps(tmp_path):
         for _ in range(2):
             iterator = iter(trainer.distribute(lambda: fixed_batches(0)))
             for _ in range(3):
-                _, loss_sum, _, tokens = trainer._train_step(iterator)
+                _, loss_sum, _, tokens, _ = trainer._train_step(iterator)
                 losses[fast_paths].append(float(loss_sum) / float(tokens))
     assert losses[True][-1] < losses[True][0]  # it trains
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
@@ -239,7 +239,7 @@ for name, strategy in (("default", tf.distribute.get_strategy()),
     for epoch in range(2):
         iterator = iter(trainer.distribute(lambda: dataset(epoch)))
         for _ in batches:
-            _, loss_sum, _, tokens = trainer._train_step(iterator)
+            _, loss_sum, _, tokens, _ = trainer._train_step(iterator)
             losses.append(float(loss_sum) / float(tokens))
     results[name] = {"replicas": strategy.num_replicas_in_sync, "losses": losses,
                      "weights": {w.path.split("/", 1)[1]: w.numpy().tolist()

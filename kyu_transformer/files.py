@@ -1,0 +1,111 @@
+"""Writing files so that a crash, a signal or a full disk leaves nothing half-written.
+
+Whole-file outputs (weights, `model.keras`, plots, json, eval's text) are
+written under a temporary name in the same folder and renamed into place:
+the rename is atomic, so a reader sees the old file or the new one, never a
+part. A write that fails removes its temporary file. A failure for lack of
+space becomes an `OutOfSpace`, which the programs print as one line.
+"""
+
+import contextlib
+import errno
+import functools
+import os
+import re
+
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
+
+
+class OutOfSpace(OSError):
+    """A write failed for lack of space.
+
+    Attributes:
+      path: The file or folder being written.
+      needed: Bytes the write needed, when known (else None).
+    """
+
+    def __init__(self, path, needed=None):
+        super().__init__(errno.ENOSPC, "No space left on device", path)
+        self.path, self.needed = path, needed
+
+    def __str__(self):
+        needed = f" (it needs about {self.needed / 2**20:.1f} MiB)" if self.needed else ""
+        return f"no space left on the device writing {self.path}{needed}"
+
+
+def is_out_of_space(error):
+    """Whether `error` (an OSError, a TensorFlow or h5py error...) says the disk is full."""
+    if isinstance(error, OutOfSpace):
+        return True
+    if isinstance(error, OSError) and error.errno in _NO_SPACE_ERRNOS:
+        return True
+    return any(text in str(error) for text in _NO_SPACE_TEXT)
+
+
+def as_out_of_space(error, path=None, needed=None):
+    """`error` as an `OutOfSpace` naming `path` (or the path the error names)."""
+    if isinstance(error, OutOfSpace):
+        return error
+    path = path or getattr(error, "filename", None) or _path_in(str(error)) or "a file"
+    return OutOfSpace(path, needed)
+
+
+def _path_in(message):
+    """The first absolute path in an error message (TensorFlow names its files there)."""
+    match = re.search(r"(/[^\s:;,'\"]+)", message)
+    return match.group(1) if match else None
+
+
+@contextlib.contextmanager
+def replaced_atomically(path):
+    """Yields a temporary path to write to; it replaces `path` when the block succeeds.
+
+    The temporary name keeps the file's ending (Keras and matplotlib choose the
+    format by it). Should the block fail, the temporary file is removed, and an
+    error for lack of space is raised as an `OutOfSpace` naming `path`.
+    """
+    folder, name = os.path.split(path)
+    temporary = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
+    try:
+        yield temporary
+        os.replace(temporary, path)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        if isinstance(error, Exception) and is_out_of_space(error):
+            raise as_out_of_space(error, path) from None
+        raise
+
+
+def stops_cleanly_when_full(main):
+    """Wraps a program's `main`: a full disk ends it with one line, not a traceback."""
+    @functools.wraps(main)
+    def wrapped(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except Exception as error:  # pylint: disable=broad-except  (re-raised unless full)
+            if not is_out_of_space(error):
+                raise
+            raise SystemExit(f"error: {as_out_of_space(error)}; nothing was left half-written. "
+                             "Free some space and run the command again.") from None
+    return wrapped
+
+
+def write_text(path, text):
+    """Writes `text` (UTF-8) to `path`, atomically."""
+    with replaced_atomically(path) as temporary:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(text)
+
+
+def drop_torn_last_line(path):
+    """Cuts a text file back to its last complete line (one a crash or a full disk cut)."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb+") as handle:
+        data = handle.read()
+        if not data or data.endswith(b"\n"):
+            return False
+        handle.truncate(data.rfind(b"\n") + 1)
+    return True
