@@ -53,7 +53,7 @@ def as_out_of_space(error, path=None, needed=None):
 
 def _path_in(message):
     """The first absolute path in an error message (TensorFlow names its files there)."""
-    match = re.search(r"(/[^\s:;,'\"]+)", message)
+    match = re.search(r"(?:^|\s)(/[^\s;,'\"]+)", message)  # not "device_/job:..."
     return match.group(1) if match else None
 
 

@@ -7,15 +7,18 @@ import random
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 import hparams as hp
-from kyu_transformer.checkpoints import list_checkpoints, load_model, unreadable
+from kyu_transformer.checkpoints import (
+    UnreadableCheckpoint, list_checkpoints, load_model, unreadable)
 from tests.test_data import MULTI30K
 from tests.test_decoding import run
-from tests.test_training import digest, run_train
+from tests.test_training import ROOT, digest, run_train
 
 
 pytestmark = pytest.mark.slow  # every test here starts train.py or eval.py
@@ -194,3 +197,85 @@ def test_eval_on_odd_input(tmp_path):
     assert result.returncode != 0 and "no sentence to translate" in result.stderr
     result = run("eval.py", "--logdir", logdir, "--src", odd, "--ref", empty)
     assert result.returncode != 0 and "has 3 lines but" in result.stderr
+
+
+def test_unreadable_checkpoints_are_skipped_named_and_set_aside(tmp_path):
+    logdir = tmp_path / "log"
+    flags = ["--steps_per_epoch", "12", "--checkpoint_every", "4", "--deterministic"]
+    trained = run_train(logdir, *flags)
+    assert trained.returncode == 0, trained.stderr
+    newest = logdir / "checkpoints" / "ckpt-12"
+    data_file = newest.with_name("ckpt-12.data-00000-of-00001")
+    with open(data_file, "r+b") as handle:  # a copy cut short
+        handle.truncate(data_file.stat().st_size // 2)
+    damaged = data_file.read_bytes()
+    hparams = hp.load(str(logdir / "hparams.json"))
+
+    # eval.py (and export.py, through the same loader) take the newest readable one
+    result = run("eval.py", "--logdir", logdir, "--split", "val", "--beam_size", 1)
+    assert result.returncode == 0, result.stderr
+    assert f"note: skipped {newest}: cannot be read (Read less bytes than requested)" \
+        in result.stdout
+    assert f"checkpoint {newest.with_name('ckpt-8')}" in result.stdout
+    # ... but refuse it when asked for it, or for an average that includes it
+    with pytest.raises(UnreadableCheckpoint, match=f"^{re.escape(str(newest))}: cannot be read"):
+        load_model(hparams, str(logdir), ckpt=str(newest))
+    with pytest.raises(UnreadableCheckpoint, match="one of the last 2 checkpoints to average"):
+        load_model(hparams, str(logdir), average_last=2)
+    result = run("eval.py", "--logdir", logdir, "--split", "val", "--ckpt", newest)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert f"error: {newest}: cannot be read" in result.stderr
+
+    # training moves it aside (never deleted), resumes from the one before, saves anew
+    resumed = run_train(logdir, *flags, "--num_epochs", "2")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"note: {newest} cannot be read (Read less bytes than requested); moved to " \
+           f"{logdir / 'checkpoints' / 'corrupt' / 'ckpt-12.'}" in resumed.stdout
+    assert f"resumed from {newest.with_name('ckpt-8')}\n" in resumed.stdout
+    assert "done: 2 epochs, 24 steps" in resumed.stdout
+    [aside] = (logdir / "checkpoints" / "corrupt").iterdir()
+    assert (aside / data_file.name).read_bytes() == damaged
+    assert unreadable(str(newest)) is None  # step 12 saved again, beside the damaged copy
+    assert [os.path.basename(path) for path in list_checkpoints(str(logdir))] == [
+        "ckpt-8", "ckpt-12", "ckpt-16", "ckpt-20", "ckpt-24"]
+
+
+def can_mount_a_small_disk():
+    try:
+        return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                               "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not can_mount_a_small_disk(),
+                    reason="this machine cannot mount a tmpfs in a user namespace")
+def test_a_full_disk_stops_with_one_line_leaves_nothing_partial_and_resumes(tmp_path):
+    """train.py and eval.py on a real file system that fills up (a tmpfs of 8 MiB)."""
+    driver = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable,
+                             os.path.join(ROOT, "tests", "small_disk.py"), str(tmp_path)],
+                            capture_output=True, text=True, timeout=600)
+    assert driver.returncode == 0, driver.stderr[-3000:]
+    report = json.loads(driver.stdout)
+    assert report["first"]["code"] == 0, report["first"]["stderr"][-3000:]
+    full, logdir = report["full"], os.path.dirname(os.path.dirname(report["newest_before"]))
+    assert full["code"] == 1 and "Traceback" not in full["stderr"], full["stderr"][-3000:]
+    size = report["checkpoint_size"] / 2**20
+    assert f"error: no space left on the device writing {logdir}/checkpoints/ckpt-12 (it needs " \
+           f"about {size:.1f} MiB); the newest complete checkpoint is " \
+           f"{report['newest_before']}. Free some space and run the same command again to " \
+           "resume." in full["stderr"].splitlines()
+    # nothing partial: no temporary checkpoint folder, no piece of ckpt-12
+    assert not [name for name in report["after_full"] if "_temp" in name or "ckpt-12" in name
+                or ".tmp" in name], report["after_full"]
+    resumed = report["resumed"]
+    assert resumed["code"] == 0 and "done: 2 epochs, 16 steps" in resumed["stdout"], \
+        resumed["stderr"][-3000:]
+    assert f"resumed from {report['newest_before']}\n" in resumed["stdout"]
+    evaluated = report["eval"]
+    assert evaluated["code"] == 1 and "Traceback" not in evaluated["stderr"]
+    assert f"error: no space left on the device writing {logdir}/eval/val.hyp.txt; nothing " \
+           "was left half-written." in evaluated["stderr"], evaluated["stderr"][-3000:]
+    assert "eval" in report["after_eval"]
+    assert not [name for name in report["after_eval"] if name.startswith("eval/")]

@@ -244,6 +244,11 @@ for name, strategy in (("default", tf.distribute.get_strategy()),
     results[name] = {"replicas": strategy.num_replicas_in_sync, "losses": losses,
                      "weights": {w.path.split("/", 1)[1]: w.numpy().tolist()
                                  for w in trainer.model.weights}}
+    iterator = iter(trainer.distribute(lambda: dataset(0)))
+    stops = [float(trainer._train_step(iterator)[-1])]
+    trainer._train_step.request_stop()  # what a signal to this process asks
+    stops.append(float(trainer._train_step(iterator)[-1]))
+    results[name]["stops"] = stops
 print(json.dumps(results))
 """
 
@@ -256,6 +261,9 @@ def test_mirrored_two_devices_equals_default_strategy(tmp_path):
     assert output.returncode == 0, output.stderr[-3000:]
     results = json.loads(output.stdout.strip().splitlines()[-1])
     assert results["default"]["replicas"] == 1 and results["mirrored"]["replicas"] == 2
+    # a stop asked for reaches the step's result through every replica's all-reduce
+    assert results["default"]["stops"] == [0.0, 1.0]
+    assert results["mirrored"]["stops"] == [0.0, 2.0]
     np.testing.assert_allclose(results["mirrored"]["losses"], results["default"]["losses"],
                                rtol=1e-5)
     assert results["default"]["losses"][-1] < results["default"]["losses"][0]
