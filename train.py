@@ -14,6 +14,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -230,6 +231,20 @@ def out_of_space_line(error, logdir):
 
 
 def main(argv=None):
+    # Before training (and after it), SIGTERM stops the run as Ctrl-C does; while
+    # training, the trainer takes both as requests to stop after an update.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return train(argv)
+    except KeyboardInterrupt:
+        print("stopped by a signal outside training: nothing new to save. Run the same "
+              "command again to go on.", file=sys.stderr, flush=True)
+        return STOPPED_BY_SIGNAL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def train(argv):
     args = parse_args(argv)
     # Multi-worker collectives must be set up before TensorFlow runs anything else.
     strategy = make_strategy(args.strategy)

@@ -7,6 +7,13 @@ between updates, takes it through its next update (whose all-reduce carries
 it to every worker, so that all of them stop after the same update, see
 `train_step.TrainStep`), saves a checkpoint and returns. A second signal while
 the checkpoint is written is noted too, and interrupts nothing.
+
+TensorFlow's `tf.distribute.experimental.PreemptionCheckpointHandler` agrees on
+the step through its coordination service instead, but it adds a variable of
+its own to the checkpoint it saves and restores the latest checkpoint when it
+is made (before unreadable ones could be set aside); riding on the step's
+all-reduce, the request here needs neither, and every strategy saves the same
+checkpoint.
 """
 
 import signal

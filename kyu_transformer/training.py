@@ -3,6 +3,7 @@
 Each part is its own module: the step under any tf.distribute strategy
 (`train_step`), strategies and the cutting of global batches (`distribution`),
 checkpoints and resumption (`resumption`), the time budget (`time_budget`),
+stopping after an update on SIGTERM or SIGINT (`stop_requests`),
 history, TensorBoard and progress (`training_log`), the dtype policy
 (`precision`) and seeds (`seeding`). Their public names are re-exported here.
 
@@ -212,7 +213,8 @@ class Trainer:
         """Steps until the data or the budget ends; ``(stopped, last_loss)``."""
         hparams, window, last_loss = self.hparams, Window(), None
         while True:
-            self._pass_on_stop_request()
+            if self._stop_requests.received:  # the next step tells every worker
+                self._train_step.request_stop()
             has_batch, *sums, stops = self._train_step(iterator)
             if not bool(has_batch):
                 progress.finish()
@@ -239,11 +241,6 @@ class Trainer:
                 progress.finish(f"stopping: the budget of {self.budget.minutes} minutes "
                                 "is used")
                 return "time", last_loss
-
-    def _pass_on_stop_request(self):
-        """Hands a signal received to the next step, which tells every worker."""
-        if self._stop_requests.received and not float(self._train_step.stop_requested.numpy()):
-            self._train_step.request_stop()
 
     def _checked_loss(self, loss_sum, tokens, step):
         """The step's mean loss; a `TrainingError` (nothing saved) when it is not finite."""

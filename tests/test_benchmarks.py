@@ -90,3 +90,27 @@ def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
     assert timed == ["ours-fp32", "at-HEAD-fp32", "at-HEAD-fp32", "ours-fp32"]
     assert "ratio ours-fp32 / at-HEAD-fp32: " in result.stdout
     assert "at-HEAD-fp32     median" in result.stdout
+
+
+@pytest.mark.slow  # four train.py runs of a few updates
+def test_the_program_comparison_runs_both_trees_in_turns_and_prints_the_ratio():
+    _skip_unless_git_checkout()
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "train_program_speed.py"),
+         "--baseline", "HEAD", "--hparams", "tiny", "--steps", "3", "--rounds", "2",
+         "--data_dir", os.path.join(ROOT, "tests", "data", "multi30k")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [line for line in result.stdout.splitlines() if line.startswith("round ")]
+    assert [line.split(":")[0] for line in runs] == [
+        "round 1, this checkout", "round 1, at HEAD", "round 2, at HEAD",
+        "round 2, this checkout"]
+    assert all("over 3 updates" in line for line in runs)
+    assert "ratio this checkout / at HEAD: " in result.stdout
+    rejected = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "train_program_speed.py"),
+         "--baseline", "no-such-revision", "--data_dir", ROOT],
+        capture_output=True, text=True, timeout=120)
+    assert rejected.returncode != 0 and "Traceback" not in rejected.stderr
+    assert "error: --baseline no-such-revision: " in rejected.stderr

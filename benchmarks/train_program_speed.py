@@ -1,0 +1,117 @@
+"""train.py as users run it, against the same program at an earlier revision, in turns.
+
+    python benchmarks/train_program_speed.py --baseline REV [--hparams small] [--steps 200]
+                                             [--rounds 2] [--data_dir DIR]
+
+Each round runs `python train.py --hparams H --log_every 1` for its first STEPS
+updates (then stops it: the epochs are as many as those take) once from this checkout and once from REV
+(its files taken with `git archive`), in alternating order, each in a fresh logdir
+(the subword model of the first run is copied in, so that no run spends its time
+training one). A run's figure is the median of its logged updates' target tokens/s
+(`history.jsonl`);
+printed: every run's, the median per program, and the median of the rounds'
+paired ratios (this checkout / REV). What the whole program does per update
+(the lock, signal handling, logging) counts, which a step benchmark leaves out.
+"""
+
+import argparse
+import atexit
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from prerequisites import DEFAULT_DATA, ROOT, require_data  # noqa: E402
+
+
+def tree_at(revision):
+    """A temporary folder holding this repository's files at `revision` (removed at exit)."""
+    try:
+        archive = subprocess.run(["git", "-C", ROOT, "archive", revision], capture_output=True,
+                                 check=False)
+    except FileNotFoundError:
+        sys.exit(f"error: --baseline {revision}: needs git, which is not installed")
+    if archive.returncode != 0:
+        sys.exit(f"error: --baseline {revision}: {archive.stderr.decode().strip()}")
+    folder = tempfile.mkdtemp(prefix="baseline_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
+    return folder
+
+
+def run_program(tree, logdir, args, subwords):
+    """Runs train.py of `tree` into `logdir`; returns its first `args.steps` updates' tokens/s."""
+    if subwords:
+        os.makedirs(logdir)
+        for path in subwords:
+            shutil.copy(path, logdir)
+    command = [sys.executable, os.path.join(tree, "train.py"), "--hparams", args.hparams,
+               "--data_dir", os.path.abspath(args.data_dir), "--logdir", logdir,
+               "--num_epochs", "1000", "--max_minutes", "0", "--log_every", "1",
+               "--checkpoint_every", "0", "--eval_sentences", "0"]
+    history = os.path.join(logdir, "history.jsonl")
+    with tempfile.TemporaryFile("w+") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, text=True,
+                                   cwd=tree, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+                                                  "PYTHONPATH": tree})
+        while process.poll() is None and len(train_rates(history)) < args.steps:
+            time.sleep(0.2)
+        process.kill()  # its first STEPS updates are all this measures
+        process.wait()
+        rates = train_rates(history)
+        if len(rates) < args.steps:
+            output.seek(0)
+            sys.exit(f"error: train.py in {tree} stopped after {len(rates)} updates:\n"
+                     f"{output.read()[-2000:]}")
+    return rates[:args.steps]
+
+
+def train_rates(history):
+    """The target tokens/s of each complete `train` record of a history file."""
+    if not os.path.isfile(history):
+        return []
+    with open(history, encoding="utf-8") as handle:
+        lines = [line for line in handle if line.endswith("\n")]
+    return [record["tokens_per_sec"] for record in map(json.loads, lines)
+            if record["kind"] == "train"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", required=True, metavar="REV")
+    parser.add_argument("--hparams", default="small")
+    parser.add_argument("--steps", type=int, default=200, help="updates per run")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--data_dir", default=DEFAULT_DATA)
+    args = parser.parse_args()
+    require_data(args.data_dir)
+    trees = {"this checkout": ROOT, f"at {args.baseline}": tree_at(args.baseline)}
+    scratch = tempfile.mkdtemp(prefix="train_program_speed_")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    medians = {label: [] for label in trees}
+    subwords = []
+    for round_number in range(args.rounds):
+        order = list(trees) if round_number % 2 == 0 else list(reversed(trees))
+        for label in order:
+            logdir = os.path.join(scratch, f"{round_number}-{len(medians[label])}-{label[:2]}")
+            rates = run_program(trees[label], logdir, args, subwords)
+            subwords = subwords or [os.path.join(logdir, name) for name in
+                                    ("subwords.model", "subwords.vocab")]
+            medians[label].append(statistics.median(rates))
+            print(f"round {round_number + 1}, {label}: median {medians[label][-1]:,.0f} target "
+                  f"tokens/s over {len(rates)} updates", flush=True)
+    current, baseline = medians.values()
+    ratios = [ours / theirs for ours, theirs in zip(current, baseline)]
+    for label, values in medians.items():
+        print(f"{label}: median {statistics.median(values):,.0f} target tokens/s "
+              f"({args.rounds} runs of {args.steps} updates, --hparams {args.hparams})")
+    print(f"ratio this checkout / at {args.baseline}: {statistics.median(ratios):.3f} "
+          f"(rounds: {', '.join(f'{ratio:.3f}' for ratio in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
