@@ -33,7 +33,7 @@ from kyu_transformer.decoding import DEFAULT_BATCH_SIZE, Translator  # noqa: E40
 from kyu_transformer.evaluation import score  # noqa: E402
 from kyu_transformer.files import (  # noqa: E402
     replaced_atomically, stops_cleanly_when_full, write_text)
-from kyu_transformer.precision import set_precision  # noqa: E402
+from kyu_transformer.precision import AUTO, resolve_precision, set_precision  # noqa: E402
 
 
 def parse_args(argv):
@@ -53,8 +53,9 @@ def parse_args(argv):
                         help="a translation has at most its source's length + M subwords "
                              "(EOS included, at most maxlen2)")
     parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
-                        help="precision of decoding (default: the one the model was trained "
-                             "in; bf16 is fast only on CPUs with AVX512-BF16 or AMX)")
+                        help="precision of decoding (default auto: chosen for this machine, "
+                             "whatever the training machine chose; the weights are float32 "
+                             "either way)")
     parser.add_argument("--plot_attention", type=int, default=0, metavar="K",
                         help="save cross-attention heatmaps of the first K sentences, "
                              "decoded greedily whatever --beam_size")
@@ -274,13 +275,16 @@ def load_translator(args, hparams):
     `facts` go to the json."""
     if args.ctranslate2:
         return load_ctranslate2(args)
-    precision = args.mixed_precision or hparams["mixed_precision"]
+    choice = {}
+    precision = resolve_precision(args.mixed_precision or AUTO, hparams,
+                                  log=lambda line: choice.update(precision_choice=line) or
+                                  print(line))
     set_precision(precision)
     model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
     translator = Translator(model, beam_size=args.beam_size, alpha=args.alpha,
                             length_margin=args.length_margin)
     return translator, {"engine": "keras", "checkpoint": describe(checkpoints),
-                        "checkpoints": checkpoints, "mixed_precision": precision}
+                        "checkpoints": checkpoints, "mixed_precision": precision, **choice}
 
 
 def translate(translator, subwords, sources, args):

@@ -26,7 +26,8 @@ from kyu_transformer.checkpoints import (  # noqa: E402
     CheckpointError, add_checkpoint_arguments, describe, load_model)
 from kyu_transformer.decoding import DEFAULT_BATCH_SIZE  # noqa: E402
 from kyu_transformer.files import stops_cleanly_when_full  # noqa: E402
-from kyu_transformer.precision import PRECISION_POLICIES, set_precision  # noqa: E402
+from kyu_transformer.precision import (  # noqa: E402
+    PRECISION_POLICIES, resolve_precision, set_precision)
 
 FORMATS = ("saved_model", "ctranslate2")
 # The weight types of CTranslate2's CPU wheel.
@@ -60,8 +61,8 @@ def parse_args(argv):
                              "any size is decoded in batches of this size; default "
                              f"{DEFAULT_BATCH_SIZE})")
     parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
-                        help="precision of decoding (default: the one the model was trained "
-                             "in)")
+                        help="precision of decoding (default no: float32, since the serving "
+                             "machine is not known; auto chooses for this machine)")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                         help="weight type of --format ctranslate2 (default float32)")
     parser.add_argument("--overwrite", action="store_true",
@@ -196,12 +197,12 @@ def load(args):
 
     Returns:
       ``(hparams, subwords, model, checkpoints, precision)``; the Keras dtype
-      policy is set to `precision` (--mixed_precision, or the logdir's).
+      policy is set to `precision` (--mixed_precision, float32 by default).
     """
     try:
         hparams = hp.load(os.path.join(args.logdir, "hparams.json"))
         subwords = data.Subwords(os.path.join(args.logdir, data.Subwords.FILE_NAME))
-        precision = args.mixed_precision or hparams["mixed_precision"]
+        precision = resolve_precision(args.mixed_precision or "no", hparams)
         set_precision(precision)
         model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
     except (hp.HParamsError, data.DataError, CheckpointError) as error:

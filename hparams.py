@@ -49,7 +49,10 @@ SPEC = {
     "steps_per_epoch": (0, "cap on the steps of an epoch; 0: the whole training set"),
     "max_minutes": (0.0, "stop cleanly after this many minutes of training; 0: no limit"),
     "seed": (42, "seed of initialization, shuffling and dropout"),
-    "mixed_precision": ("no", "no, bf16 (CPU/TPU) or fp16 (GPU, with loss scaling)"),
+    "mixed_precision": ("no", "no, bf16 (CPU/TPU), fp16 (GPU, with loss scaling), or auto: "
+                              "chosen for this machine (GPU: bf16 where native, else fp16; "
+                              "CPU: bf16 where its matrix products measure 1.2x faster) and "
+                              "saved as chosen"),
     "jit_compile": (False, "compile the training step with XLA"),
     "xla_loss": (True, "compile the loss alone with XLA (fuses its passes over the logits; "
                        "a fast path: off whenever fast_paths is false)"),
@@ -66,7 +69,7 @@ DEFAULTS = {name: default for name, (default, _) in SPEC.items()}
 
 CHOICES = {
     "norm_position": ("post", "pre"),
-    "mixed_precision": ("no", "bf16", "fp16"),
+    "mixed_precision": ("no", "bf16", "fp16", "auto"),
     "subword_model_type": ("unigram", "bpe"),
 }
 POSITIVE = ("vocab_size", "maxlen1", "maxlen2", "batch_size", "d_model", "d_ff", "num_blocks",
@@ -85,12 +88,11 @@ PRESETS = {
     # The CPU recipe for Multi30k.
     "small": dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4,
                   maxlen1=64, maxlen2=64, batch_size=256, batch_tokens=4096, dropout_rate=0.1,
-                  lr=0.8, warmup_steps=800, num_epochs=30, mixed_precision="bf16",
-                  max_minutes=40.0, checkpoint_every=100, keep_checkpoints=8,
-                  logdir="log/small"),
+                  lr=0.8, warmup_steps=800, num_epochs=30, mixed_precision="auto",
+                  checkpoint_every=100, keep_checkpoints=8, logdir="log/small"),
     # The paper's base model.
     "base": dict(d_model=512, d_ff=2048, num_blocks=6, num_heads=8, dropout_rate=0.1,
-                 lr=1.0, warmup_steps=4000, logdir="log/base"),
+                 lr=1.0, warmup_steps=4000, mixed_precision="auto", logdir="log/base"),
 }
 
 

@@ -24,16 +24,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import hparams as hp  # noqa: E402
 from kyu_transformer import data  # noqa: E402
 from kyu_transformer.corpus import Corpus  # noqa: E402
-from kyu_transformer.checkpoints import list_checkpoints  # noqa: E402
+from kyu_transformer.checkpoints import CheckpointError, list_checkpoints  # noqa: E402
 from kyu_transformer.evaluation import ValidationBleu  # noqa: E402
 from kyu_transformer.files import as_out_of_space, is_out_of_space  # noqa: E402
 from kyu_transformer.logdir_lock import LOCK_FILE, LogdirBusy, LogdirLock  # noqa: E402
+from kyu_transformer.precision import AUTO, resolve_precision  # noqa: E402
 from kyu_transformer.distribution import STRATEGIES, is_chief, make_strategy  # noqa: E402
 from kyu_transformer.resumption import copy_aside  # noqa: E402
 from kyu_transformer.seeding import seed_everything  # noqa: E402
 from kyu_transformer.training import Trainer, TrainingError  # noqa: E402
 from kyu_transformer.workers import (  # noqa: E402
-    WorkerDisagreement, barrier, check_agreement, is_multi_worker, short_digest)
+    WorkerDisagreement, barrier, check_agreement, chief_choice, is_multi_worker, short_digest)
 
 # Hyperparameters that may change when a run is resumed: none changes the model or the data.
 RESUMABLE = ("num_epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
@@ -83,7 +84,9 @@ def settle_logdir(hparams, overwrite):
     saved = hp.load(saved_path) if os.path.isfile(saved_path) else None
     if saved is not None:
         changed = sorted(key for key in hp.SPEC
-                         if key not in RESUMABLE and key != "logdir" and saved[key] != hparams[key])
+                         if key not in RESUMABLE and key != "logdir" and saved[key] != hparams[key]
+                         # `auto` was resolved when the run began: it matches what it chose
+                         and not (key == "mixed_precision" and hparams[key] == AUTO))
         if changed:
             problems.append("other hyperparameters (" + ", ".join(
                 f"{key}: {saved[key]!r} -> {hparams[key]!r}" for key in changed) + ")")
@@ -163,6 +166,11 @@ def prepare_run(args, strategy, chief):
     hparams, corpus = state["hparams"], state["corpus"]
     _HELD.append(state.get("lock"))  # the lock lives as long as the process
     if is_multi_worker(strategy):
+        # A worker that cannot read the chief's hparams.json still has `auto`: it takes
+        # the chief's choice (every worker joins the collective).
+        chosen = chief_choice(strategy, hparams["mixed_precision"], hp.CHOICES["mixed_precision"])
+        if hparams["mixed_precision"] == AUTO:
+            hparams["mixed_precision"] = chosen
         digests = {f"hyperparameter {key}": short_digest(json.dumps(value))
                    for key, value in sorted(hparams.items()) if key not in ("logdir", "data_dir")}
         digests["corpus"] = short_digest(json.dumps(corpus_fingerprint(hparams), sort_keys=True))
@@ -198,6 +206,8 @@ def subword_digest(subwords):
 def prepare_logdir(hparams, overwrite, chief):
     hparams = settle_logdir(hparams, overwrite)
     logdir = hparams["logdir"]
+    if chief:  # the others take the chief's choice (`prepare_run`)
+        hparams["mixed_precision"] = resolve_precision(hparams["mixed_precision"], hparams)
     corpus = Corpus(hparams["data_dir"], subword_dir(logdir, chief), hparams)
     if chief:
         record_run(hparams)
@@ -224,7 +234,10 @@ def make_trainer(hparams, corpus, strategy, deterministic):
 
 def out_of_space_line(error, logdir):
     """The one line a run stopped by a full disk ends with."""
-    newest = list_checkpoints(logdir) if logdir and os.path.isdir(logdir) else []
+    try:
+        newest = list_checkpoints(logdir) if logdir and os.path.isdir(logdir) else []
+    except ValueError:  # an index cut short
+        newest = []
     return (f"error: {as_out_of_space(error)}; the newest complete checkpoint is "
             f"{newest[-1] if newest else 'none yet'}. Free some space and run the same "
             "command again to resume.")
@@ -237,11 +250,16 @@ def main(argv=None):
     try:
         return train(argv)
     except KeyboardInterrupt:
-        print("stopped by a signal outside training: nothing new to save. Run the same "
-              "command again to go on.", file=sys.stderr, flush=True)
+        print("stopped by a signal before a checkpoint could be saved (outside training, or a "
+              "third signal); the last complete checkpoint stands. Run the same command again "
+              "to go on.", file=sys.stderr, flush=True)
         return STOPPED_BY_SIGNAL
     finally:
         signal.signal(signal.SIGTERM, previous)
+        while _HELD:  # the logdir is free again (for a later run in this process)
+            lock = _HELD.pop()
+            if lock is not None:
+                lock.release()
 
 
 def train(argv):
@@ -255,12 +273,12 @@ def train(argv):
         trainer = make_trainer(hparams, corpus, strategy, args.deterministic)
         started = time.time()
         result = trainer.fit(corpus.train_batches, hparams["steps_per_epoch"] or None)
-    except (TrainingError, WorkerDisagreement) as error:
+    except (TrainingError, WorkerDisagreement, CheckpointError) as error:
         raise SystemExit(f"error: {error}")
     except Exception as error:  # pylint: disable=broad-except  (re-raised unless the disk is full)
         if not is_out_of_space(error):
             raise
-        raise SystemExit(out_of_space_line(error, hparams.get("logdir"))) from None
+        raise SystemExit(out_of_space_line(error, hparams.get("logdir") or args.logdir)) from None
     return report(result, trainer, hparams["logdir"], (time.time() - started) / 60, argv)
 
 

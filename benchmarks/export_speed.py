@@ -210,8 +210,8 @@ def print_table(args, hparams, count, runs):
     print(f"\n{count} sentences of {args.split}, beam {args.beam_size}, alpha {args.alpha}, "
           f"batches of {args.batch_size}; medians over {args.runs} fresh processes per path "
           f"(steady: median of {args.repeats} calls after the first in each); ours and the "
-          f"SavedModel compute in {hparams['mixed_precision']} precision (the logdir's, as "
-          "eval.py), CTranslate2 in its weight type")
+          f"SavedModel compute in {hparams['mixed_precision']} precision (the logdir's; "
+          "eval.py chooses its own), CTranslate2 in its weight type")
     print("| path | first call (s) | steady (s) | first - steady (s) | sentences/s | BLEU | "
           "steady vs CTranslate2 float32 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

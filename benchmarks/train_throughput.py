@@ -48,6 +48,7 @@ sys.path.insert(0, ROOT)
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
 from kyu_transformer.optimizers import Adam  # noqa: E402
+from kyu_transformer.precision import choose_precision  # noqa: E402
 from kyu_transformer.train_step import loss_terms_function  # noqa: E402
 from prerequisites import require  # noqa: E402
 
@@ -262,6 +263,9 @@ def main():
           f"{flops / 1e9:.1f} GFLOP per training step")
     for dtype, peak in peaks.items():
         print(f"measured {dtype} matmul peak: {peak / 1e9:.0f} GFLOP/s")
+    chosen, reason = choose_precision(SHAPE)
+    print(f"mixed_precision auto picks {chosen} here ({reason}): the configuration "
+          f"ours-{'bf16' if chosen == 'bf16' else 'fp32'}")
     for name, rate in results.items():
         peak = peaks[dtypes[name]]
         achieved = rate / (BATCH * TARGET_LEN) * flops

@@ -25,6 +25,12 @@ class UnreadableCheckpoint(CheckpointError):
     """A checkpoint whose files cannot be read; the message names it and the reason."""
 
 
+def _read_dataset(name, item):  # pylint: disable=unused-argument
+    if isinstance(item, h5py.Dataset):
+        item[()]  # pylint: disable=pointless-statement
+    # None: `visititems` goes on to the next item (anything else would stop it)
+
+
 def unreadable(path):
     """Why the checkpoint at `path` cannot be read (one line), or None when every tensor reads.
 
@@ -33,8 +39,7 @@ def unreadable(path):
     try:
         if path.endswith(".h5"):
             with h5py.File(path, "r") as weights:
-                weights.visititems(lambda name, item: item[()] if isinstance(
-                    item, h5py.Dataset) else None)
+                weights.visititems(_read_dataset)
         else:
             reader = tf.train.load_checkpoint(path)
             for name in reader.get_variable_to_shape_map():

@@ -19,7 +19,8 @@ import time
 
 import tensorflow as tf
 
-from kyu_transformer.checkpoints import listed_checkpoints, model_weights, unreadable
+from kyu_transformer.checkpoints import (
+    UnreadableCheckpoint, listed_checkpoints, model_weights, unreadable)
 from kyu_transformer.files import as_out_of_space, is_out_of_space, write_text
 
 
@@ -68,22 +69,26 @@ class RunCheckpoints:
         that a damaged one never leaves half its values in the model.
         """
         # Another worker reads the chief's checkpoints (its own are throw-away).
-        paths = listed_checkpoints(self.directory)
-        moved = False
-        for path in reversed(paths):
-            reason = unreadable(path)
-            if reason is None:
-                self._restore(path)
+        bad = {}
+        for path in reversed(listed_checkpoints(self.directory)):
+            bad[path] = unreadable(path)
+            if bad[path] is None:
+                del bad[path]
                 break
-            if self.chief:
-                print(f"note: {path} cannot be read ({reason}); moved to "
-                      f"{set_aside(path)}; resuming from the checkpoint before it", flush=True)
-                moved = True
         else:
-            path = None
-        if moved:  # the manager's list still holds what was moved: read the index again
+            if bad:  # none reads: never start afresh over a run's checkpoints
+                raise UnreadableCheckpoint(
+                    f"no checkpoint of {self.directory} can be read ("
+                    + "; ".join(f"{os.path.basename(p)}: {reason}" for p, reason in bad.items())
+                    + "); nothing was moved. Copy them again, or start afresh with --overwrite")
+            return None
+        for bad_path, reason in bad.items() if self.chief else ():
+            print(f"note: {bad_path} cannot be read ({reason}); moved to "
+                  f"{set_aside(bad_path)}; resuming from {path}", flush=True)
+        if bad and self.chief:  # the manager's list still holds what was moved: read it again
             self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory,
                                                       max_to_keep=self.max_to_keep)
+        self._restore(path)
         return path
 
     def _restore(self, path):
@@ -124,9 +129,12 @@ class RunCheckpoints:
         """Removes what a failed save of checkpoint `step` left (its temporary folder, files)."""
         prefix = os.path.join(self.manager.directory, f"ckpt-{step}")
         shutil.rmtree(prefix + "_temp", ignore_errors=True)
+        # TensorFlow writes the index through a temporary file of its own.
+        partial = glob.glob(os.path.join(glob.escape(self.manager.directory), "checkpoint.tmp*"))
         if prefix not in listed_checkpoints(self.manager.directory):
-            for name in glob.glob(prefix + ".*"):
-                os.remove(name)
+            partial += glob.glob(glob.escape(prefix) + ".*")
+        for name in partial:
+            os.remove(name)
 
     def discard_private(self):
         """Removes a worker's throw-away checkpoints (its part of the collective saves)."""
@@ -173,7 +181,7 @@ def set_aside(path):
         number += 1
         unique = f"{target}-{number}"
     os.makedirs(unique)
-    for file_name in glob.glob(path + ".*"):
+    for file_name in glob.glob(glob.escape(path) + ".*"):
         shutil.move(file_name, unique)
     drop_from_index(directory, path)
     return unique
@@ -204,7 +212,7 @@ def drop_from_index(directory, path):
 
 def checkpoint_bytes(path):
     """The size of checkpoint `path`'s files (what another one of it needs)."""
-    return sum(os.path.getsize(name) for name in glob.glob(path + ".*"))
+    return sum(os.path.getsize(name) for name in glob.glob(glob.escape(path) + ".*"))
 
 
 def copy_aside(path, keep=()):
@@ -217,6 +225,7 @@ def copy_aside(path, keep=()):
     Returns:
       The new folder's name.
     """
+    path = os.path.normpath(path)  # "log/x/": the copy goes beside it, not into it
     stem = f"{path}.old-{time.strftime('%Y%m%d-%H%M%S')}"
     aside, number = stem, 1
     while os.path.exists(aside):  # twice in one second: never move into the older copy

@@ -6,7 +6,9 @@ is active, SIGTERM and SIGINT only note the request; the trainer sees it
 between updates, takes it through its next update (whose all-reduce carries
 it to every worker, so that all of them stop after the same update, see
 `train_step.TrainStep`), saves a checkpoint and returns. A second signal while
-the checkpoint is written is noted too, and interrupts nothing.
+the checkpoint is written is noted too, and interrupts nothing; a third raises
+`KeyboardInterrupt` at once (for a run that hangs: the last complete checkpoint
+stands, as after `kill -9`).
 
 TensorFlow's `tf.distribute.experimental.PreemptionCheckpointHandler` agrees on
 the step through its coordination service instead, but it adds a variable of
@@ -51,3 +53,5 @@ class StopRequests:
         self.count += 1
         if self.received is None:
             self.received = signal.Signals(number).name
+        if self.count >= 3:
+            raise KeyboardInterrupt

@@ -1,4 +1,4 @@
-"""The time budget of a training run (`max_minutes`): the run's total, across resumptions."""
+"""A run's time: its budget (`max_minutes`, the total across resumptions), its plan and estimate."""
 
 import math
 import time
@@ -59,3 +59,59 @@ class TimeBudget:
             return line
         left = max(self.seconds - seconds, 0.0) / 60
         return line + f"; {left:.1f} of the {self.seconds / 60:g} min budget left"
+
+
+class UpdatePlan:
+    """How many updates a run makes, and how long the rest takes at the pace measured here.
+
+    Args:
+      epochs: Epochs of the run.
+      per_epoch: Updates of an epoch (its batches, at most `steps_per_epoch`).
+      done: Updates made before this process (a resumed run).
+    """
+
+    WARM_UP = 10  # updates left out of the pace: the first ones trace and compile
+    MEASURE = 20  # updates timed before the first estimate is said
+
+    def __init__(self, epochs, per_epoch, done):
+        self.epochs, self.per_epoch, self.done = epochs, per_epoch, done
+        self.total = epochs * per_epoch
+        self._mark = None  # (step, time) once warmed up
+
+    @classmethod
+    def of_run(cls, first_epoch, epochs, steps_per_epoch, done):
+        """The plan of a run whose first epoch's batches are the dataset `first_epoch`.
+
+        Counts them (a pass over the data, without the model: a second or two); later
+        epochs, shuffled otherwise, may fill their buckets into a few batches more or less.
+        """
+        per_epoch = int(first_epoch.reduce(0, lambda count, _: count + 1))
+        return cls(epochs, min(per_epoch, steps_per_epoch or per_epoch), done)
+
+    def line(self, minutes=0):
+        """What the run says at its start (`minutes`: its time budget, if any)."""
+        left = max(self.total - self.done, 0)
+        return (f"plan: {self.epochs} epochs of about {self.per_epoch:,} updates, about "
+                f"{self.total:,} updates" + (f" ({left:,} to go)" if self.done else "")
+                + (f", or {minutes:g} min of training" if minutes else ""))
+
+    def seconds_left(self, step):
+        """``(seconds per update, seconds left)`` at the pace since warm-up, or None before."""
+        if self._mark is None:
+            if step - self.done >= self.WARM_UP:
+                self._mark = (step, time.time())
+            return None
+        counted = step - self._mark[0]
+        if counted < self.MEASURE:
+            return None
+        pace = (time.time() - self._mark[1]) / counted
+        return pace, pace * max(self.total - step, 0)
+
+    def estimate_line(self, step):
+        """The estimate, said once when the pace is first measured (else None)."""
+        estimate = self.seconds_left(step)
+        if estimate is None or step - self._mark[0] != self.MEASURE:
+            return None
+        pace, left = estimate
+        return (f"estimated on this machine: {pace:.2f} s per update, about {left / 60:.1f} min "
+                f"for the {max(self.total - step, 0):,} updates to go")

@@ -31,12 +31,13 @@ from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
 from kyu_transformer.optimizers import make_adam
 from kyu_transformer.plots import plot_training
-from kyu_transformer.precision import PRECISION_POLICIES, set_precision  # noqa: F401
+from kyu_transformer.precision import (  # noqa: F401
+    PRECISION_POLICIES, resolve_precision, set_precision)
 from kyu_transformer.resumption import RunCheckpoints, copy_aside, random_states  # noqa: F401
 from kyu_transformer.schedules import NoamSchedule
 from kyu_transformer.seeding import seed_everything  # noqa: F401
 from kyu_transformer.stop_requests import StopRequests
-from kyu_transformer.time_budget import TimeBudget
+from kyu_transformer.time_budget import TimeBudget, UpdatePlan
 from kyu_transformer.train_step import TrainStep, loss_terms_function
 from kyu_transformer.training_log import Progress, TrainingLog, Window
 from kyu_transformer.workers import check_agreement
@@ -76,6 +77,8 @@ class Trainer:
         self.verbose = verbose
         self.chief = is_chief(self.strategy)
         fast_paths = hparams.get("fast_paths", True)
+        hparams = self.hparams  # `auto` resolved (train.py does so before recording the run)
+        hparams["mixed_precision"] = resolve_precision(hparams["mixed_precision"], hparams)
         set_precision(hparams["mixed_precision"])
         with self.strategy.scope():
             self.model = Transformer.from_hparams(hparams, name="transformer")
@@ -88,7 +91,7 @@ class Trainer:
         self.checkpoints = RunCheckpoints(self.strategy, self.model, self.optimizer,
                                           self.checkpoint_dir, hparams["keep_checkpoints"],
                                           self.chief)
-        self.last_saved = None
+        self.last_saved, self.plan = None, None
         self._stop_requests = StopRequests()
         self.budget = TimeBudget(hparams["max_minutes"], self.strategy)
         self.log = TrainingLog(self.logdir, self.chief)
@@ -102,7 +105,6 @@ class Trainer:
     epoch = property(lambda self: self.checkpoints.epoch)
     step_in_epoch = property(lambda self: self.checkpoints.step_in_epoch)
     train_seconds = property(lambda self: self.checkpoints.train_seconds)
-    checkpoint = property(lambda self: self.checkpoints.checkpoint)
     manager = property(lambda self: self.checkpoints.manager)
 
     def global_step(self):
@@ -112,10 +114,6 @@ class Trainer:
     def distribute(self, make_global_batches):
         """A distributed dataset from `make_global_batches()` (global batches)."""
         return distribute_batches(self.strategy, make_global_batches)
-
-    def restore(self):
-        """Restores the latest checkpoint, if any; returns its path or None."""
-        return self.checkpoints.restore()
 
     def save(self):
         """Saves a checkpoint of the run; returns its path on the chief (else None)."""
@@ -160,8 +158,13 @@ class Trainer:
         checkpoint (`stop_requests`); `model.keras` and the plots are then
         left for the run that completes it.
         """
+        self._train_step.stop_requested.assign(0.0)
         with StopRequests() as self._stop_requests:
             resumed_from = self._resume()
+            self.plan = UpdatePlan.of_run(make_epoch_batches(0), self.hparams["num_epochs"],
+                                          steps_per_epoch, self.global_step())
+            if self.chief and self.verbose:
+                print(self.plan.line(self.budget.minutes), flush=True)
             # A run killed after its budget was spent (and saved) trains no further.
             stopped, last_loss = ("time" if self.budget.spent() else "done"), None
             while int(self.epoch.numpy()) < self.hparams["num_epochs"] and stopped == "done":
@@ -177,7 +180,7 @@ class Trainer:
     def _resume(self):
         """Opens the log, restores the latest checkpoint and the clock; returns its path."""
         self.log.open()
-        resumed_from = self.restore()
+        resumed_from = self.checkpoints.restore()
         check_agreement(self.strategy, values={"restored step": self.global_step()})
         self.budget.start(float(self.train_seconds.numpy()))
         if resumed_from and self.chief:
@@ -224,7 +227,8 @@ class Trainer:
             self.step_in_epoch.assign(done)
             last_loss = self._checked_loss(loss_sum, tokens, step)
             window.add(loss_sum, correct, tokens)
-            progress.update(done, loss_sum, correct, tokens)
+            progress.update(done, loss_sum, correct, tokens, self.plan.seconds_left(step))
+            progress.say(self.plan.estimate_line(step))
             if step % hparams["log_every"] == 0:
                 record = {"kind": "train", "step": step, "epoch": epoch + 1,
                           **window.summary(), "lr": float(self.schedule(step - 1))}

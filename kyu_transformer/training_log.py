@@ -71,7 +71,7 @@ class Progress:
 
     def __init__(self, epoch, num_epochs, skip, steps_per_epoch, enabled):
         self.enabled = enabled
-        self.bar = None
+        self.bar, self.minutes_left = None, None
         self.totals = Window()
         if not enabled:
             return
@@ -79,19 +79,32 @@ class Progress:
               + (f" (resuming after {skip} steps)" if skip else ""), flush=True)
         if sys.stdout.isatty():
             self.bar = keras.utils.Progbar(steps_per_epoch, unit_name="step",
-                                           stateful_metrics=["loss", "acc"])
+                                           stateful_metrics=["loss", "acc", "run_min_left"])
 
-    def update(self, done, loss_sum, correct, tokens):
+    def update(self, done, loss_sum, correct, tokens, estimate=None):
+        """After an update; `estimate` ``(seconds per update, seconds left)`` or None."""
         self.totals.add(loss_sum, correct, tokens)
+        self.minutes_left = None if estimate is None else estimate[1] / 60
         if self.bar is not None:
             summary = self.totals.summary()
-            self.bar.update(done, [("loss", summary["loss"]), ("acc", summary["accuracy"])])
+            values = [("loss", summary["loss"]), ("acc", summary["accuracy"])]
+            if self.minutes_left is not None:  # the bar's own ETA is the epoch's
+                values.append(("run_min_left", self.minutes_left))
+            self.bar.update(done, values)
+
+    def say(self, line):
+        if self.enabled and line:
+            if self.bar is not None:
+                print()
+            print(line, flush=True)
 
     def log(self, record):
         if self.enabled and self.bar is None:
+            left = ("" if self.minutes_left is None else
+                    f", about {self.minutes_left:.1f} min left")
             print(f"step {record['step']}: loss {record['loss']:.4f}, accuracy "
                   f"{record['accuracy']:.4f}, lr {record['lr']:.2e}, "
-                  f"{record['tokens_per_sec']:.0f} target tokens/s", flush=True)
+                  f"{record['tokens_per_sec']:.0f} target tokens/s{left}", flush=True)
 
     def finish(self, message=None):
         if self.enabled:

@@ -58,6 +58,12 @@ def gather(strategy, values):
     return total.numpy()
 
 
+def chief_choice(strategy, value, choices):
+    """The chief's `value` (one of `choices`), on every worker: what the chief chose."""
+    codes = gather(strategy, [float(choices.index(value))])
+    return choices[int(codes[0, 0])]
+
+
 def short_digest(data):
     """48 bits of the SHA-256 of `data` (bytes or str), as an int: exact in a float64."""
     if isinstance(data, str):

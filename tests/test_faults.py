@@ -226,11 +226,24 @@ def test_unreadable_checkpoints_are_skipped_named_and_set_aside(tmp_path):
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert f"error: {newest}: cannot be read" in result.stderr
 
+    # none readable: refused, nothing moved (never a fresh start over a run's checkpoints)
+    every = tmp_path / "every"
+    shutil.copytree(logdir, every)
+    for step in (4, 8):
+        os.truncate(every / "checkpoints" / f"ckpt-{step}.data-00000-of-00001", 100)
+    refused = run_train(every, *flags, "--num_epochs", "2")
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert f"error: no checkpoint of {every / 'checkpoints'} can be read (ckpt-12: Read less " \
+           "bytes than requested; ckpt-8: " in refused.stderr
+    assert "nothing was moved" in refused.stderr
+    assert not (every / "checkpoints" / "corrupt").exists()
+
     # training moves it aside (never deleted), resumes from the one before, saves anew
     resumed = run_train(logdir, *flags, "--num_epochs", "2")
     assert resumed.returncode == 0, resumed.stderr
     assert f"note: {newest} cannot be read (Read less bytes than requested); moved to " \
            f"{logdir / 'checkpoints' / 'corrupt' / 'ckpt-12.'}" in resumed.stdout
+    assert f"; resuming from {newest.with_name('ckpt-8')}\n" in resumed.stdout
     assert f"resumed from {newest.with_name('ckpt-8')}\n" in resumed.stdout
     assert "done: 2 epochs, 24 steps" in resumed.stdout
     [aside] = (logdir / "checkpoints" / "corrupt").iterdir()

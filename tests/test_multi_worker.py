@@ -115,6 +115,17 @@ def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_pa
     assert results[1][0] != 0
     assert "error: the chief stopped before training (see its output)" in results[1][1]
 
+    # `auto` is the chief's to resolve: a worker that cannot read the chief's hparams.json
+    # (here: a logdir of its own) takes the chief's choice instead of making its own.
+    chief_dir, worker_dir = tmp_path / "chief_auto", tmp_path / "worker_auto"
+    results = run_workers(tmp_path, [chief_dir, worker_dir], "--mixed_precision", "auto")
+    for code, output in results:
+        assert code == 0, output[-4000:]
+    assert "mixed_precision auto: no (" in results[0][1]
+    assert "mixed_precision auto" not in results[1][1]
+    assert len(set(digests(results))) == 1
+    assert json.loads((chief_dir / "hparams.json").read_text())["mixed_precision"] == "no"
+
 
 def test_a_signal_to_one_worker_stops_both_after_the_same_update_with_a_checkpoint(tmp_path):
     logdir = tmp_path / "log"
