@@ -32,7 +32,7 @@ from kyu_transformer.precision import AUTO, resolve_precision  # noqa: E402
 from kyu_transformer.distribution import STRATEGIES, is_chief, make_strategy  # noqa: E402
 from kyu_transformer.resumption import copy_aside  # noqa: E402
 from kyu_transformer.seeding import seed_everything  # noqa: E402
-from kyu_transformer.training import Trainer, TrainingError  # noqa: E402
+from kyu_transformer.training import Trainer, TrainingError, weights_digest  # noqa: E402
 from kyu_transformer.workers import (  # noqa: E402
     WorkerDisagreement, barrier, check_agreement, chief_choice, is_multi_worker, short_digest)
 
@@ -293,7 +293,7 @@ def report(result, trainer, logdir, minutes, argv):
         return STOPPED_BY_SIGNAL
     print(f"{result['stopped']}: {result['epochs']} epochs, {result['steps']} steps in "
           f"{minutes:.1f} min; last loss {result['last_loss']}; logdir {logdir}")
-    print(f"weights sha256: {trainer.weights_digest()}")
+    print(f"weights sha256: {weights_digest(trainer.model)}")
     return 0
 
 

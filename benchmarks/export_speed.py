@@ -185,7 +185,9 @@ def run_once(args, name, exports):
 def run_all(args, hparams, count, exports):
     beam = ["--beam_size", str(args.beam_size), "--alpha", str(args.alpha),
             "--batch_size", str(args.batch_size)]
-    for name, flags in (("saved_model", beam),
+    # The SavedModel in the logdir's precision, as `ours` decodes (export.py's default is float32).
+    precision = ["--mixed_precision", hparams["mixed_precision"]]
+    for name, flags in (("saved_model", beam + precision),
                         ("ct2-float32", ["--format", "ctranslate2"]),
                         ("ct2-int8", ["--format", "ctranslate2", "--quantization", "int8"])):
         seconds = export(args.logdir, os.path.join(exports, name), *flags)
@@ -210,8 +212,8 @@ def print_table(args, hparams, count, runs):
     print(f"\n{count} sentences of {args.split}, beam {args.beam_size}, alpha {args.alpha}, "
           f"batches of {args.batch_size}; medians over {args.runs} fresh processes per path "
           f"(steady: median of {args.repeats} calls after the first in each); ours and the "
-          f"SavedModel compute in {hparams['mixed_precision']} precision (the logdir's; "
-          "eval.py chooses its own), CTranslate2 in its weight type")
+          f"SavedModel compute in {hparams['mixed_precision']} precision (the logdir's, given "
+          "to both), CTranslate2 in its weight type")
     print("| path | first call (s) | steady (s) | first - steady (s) | sentences/s | BLEU | "
           "steady vs CTranslate2 float32 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -1,7 +1,12 @@
 """What the benchmarks need beyond the package: the peers they compare with, the corpus."""
 
+import atexit
 import importlib
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The full Multi30k: next to the checkout on this project's machines, else where
@@ -29,3 +34,21 @@ def require_data(data_dir):
                          "--hparams small` once (it downloads Multi30k to data/multi30k) or "
                          "pass --data_dir.")
     return data_dir
+
+
+def tree_at(revision, *paths):
+    """A temporary folder with this repository's files (or `paths`) at git `revision`.
+
+    Removed when the process ends; stops with one line when git or the revision is missing.
+    """
+    try:
+        archive = subprocess.run(["git", "-C", ROOT, "archive", revision, *paths],
+                                 capture_output=True, check=False)
+    except FileNotFoundError:
+        sys.exit(f"error: --baseline {revision}: needs git, which is not installed")
+    if archive.returncode != 0:
+        sys.exit(f"error: --baseline {revision}: {archive.stderr.decode().strip()}")
+    folder = tempfile.mkdtemp(prefix="baseline_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
+    return folder

@@ -25,22 +25,7 @@ import sys
 import tempfile
 import time
 
-from prerequisites import DEFAULT_DATA, ROOT, require_data  # noqa: E402
-
-
-def tree_at(revision):
-    """A temporary folder holding this repository's files at `revision` (removed at exit)."""
-    try:
-        archive = subprocess.run(["git", "-C", ROOT, "archive", revision], capture_output=True,
-                                 check=False)
-    except FileNotFoundError:
-        sys.exit(f"error: --baseline {revision}: needs git, which is not installed")
-    if archive.returncode != 0:
-        sys.exit(f"error: --baseline {revision}: {archive.stderr.decode().strip()}")
-    folder = tempfile.mkdtemp(prefix="baseline_")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
-    return folder
+from prerequisites import DEFAULT_DATA, ROOT, require_data, tree_at  # noqa: E402
 
 
 def run_program(tree, logdir, args, subwords):

@@ -25,15 +25,11 @@ matrix-multiply peak measured in the same run.
 """
 
 import argparse
-import atexit
 import importlib
 import os
 import re
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from types import SimpleNamespace
 
@@ -50,7 +46,7 @@ from kyu_transformer.model import Transformer  # noqa: E402
 from kyu_transformer.optimizers import Adam  # noqa: E402
 from kyu_transformer.precision import choose_precision  # noqa: E402
 from kyu_transformer.train_step import loss_terms_function  # noqa: E402
-from prerequisites import require  # noqa: E402
+from prerequisites import require, tree_at  # noqa: E402
 
 # The units a training step takes from our package (`package_at` gives an earlier one's).
 CURRENT = SimpleNamespace(Transformer=Transformer, Adam=Adam,
@@ -75,16 +71,7 @@ def package_at(revision):
     process, each with its own model, Adam and loss.
     """
     name = "kyu_transformer_at_" + re.sub(r"\W", "_", revision)
-    try:
-        archive = subprocess.run(["git", "-C", ROOT, "archive", revision, "kyu_transformer"],
-                                 capture_output=True, check=False)
-    except FileNotFoundError:
-        sys.exit(f"error: --baseline {revision}: needs git, which is not installed")
-    if archive.returncode != 0:
-        sys.exit(f"error: --baseline {revision}: {archive.stderr.decode().strip()}")
-    folder = tempfile.mkdtemp(prefix="baseline_")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
+    folder = tree_at(revision, "kyu_transformer")
     os.rename(os.path.join(folder, "kyu_transformer"), os.path.join(folder, name))
     for directory, _, files in os.walk(os.path.join(folder, name)):
         for file_name in files:
@@ -264,8 +251,8 @@ def main():
     for dtype, peak in peaks.items():
         print(f"measured {dtype} matmul peak: {peak / 1e9:.0f} GFLOP/s")
     chosen, reason = choose_precision(SHAPE)
-    print(f"mixed_precision auto picks {chosen} here ({reason}): the configuration "
-          f"ours-{'bf16' if chosen == 'bf16' else 'fp32'}")
+    configuration = {"bf16": "ours-bf16", "no": "ours-fp32"}.get(chosen, "not measured here")
+    print(f"mixed_precision auto picks {chosen} here ({reason}): {configuration}")
     for name, rate in results.items():
         peak = peaks[dtypes[name]]
         achieved = rate / (BATCH * TARGET_LEN) * flops

@@ -6,14 +6,13 @@ up), else float16 with loss scaling. On a CPU, bfloat16 pays only where the
 processor multiplies it fast (AMX, or AVX512-BF16 units as on recent AMD
 cores; elsewhere its matrix products can run at half the float32 speed), so
 the choice is measured: matrix products of the model's own shapes are timed
-in float32 and bfloat16 (medians of a few repeats, a fraction of a second),
+in float32 and bfloat16 (the fastest of a few repeats, a fraction of a second),
 and bfloat16 is taken only where it is at least `BFLOAT16_MARGIN` times faster.
 A model whose products are too small for that (under `MIN_PROBE_FLOPS` in all:
 the cost of launching each op, not the arithmetic, sets their time, and
 bfloat16 adds casts) stays in float32 without a measurement.
 """
 
-import statistics
 import time
 
 import keras
@@ -27,6 +26,7 @@ AUTO = "auto"
 BFLOAT16_MARGIN = 1.2
 PROBE_ROWS = 512  # rows of the probe's products: tokens of a small batch
 MIN_PROBE_FLOPS = 2**28
+RUNS_PER_PRODUCT = 4
 
 
 def set_precision(mixed_precision):
@@ -41,8 +41,8 @@ def choose_precision(hparams, gpus=None, timings=None):
     """``(value, reason)``: the `mixed_precision` that ``auto`` means on this machine.
 
     Args:
-      hparams: The model's hyperparameters (`d_model`, `d_ff`, `vocab_size`:
-        the shapes to time).
+      hparams: The model's hyperparameters (`d_model`, `d_ff`, `num_blocks`,
+        `vocab_size`: the shapes to time).
       gpus: ``[compute capability (major, minor)]`` of the visible GPUs;
         detected when None.
       timings: ``{"float32": s, "bfloat16": s}`` of the probe; measured when None.
@@ -51,16 +51,17 @@ def choose_precision(hparams, gpus=None, timings=None):
       ``value`` is ``"no"``, ``"bf16"`` or ``"fp16"``; ``reason`` one line
       with the figures the choice was made on.
     """
+    flops = probe_flops(hparams)
+    if flops < MIN_PROBE_FLOPS:  # on any device: launching ops, not arithmetic, sets the time
+        return "no", (f"the model's matrix products are too small for a half-precision type "
+                      f"to pay ({flops / 1e6:.0f} MFLOP a probe, under "
+                      f"{MIN_PROBE_FLOPS / 1e6:.0f})")
     gpus = detect_gpus() if gpus is None else gpus
     if gpus:
         if all(capability >= (8, 0) for capability in gpus):
             return "bf16", f"GPU of compute capability {gpus[0][0]}.{gpus[0][1]}: native bfloat16"
         return "fp16", (f"GPU of compute capability {min(gpus)[0]}.{min(gpus)[1]}: no native "
                         "bfloat16, float16 with loss scaling")
-    flops = probe_flops(hparams)
-    if flops < MIN_PROBE_FLOPS:
-        return "no", (f"the model's matrix products are too small for bfloat16 to pay "
-                      f"({flops / 1e6:.0f} MFLOP a probe, under {MIN_PROBE_FLOPS / 1e6:.0f})")
     timings = timings or time_matmuls(hparams)
     speedup = timings["float32"] / timings["bfloat16"]
     value = "bf16" if speedup >= BFLOAT16_MARGIN else "no"
@@ -90,30 +91,48 @@ def detect_gpus():
 
 
 def probe_shapes(hparams):
-    """``(k, n)`` of the model's products: attention, feed-forward in and out, output."""
-    width = hparams["d_model"]
-    return [(width, width), (width, hparams["d_ff"]), (hparams["d_ff"], width),
-            (width, hparams["vocab_size"])]
+    """``(k, n, count)`` of the model's products and how many a forward pass makes of each.
+
+    Attention projections (query, key, value, output: 4 in an encoder block,
+    8 in a decoder block), the feed-forward's two, and the output layer's one:
+    weighted so, the probe stands for a step, not for its largest product.
+    """
+    width, inner, blocks = hparams["d_model"], hparams["d_ff"], hparams["num_blocks"]
+    return [(width, width, 12 * blocks), (width, inner, 2 * blocks),
+            (inner, width, 2 * blocks), (width, hparams["vocab_size"], 1)]
 
 
 def probe_flops(hparams):
-    return sum(2 * PROBE_ROWS * k * n for k, n in probe_shapes(hparams))
+    """Floating-point operations of the products `probe_shapes` weighs, on PROBE_ROWS rows."""
+    return sum(2 * PROBE_ROWS * k * n * count for k, n, count in probe_shapes(hparams))
 
 
 def time_matmuls(hparams, repeats=5):
-    """Median seconds of the model's products (`probe_shapes`), per dtype."""
+    """Seconds of the products `probe_shapes` weighs (the fastest of `repeats`), per dtype.
+
+    The fastest, not the median: interference (another process, the first
+    calls of a kernel) only ever slows a repeat down, and near the margin a
+    median of few repeats flips from one process to the next.
+    A repeat runs each product as often as a step makes it, up to `RUNS_PER_PRODUCT`
+    times (its time then counts for the rest): timed runs of a few milliseconds,
+    long enough not to be noise, and a probe of a fraction of a second.
+    """
     rows, shapes = PROBE_ROWS, probe_shapes(hparams)
     generator = np.random.default_rng(0)
     timings = {}
     for dtype in ("float32", "bfloat16"):
         pairs = [tuple(keras.ops.cast(generator.standard_normal(shape).astype("float32"), dtype)
-                       for shape in ((rows, k), (k, n))) for k, n in shapes]
+                       for shape in ((rows, k), (k, n))) for k, n, _ in shapes]
         runs = []
         for _ in range(repeats + 1):  # the first run warms the kernels up
-            started = time.perf_counter()
-            for left, right in pairs:
-                product = keras.ops.matmul(left, right)  # (rows, n)
-                keras.ops.convert_to_numpy(keras.ops.cast(product[0, 0], "float32"))  # waits
-            runs.append(time.perf_counter() - started)
-        timings[dtype] = statistics.median(runs[1:])
+            run = 0.0
+            for (left, right), (_, _, count) in zip(pairs, shapes):
+                runs_of_it = min(count, RUNS_PER_PRODUCT)
+                started = time.perf_counter()
+                for _ in range(runs_of_it):
+                    product = keras.ops.matmul(left, right)  # (rows, n)
+                    keras.ops.convert_to_numpy(keras.ops.cast(product[0, 0], "float32"))  # waits
+                run += (time.perf_counter() - started) * count / runs_of_it
+            runs.append(run)
+        timings[dtype] = min(runs[1:])
     return timings

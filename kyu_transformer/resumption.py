@@ -76,7 +76,9 @@ class RunCheckpoints:
                 del bad[path]
                 break
         else:
-            if bad:  # none reads: never start afresh over a run's checkpoints
+            # None reads: never start afresh over a run's checkpoints. (Another worker says
+            # step 0 instead, which the check of the restored step turns into one message.)
+            if bad and self.chief:
                 raise UnreadableCheckpoint(
                     f"no checkpoint of {self.directory} can be read ("
                     + "; ".join(f"{os.path.basename(p)}: {reason}" for p, reason in bad.items())

@@ -39,6 +39,10 @@ class TimeBudget:
         """Seconds of training so far, earlier processes of the run included."""
         return self.clock.seconds()
 
+    def left(self):
+        """Seconds the budget leaves (infinite without one)."""
+        return max(self.seconds - self.used(), 0.0)
+
     def spent(self):
         """Whether the budget is spent, agreed by all workers (any one's clock suffices)."""
         if self.seconds == math.inf:
@@ -85,8 +89,9 @@ class UpdatePlan:
         Counts them (a pass over the data, without the model: a second or two); later
         epochs, shuffled otherwise, may fill their buckets into a few batches more or less.
         """
-        per_epoch = int(first_epoch.reduce(0, lambda count, _: count + 1))
-        return cls(epochs, min(per_epoch, steps_per_epoch or per_epoch), done)
+        if steps_per_epoch:
+            first_epoch = first_epoch.take(steps_per_epoch)
+        return cls(epochs, int(first_epoch.reduce(0, lambda count, _: count + 1)), done)
 
     def line(self, minutes=0):
         """What the run says at its start (`minutes`: its time budget, if any)."""
@@ -95,8 +100,12 @@ class UpdatePlan:
                 f"{self.total:,} updates" + (f" ({left:,} to go)" if self.done else "")
                 + (f", or {minutes:g} min of training" if minutes else ""))
 
-    def seconds_left(self, step):
-        """``(seconds per update, seconds left)`` at the pace since warm-up, or None before."""
+    def seconds_left(self, step, budget_left=math.inf):
+        """``(seconds per update, seconds left)`` at the pace since warm-up, or None before.
+
+        The seconds left are those of the updates to go, or `budget_left` (what a
+        time budget leaves) when fewer.
+        """
         if self._mark is None:
             if step - self.done >= self.WARM_UP:
                 self._mark = (step, time.time())
@@ -105,13 +114,13 @@ class UpdatePlan:
         if counted < self.MEASURE:
             return None
         pace = (time.time() - self._mark[1]) / counted
-        return pace, pace * max(self.total - step, 0)
+        return pace, min(pace * max(self.total - step, 0), budget_left)
 
-    def estimate_line(self, step):
-        """The estimate, said once when the pace is first measured (else None)."""
-        estimate = self.seconds_left(step)
+    def estimate_line(self, step, estimate, budget_left=math.inf):
+        """`estimate` (from `seconds_left`) said once, when first measured; else None."""
         if estimate is None or step - self._mark[0] != self.MEASURE:
             return None
         pace, left = estimate
+        capped = " (the time budget's)" if left == budget_left else ""
         return (f"estimated on this machine: {pace:.2f} s per update, about {left / 60:.1f} min "
-                f"for the {max(self.total - step, 0):,} updates to go")
+                f"for the {max(self.total - step, 0):,} updates to go{capped}")

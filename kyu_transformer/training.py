@@ -43,6 +43,14 @@ from kyu_transformer.training_log import Progress, TrainingLog, Window
 from kyu_transformer.workers import check_agreement
 
 
+def weights_digest(model):
+    """SHA-256 of all of `model`'s weights: equal digests, bit-identical models."""
+    digest = hashlib.sha256()
+    for weight in model.weights:
+        digest.update(np.ascontiguousarray(weight.numpy()).tobytes())
+    return digest.hexdigest()
+
+
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. the loss is no longer finite)."""
 
@@ -60,7 +68,8 @@ class Trainer:
     """Trains a `Transformer` under a strategy, with checkpoints and summaries.
 
     Args:
-      hparams: dict of resolved hyperparameters (see `hparams.py`).
+      hparams: dict of hyperparameters (see `hparams.py`); ``auto`` precision is
+        resolved per process (on several workers, pass the chief's choice, as train.py).
       strategy: A `tf.distribute.Strategy`; the default strategy when None.
       logdir: Where checkpoints, `history.jsonl`, TensorBoard events and plots
         go; `hparams["logdir"]` when None.
@@ -120,13 +129,6 @@ class Trainer:
         self.last_saved = self.checkpoints.save(self.global_step(), self.budget.used())
         return self.last_saved
 
-    def weights_digest(self):
-        """SHA-256 of all model weights: equal digests, bit-identical models."""
-        digest = hashlib.sha256()
-        for weight in self.model.weights:
-            digest.update(np.ascontiguousarray(weight.numpy()).tobytes())
-        return digest.hexdigest()
-
     def export(self):
         """Writes the model to `<logdir>/model.keras` (replaced atomically)."""
         if not self.chief:
@@ -154,9 +156,8 @@ class Trainer:
           time, resumed runs included: what `max_minutes` limits), ``checkpoint``
           (the last one saved, on the chief).
 
-        While it runs, SIGTERM and SIGINT stop it after an update, with a
-        checkpoint (`stop_requests`); `model.keras` and the plots are then
-        left for the run that completes it.
+        SIGTERM and SIGINT stop it after an update with a checkpoint (`stop_requests`),
+        leaving `model.keras` and the plots to the run that completes it.
         """
         self._train_step.stop_requested.assign(0.0)
         with StopRequests() as self._stop_requests:
@@ -227,8 +228,9 @@ class Trainer:
             self.step_in_epoch.assign(done)
             last_loss = self._checked_loss(loss_sum, tokens, step)
             window.add(loss_sum, correct, tokens)
-            progress.update(done, loss_sum, correct, tokens, self.plan.seconds_left(step))
-            progress.say(self.plan.estimate_line(step))
+            estimate = self.plan.seconds_left(step, self.budget.left())
+            progress.update(done, loss_sum, correct, tokens, estimate)
+            progress.say(self.plan.estimate_line(step, estimate, self.budget.left()))
             if step % hparams["log_every"] == 0:
                 record = {"kind": "train", "step": step, "epoch": epoch + 1,
                           **window.summary(), "lr": float(self.schedule(step - 1))}

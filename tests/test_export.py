@@ -453,3 +453,18 @@ def test_the_ids_signature_refuses_ids_outside_the_vocabulary(varied, exports):
         translate(ids=tf.constant([[5, vocab, 7]], tf.int32))
     good = translate(ids=tf.constant([[5, vocab - 1, 7]], tf.int32))
     assert good["ids"].shape[0] == 1
+
+
+@pytest.mark.slow
+def test_an_export_computes_in_float32_unless_asked_whatever_the_training_precision(
+        varied_tiny_logdir, tmp_path_factory):
+    logdir = copy_of_logdir(varied_tiny_logdir, tmp_path_factory, "trained_in_bf16")
+    hparams = json.loads((logdir / "hparams.json").read_text())
+    (logdir / "hparams.json").write_text(json.dumps({**hparams, "mixed_precision": "bf16"}))
+    out = str(logdir.parent / "out")
+    _, _, model, _, precision = export.load(export.parse_args(["--logdir", str(logdir),
+                                                               "--out", out]))
+    assert precision == "no" and model.compute_dtype == "float32"
+    _, _, model, _, precision = export.load(export.parse_args(
+        ["--logdir", str(logdir), "--out", out, "--mixed_precision", "bf16"]))
+    assert precision == "bf16" and model.compute_dtype == "bfloat16"

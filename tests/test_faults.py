@@ -107,6 +107,11 @@ def test_kills_signals_and_a_second_run_lose_nothing(tmp_path):
     assert "done: 2 epochs, 120 steps" in finished.stdout
     straight = run_train(tmp_path / "straight", *flags)
     assert digest(finished.stdout) == digest(straight.stdout) != []
+    # the run says its plan at start, and its time once the pace is measured
+    assert "plan: 2 epochs of about 60 updates, about 120 updates\n" in straight.stdout
+    assert re.search(r"estimated on this machine: \d+\.\d\d s per update, about \d+\.\d min for "
+                     r"the 90 updates to go\n", straight.stdout), straight.stdout
+    assert re.search(r"step 40: .* target tokens/s, about \d+\.\d min left\n", straight.stdout)
     # history lines cut by a kill are skipped, the plots are drawn
     assert (logdir / "loss.png").is_file() and (logdir / "lr.png").is_file()
 

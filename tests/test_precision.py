@@ -31,7 +31,8 @@ def test_a_model_too_small_to_gain_stays_in_float32_without_timing():
     assert probe_flops(tiny) < MIN_PROBE_FLOPS <= probe_flops(SMALL)
     fast = {"float32": 1.0, "bfloat16": 0.1}  # would choose bfloat16 if it were timed
     value, reason = choose_precision(tiny, gpus=[], timings=fast)
-    assert value == "no" and "too small for bfloat16 to pay (18 MFLOP" in reason
+    assert value == "no" and "too small for a half-precision type to pay (34 MFLOP" in reason
+    assert choose_precision(tiny, gpus=[(7, 5)])[0] == "no"  # on a GPU too
 
 
 def test_on_a_gpu_bfloat16_where_native_else_float16():

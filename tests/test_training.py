@@ -17,6 +17,7 @@ from kyu_transformer.corpus import Corpus
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.metrics import masked_accuracy
 from kyu_transformer.schedules import NoamSchedule
+from kyu_transformer.time_budget import UpdatePlan
 from kyu_transformer.training import Trainer, TrainingError, loss_terms_function, replica_slices
 from tests.test_data import MULTI30K
 
@@ -406,3 +407,22 @@ def test_mixed_precision_trains(tmp_path, multi30k_tiny, precision):
     assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer) == (
         precision == "fp16")
     keras.config.set_dtype_policy("float32")
+
+
+def test_the_plan_counts_an_epochs_updates_and_its_estimate_keeps_to_the_budget():
+    epoch = tf.data.Dataset.range(59).batch(2)  # 30 batches
+    assert UpdatePlan.of_run(epoch, 3, 0, 0).total == 90
+    assert UpdatePlan.of_run(epoch, 3, 5, 0).total == 15  # steps_per_epoch caps each epoch
+    resumed = UpdatePlan.of_run(epoch, 3, 0, 20)
+    assert resumed.line(40) == ("plan: 3 epochs of about 30 updates, about 90 updates "
+                                "(70 to go), or 40 min of training")
+    measured = UpdatePlan.WARM_UP + UpdatePlan.MEASURE
+    estimates = [resumed.seconds_left(step) for step in range(21, 21 + measured)]
+    assert estimates[:-1] == [None] * (measured - 1)  # warm-up, then the pace is measured
+    pace, left = estimates[-1]
+    assert pace >= 0 and left == pytest.approx(pace * (90 - 20 - measured))
+    step = 20 + measured
+    capped = resumed.seconds_left(step, budget_left=0.0)
+    assert capped[1] == 0.0
+    assert resumed.estimate_line(step, capped, 0.0).endswith(
+        f"about 0.0 min for the {90 - step} updates to go (the time budget's)")
