@@ -276,9 +276,10 @@ def load_translator(args, hparams):
     if args.ctranslate2:
         return load_ctranslate2(args)
     choice = {}
+    # On standard error: with `--src -`, standard output holds the translations only.
     precision = resolve_precision(args.mixed_precision or AUTO, hparams,
                                   log=lambda line: choice.update(precision_choice=line) or
-                                  print(line))
+                                  print(line, file=sys.stderr))
     set_precision(precision)
     model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
     translator = Translator(model, beam_size=args.beam_size, alpha=args.alpha,

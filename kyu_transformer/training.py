@@ -114,6 +114,7 @@ class Trainer:
     epoch = property(lambda self: self.checkpoints.epoch)
     step_in_epoch = property(lambda self: self.checkpoints.step_in_epoch)
     train_seconds = property(lambda self: self.checkpoints.train_seconds)
+    checkpoint = property(lambda self: self.checkpoints.checkpoint)
     manager = property(lambda self: self.checkpoints.manager)
 
     def global_step(self):
@@ -123,6 +124,10 @@ class Trainer:
     def distribute(self, make_global_batches):
         """A distributed dataset from `make_global_batches()` (global batches)."""
         return distribute_batches(self.strategy, make_global_batches)
+
+    def restore(self):
+        """Restores the latest readable checkpoint, if any; returns its path or None."""
+        return self.checkpoints.restore()
 
     def save(self):
         """Saves a checkpoint of the run; returns its path on the chief (else None)."""
@@ -181,7 +186,7 @@ class Trainer:
     def _resume(self):
         """Opens the log, restores the latest checkpoint and the clock; returns its path."""
         self.log.open()
-        resumed_from = self.checkpoints.restore()
+        resumed_from = self.restore()
         check_agreement(self.strategy, values={"restored step": self.global_step()})
         self.budget.start(float(self.train_seconds.numpy()))
         if resumed_from and self.chief:

@@ -1,6 +1,7 @@
 """The benchmark scripts: their message without the `bench` extra, and `--baseline`."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -90,6 +91,9 @@ def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
     assert timed == ["ours-fp32", "at-HEAD-fp32", "at-HEAD-fp32", "ours-fp32"]
     assert "ratio ours-fp32 / at-HEAD-fp32: " in result.stdout
     assert "at-HEAD-fp32     median" in result.stdout
+    # what `mixed_precision auto` would train these shapes in, beside the configurations
+    assert re.search(r"mixed_precision auto picks (bf16|no) here \(CPU matrix products of the "
+                     r"model's shapes: .*\): ours-(bf16|fp32)\n", result.stdout), result.stdout
 
 
 @pytest.mark.slow  # four train.py runs of a few updates
