@@ -5,7 +5,8 @@
     python export.py --logdir log/small --out export/ct2 --format ctranslate2 --quantization int8
 
 The model, its hyperparameters and its subword model all come from the logdir,
-as for eval.py (same checkpoint choice, averaging and precision). The
+as for eval.py (same checkpoint choice and averaging); it computes in float32
+unless --mixed_precision says otherwise (the serving machine is unknown). The
 SavedModel takes raw sentences and returns translations, with the search
 inside the graph (see kyu_transformer/serving.py). An existing non-empty
 --out is replaced only with --overwrite, and only once the new export is

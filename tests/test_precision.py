@@ -53,6 +53,7 @@ def test_the_probe_times_both_dtypes_and_auto_says_its_choice():
 
 
 @pytest.mark.slow  # two train.py runs and an eval.py run
+@pytest.mark.tensorflow_only("the train.py and eval.py programs")
 def test_auto_keeps_a_logdirs_precision_and_eval_chooses_for_its_own_machine(tmp_path):
     logdir = tmp_path / "log"
     first = run_train(logdir, "--mixed_precision", "bf16", "--steps_per_epoch", "3")
