@@ -16,7 +16,6 @@ paired ratios (this checkout / REV). What the whole program does per update
 
 import argparse
 import atexit
-import json
 import os
 import shutil
 import statistics
@@ -26,6 +25,8 @@ import tempfile
 import time
 
 from prerequisites import DEFAULT_DATA, ROOT, require_data, tree_at  # noqa: E402
+
+from kyu_transformer.plots import read_history  # noqa: E402
 
 
 def run_program(tree, logdir, args, subwords):
@@ -56,13 +57,9 @@ def run_program(tree, logdir, args, subwords):
 
 
 def train_rates(history):
-    """The target tokens/s of each complete `train` record of a history file."""
-    if not os.path.isfile(history):
-        return []
-    with open(history, encoding="utf-8") as handle:
-        lines = [line for line in handle if line.endswith("\n")]
-    return [record["tokens_per_sec"] for record in map(json.loads, lines)
-            if record["kind"] == "train"]
+    """The target tokens/s of each `train` record of a history file (the training log's reader)."""
+    return [record["tokens_per_sec"] for record in read_history(history)
+            if record.get("kind", "train") == "train"]
 
 
 def main():
