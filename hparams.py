@@ -80,11 +80,13 @@ NON_NEGATIVE = ("batch_tokens", "steps_per_epoch", "max_minutes", "checkpoint_ev
 RATES = ("dropout_rate", "smoothing")
 
 PRESETS = {
-    # Trains in seconds: for tests and smoke runs.
+    # Trains in seconds: for tests and smoke runs. No `xla_loss`: XLA compiles the
+    # loss once per batch shape, and a run of a few dozen updates meets most of its
+    # shapes once, so the compiling costs more than the fused loss saves.
     "tiny": dict(vocab_size=400, d_model=32, d_ff=64, num_blocks=1, num_heads=2,
                  maxlen1=48, maxlen2=48, batch_size=32, batch_tokens=1024, dropout_rate=0.0,
                  lr=2.0, warmup_steps=40, num_epochs=1, steps_per_epoch=30, log_every=10,
-                 checkpoint_every=0, eval_sentences=0, logdir="log/tiny"),
+                 checkpoint_every=0, eval_sentences=0, xla_loss=False, logdir="log/tiny"),
     # The CPU recipe for Multi30k.
     "small": dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4,
                   maxlen1=64, maxlen2=64, batch_size=256, batch_tokens=4096, dropout_rate=0.1,

@@ -75,7 +75,11 @@ def stop_with_two_signals(process, logdir, flags):
 
 def test_kills_signals_and_a_second_run_lose_nothing(tmp_path):
     """Kills at any moment (also during checkpoint writes), SIGTERM and SIGINT, a second
-    run on the logdir: the same command resumes, ending as an uninterrupted run."""
+    run on the logdir: the same command resumes, ending as an uninterrupted run.
+
+    Resumption restores the weights, the optimizer, the data position and the
+    dropout layers' random states (dropout is on): the masks of a resumed step are
+    those the uninterrupted run draws at that step, so the weights end bit-identical."""
     logdir = tmp_path / "log"
     checkpoints = logdir / "checkpoints"
     flags = ["--num_epochs", "2", "--steps_per_epoch", "60", "--checkpoint_every", "4",
@@ -102,8 +106,13 @@ def test_kills_signals_and_a_second_run_lose_nothing(tmp_path):
         if list_checkpoints(str(logdir)):
             load_model(hp.load(str(logdir / "hparams.json")), str(logdir))
     assert kills >= 3
+    newest = list_checkpoints(str(logdir))[-1]
     finished = run_train(logdir, *flags)
     assert finished.returncode == 0, finished.stdout + finished.stderr
+    # it resumes from the newest checkpoint, and the first epoch is not trained again
+    newest_step = newest.rsplit("-", 1)[1]
+    assert f"resuming from {newest} at step {newest_step}, after" in finished.stdout
+    assert "epoch 1/2" not in finished.stdout
     assert "done: 2 epochs, 120 steps" in finished.stdout
     straight = run_train(tmp_path / "straight", *flags)
     assert digest(finished.stdout) == digest(straight.stdout) != []

@@ -86,7 +86,8 @@ def test_replica_slices_cut_each_global_batch_in_order():
 
 @pytest.mark.slow
 def test_tiny_preset_loss_falls_on_multi30k(tmp_path, multi30k_tiny):
-    hparams = tiny(tmp_path, num_epochs=1, log_every=5)
+    # with the loss compiled by XLA, as the small and base recipes train
+    hparams = tiny(tmp_path, num_epochs=1, log_every=5, xla_loss=True)
     trainer = Trainer(hparams, verbose=False)
     result = trainer.fit(multi30k_tiny.train_batches, steps_per_epoch=40)
     assert result["steps"] == 40 and result["stopped"] == "done"
@@ -303,38 +304,6 @@ def kill_when(process, condition, timeout=300):
     process.wait()
     assert process.returncode == -signal.SIGKILL, output
     return output
-
-
-def latest_step(checkpoints):
-    saved = tf.train.latest_checkpoint(str(checkpoints))
-    return int(saved.rsplit("-", 1)[1]) if saved else 0
-
-
-@pytest.mark.slow
-def test_run_killed_twice_with_dropout_ends_as_an_uninterrupted_run(tmp_path):
-    """Resumption restores the weights, the optimizer, the data position and the
-    dropout layers' random states: the masks of a resumed step are those the
-    uninterrupted run draws at that step."""
-    logdir = tmp_path / "log"
-    checkpoints = logdir / "checkpoints"
-    flags = ["--num_epochs", "3", "--steps_per_epoch", "40", "--dropout_rate", "0.1",
-             "--deterministic"]
-    kill_when(run_train(logdir, *flags, wait=False), lambda: latest_step(checkpoints) >= 40)
-    first_kill = latest_step(checkpoints)
-    assert 40 <= first_kill < 120
-    resumed = run_train(logdir, *flags, wait=False)
-    kill_when(resumed, lambda: latest_step(checkpoints) > first_kill)
-    second_kill = latest_step(checkpoints)
-    assert first_kill < second_kill < 120
-
-    again = run_train(logdir, *flags)
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert f"ckpt-{second_kill} at step {second_kill}, after" in again.stdout, again.stdout
-    assert "epoch 1/3" not in again.stdout  # the first epoch is not trained again
-    assert "done: 3 epochs, 120 steps" in again.stdout
-    uninterrupted = run_train(tmp_path / "straight", *flags)
-    assert uninterrupted.returncode == 0, uninterrupted.stderr
-    assert digest(again.stdout) == digest(uninterrupted.stdout) != []
 
 
 def train_seconds(checkpoint):
