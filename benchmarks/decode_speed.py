@@ -36,8 +36,8 @@ from keras import ops  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from kyu_transformer import data  # noqa: E402
-from kyu_transformer.decoding import (beam_search, greedy_search,  # noqa: E402
-                                      recompute_greedy_search)
+from kyu_transformer.decoding import beam_search, greedy_search  # noqa: E402
+from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
 from prerequisites import DEFAULT_DATA, require, require_data  # noqa: E402
 
@@ -114,6 +114,34 @@ class KerasHubTranslator:
                                      cache=(self_cache, memory, memory_mask, cross_cache),
                                      index=1, mask=mask, stop_token_ids=[data.EOS_ID],
                                      hidden_states=hidden)
+
+
+def recompute_greedy_search(model, source, max_length):
+    """Greedy search without a cache: the whole prefix is decoded again each step.
+
+    The baseline that the cache is measured against (and checked by): same
+    outputs as `greedy_search`, cost growing with the square of the length.
+    """
+    memory, source_mask = model.encode(source, training=False)
+    batch = ops.shape(source)[0]
+    # Column 0 holds BOS; step t decodes columns 0..t and writes column t + 1.
+    prefix = ops.concatenate([ops.full((batch, 1), BOS_ID, "int32"),
+                              ops.zeros((batch, max_length), "int32")], axis=1)
+    finished = ops.zeros((batch,), "bool")
+
+    def unfinished(step, *_):
+        return step < max_length
+
+    def body(step, prefix, finished):
+        logits = model.decode(prefix[:, :step + 1], memory, source_mask, training=False)
+        chosen = ops.cast(ops.argmax(logits[:, -1], axis=-1), "int32")
+        chosen = ops.where(finished, PAD_ID, chosen)
+        prefix = ops.slice_update(prefix, (0, step + 1), chosen[:, None])
+        finished = ops.logical_or(finished, ops.equal(chosen, EOS_ID))
+        return ops.where(ops.all(finished), max_length, step + 1), prefix, finished
+
+    _, prefix, _ = ops.while_loop(unfinished, body, (0, prefix, finished))
+    return prefix[:, 1:]
 
 
 def batches_of(sources, batch_size):

@@ -71,60 +71,14 @@ def _limits(max_length, batch):
     return limits, ops.max(limits)
 
 
-def greedy_search(model, source, max_length):
-    """The most likely next token, step by step.
-
-    Args:
-      model: A `Transformer`.
-      source: Source ids `(N, S)` (with EOS, padded with 0).
-      max_length: Most output tokens per sentence, EOS included (at least 1):
-        a Python int for all, or an int tensor `(N,)` with each sentence's own.
-        A sentence that reaches its limit is finished.
-
-    Returns:
-      ``(ids (N, L), coverage (N, L, S))`` with `L` the largest limit: ids end
-      with EOS then 0 (or fill the sentence's limit without EOS, then 0);
-      coverage is the last block's cross-attention averaged over heads.
-    """
-    memory, source_mask = model.encode(source, training=False)
-    batch = ops.shape(source)[0]
-    limits, bound = _limits(max_length, batch)
-    cache = model.init_cache(memory, source_mask)
-    cache["self"] = _relaxed(cache["self"])  # it grows
-    outputs = ops.zeros((batch, bound), "int32")
-    coverage = ops.zeros((batch, bound, ops.shape(source)[1]), "float32")
-    finished = ops.zeros((batch,), "bool")
-    last = ops.full((batch,), BOS_ID, "int32")
-
-    def unfinished(step, *_):
-        return step < bound
-
-    def body(step, last, outputs, coverage, finished, cache):
-        logits, cache, attention = model.decode_step(last, step, cache)
-        chosen = ops.cast(ops.argmax(logits, axis=-1), "int32")  # (N,)
-        chosen = ops.where(finished, PAD_ID, chosen)  # finished sentences stay padded
-        outputs = ops.slice_update(outputs, (0, step), chosen[:, None])
-        coverage = ops.slice_update(coverage, (0, step, 0),
-                                    ops.cast(attention, "float32")[:, None, :])
-        finished = ops.logical_or(finished, ops.logical_or(ops.equal(chosen, EOS_ID),
-                                                           ops.greater_equal(step + 1, limits)))
-        # Once all are finished, jump to the end (the loop condition is on `step`).
-        step = ops.where(ops.all(finished), bound, step + 1)
-        return step, chosen, outputs, coverage, finished, cache
-
-    _, _, outputs, coverage, _, _ = ops.while_loop(
-        unfinished, body, (0, last, outputs, coverage, finished, cache))
-    return outputs, coverage
-
-
 # Beam search's cache layout. The `K` hypotheses of a sentence share its
 # self-attention cache, which grows by `K` slots a position: slot ``l * K + j``
 # holds position `l` of the hypothesis that was `j`-th when it was made. The
 # cache is never reordered when hypotheses are: `history` `(N, K, l * K)` says
 # which slots each alive hypothesis descends from, and moves instead (a small
 # boolean tensor rather than every cached key and value). Each step, a
-# hypothesis sees its history and its own newest slot: the `self_mask` that
-# `DecoderBlock.step` takes.
+# hypothesis sees its history and its own newest slot: the `self_attention_mask`
+# that `DecoderBlock` takes with a cache.
 
 
 def own_history(length, hypotheses):
@@ -241,7 +195,121 @@ def _top_extensions(logits, alive_scores, count):
     return scores, beams, ops.cast(tokens, "int32")
 
 
-def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
+Hypotheses = collections.namedtuple("Hypotheses", "ids scores coverage")
+Hypotheses.__doc__ = """What `search` finds for a batch of `N` sentences, `K` hypotheses each.
+
+`ids` `(N, K, L)` (`L` the largest limit), best first: each row the generated
+ids, EOS included (none if cut at the sentence's limit), then padding;
+`scores` `(N, K)`: the log-probability (EOS included) over GNMT's length
+penalty of the hypothesis' length; `coverage` `(N, L, S)`, the last block's
+cross-attention averaged over heads, where the strategy records it (greedy
+search), else None.
+"""
+
+
+def search(model, source, max_length, strategy):
+    """The one decoding loop: the source encoded once, then one position a step.
+
+    Each step, the decoder reads the hypotheses' newest tokens (with the
+    key/value cache of the earlier positions), and `strategy` picks what the
+    hypotheses become: `GreedySearch` the most likely token, `BeamSearch` the
+    best extensions of its beam. The loop stops when every sentence is done,
+    at the latest at its own limit.
+
+    Args:
+      model: A `Transformer`.
+      source: Source ids `(N, S)` (with EOS, padded with 0).
+      max_length: Most output tokens per sentence, EOS included (at least 1):
+        a Python int for all, or an int tensor `(N,)` with each sentence's own.
+      strategy: A `GreedySearch` or a `BeamSearch`.
+
+    Returns:
+      `Hypotheses`.
+    """
+    memory, source_mask = model.encode(source, training=False)
+    batch = ops.shape(source)[0]
+    limits, bound = _limits(max_length, batch)
+    # Ids as wide as any limit can be, whatever the batch's largest: their
+    # shapes then repeat from batch to batch (see `_ROW_GROUP`).
+    width = max_length if isinstance(max_length, (int, np.integer)) else model.maxlen2
+    cache = model.init_cache(memory, source_mask)
+    table = cache.pop("target_table")  # the same for every sentence
+    state = {**strategy.start(batch, bound, width, ops.shape(source)[1]),
+             "limits": limits, "cache": cache}
+    results = strategy.no_results(batch, width)
+
+    def unfinished(step, *_):
+        return step < bound
+
+    def body(step, state, results):
+        tokens, self_mask = strategy.inputs(state)
+        logits, cache, coverage = model.decode_step(
+            tokens, step, {**state["cache"], "target_table": table}, self_mask)
+        cache.pop("target_table")
+        state = strategy.advance(step, logits, coverage, self_mask, {**state, "cache": cache})
+        all_done = ops.all(state["done"])
+        state, results = strategy.leave(state, results, all_done)
+        # Once all are done, jump to the end (the loop condition is on `step`).
+        return ops.where(all_done, bound, step + 1), state, results
+
+    _, state, results = ops.while_loop(unfinished, body, (0, _relaxed(state), results))
+    return strategy.hypotheses(state, results, bound)
+
+
+class GreedySearch:
+    """The most likely next token, step by step: one hypothesis per sentence.
+
+    The log-probability of each token picked is added up as it is picked, so
+    the score needs no second pass. The cross-attention of every position is
+    recorded (the `coverage` of `Hypotheses`).
+
+    Args:
+      alpha: Length-penalty exponent of the score (it does not change the choice).
+    """
+
+    def __init__(self, alpha=0.6):
+        self.alpha = float(alpha)
+
+    def start(self, batch, bound, width, source_length):
+        return {"last": ops.full((batch,), BOS_ID, "int32"),
+                "ids": ops.zeros((batch, bound), "int32"),
+                "coverage": ops.zeros((batch, bound, source_length), "float32"),
+                "log_probs": ops.zeros((batch,), "float32"),
+                "done": ops.zeros((batch,), "bool")}
+
+    def no_results(self, batch, width):
+        return ()  # the state holds them: no sentence leaves the batch
+
+    def inputs(self, state):
+        return state["last"], None  # one query per sentence: it sees every cache slot
+
+    def advance(self, step, logits, coverage, self_mask, state):
+        done = state["done"]
+        chosen = ops.cast(ops.argmax(logits, axis=-1), "int32")  # (N,)
+        chosen = ops.where(done, PAD_ID, chosen)  # finished sentences stay padded
+        # log p(chosen) = logit - logsumexp, whose maximum is the chosen logit itself.
+        logits = ops.cast(logits, "float32")
+        best = ops.max(logits, axis=-1, keepdims=True)  # (N, 1)
+        log_prob = -ops.log(ops.sum(ops.exp(logits - best), axis=-1))  # (N,)
+        limit_reached = ops.greater_equal(step + 1, state["limits"])
+        return {**state, "last": chosen,
+                "ids": ops.slice_update(state["ids"], (0, step), chosen[:, None]),
+                "coverage": ops.slice_update(state["coverage"], (0, step, 0),
+                                             ops.cast(coverage, "float32")[:, None, :]),
+                "log_probs": state["log_probs"] + ops.where(done, 0.0, log_prob),
+                "done": ops.logical_or(done, ops.logical_or(ops.equal(chosen, EOS_ID),
+                                                            limit_reached))}
+
+    def leave(self, state, results, all_done):
+        return state, results
+
+    def hypotheses(self, state, results, bound):
+        lengths = ops.sum(ops.cast(ops.not_equal(state["ids"], PAD_ID), "int32"), axis=1)
+        scores = state["log_probs"] / length_penalty(lengths, self.alpha)
+        return Hypotheses(state["ids"][:, None], scores[:, None], state["coverage"])
+
+
+class BeamSearch:
     """Beam search with GNMT length penalty; finished hypotheses kept apart.
 
     At each step the ``2K`` best extensions of the ``K`` alive hypotheses are
@@ -250,82 +318,96 @@ def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
     hypotheses never starve the beam. A sentence is done when its worst
     finished score beats the best its alive hypotheses could still reach, or
     at its own length limit: there its extensions without EOS compete for the
-    finished slots too, scored with the length penalty of that limit.
+    finished slots too, scored with the length penalty of that limit. Done
+    sentences leave the batch in groups (`_retire`).
 
     Args:
-      model: A `Transformer`.
-      source: Source ids `(N, S)`.
-      max_length: Most output tokens per sentence, EOS included (at least 1):
-        a Python int for all, or an int tensor `(N,)` with each sentence's own.
       beam_size: `K`.
       alpha: Length-penalty exponent (0: plain log-probability).
       n_best: How many hypotheses to return per sentence (at most `K`).
-
-    Returns:
-      ``(ids (N, n_best, L), scores (N, n_best))`` with `L` the largest limit,
-      best first. Hypotheses cut at their sentence's limit have no EOS.
     """
-    if n_best > beam_size:
-        raise ValueError(f"`n_best` ({n_best}) must be at most `beam_size` ({beam_size}): "
-                         "the search keeps only `beam_size` hypotheses")
-    k = beam_size
-    memory, source_mask = model.encode(source, training=False)
-    batch = ops.shape(source)[0]
-    limits, bound = _limits(max_length, batch)
-    # The hypotheses' ids are as wide as any limit can be, whatever the batch's
-    # largest: their shapes then repeat from batch to batch (see `_ROW_GROUP`).
-    width = max_length if isinstance(max_length, (int, np.integer)) else model.maxlen2
-    cache = model.init_cache(memory, source_mask)
-    table = cache.pop("target_table")  # shared by all sentences
-    # Everything per sentence; `rows` says which sentence of `source` each row
-    # is, as finished sentences leave the batch (see `_retire`).
-    state = {
-        "rows": ops.arange(batch),
-        "limits": limits,
-        "last": ops.full((batch, k), BOS_ID, "int32"),
-        # Which cache slots each hypothesis descends from (see `own_history`).
-        "history": ops.zeros((batch, k, 0), "bool"),
-        "alive_ids": ops.zeros((batch, k, width), "int32"),
-        # Only the first beam is live at the start: the others would duplicate it.
-        "alive_scores": ops.tile(ops.convert_to_tensor([[0.0] + [_NEG_INF] * (k - 1)]),
-                                 (batch, 1)),
-        "finished_ids": ops.zeros((batch, k, width), "int32"),
-        "finished_scores": ops.full((batch, k), _NEG_INF),
-        "done": ops.zeros((batch,), "bool"),
-        "cache": cache,
-    }
-    results = (ops.zeros((batch, n_best, width), "int32"), ops.full((batch, n_best), _NEG_INF))
 
-    def unfinished(step, *_):
-        return step < bound
+    def __init__(self, beam_size=4, alpha=0.6, n_best=1):
+        if n_best > beam_size:
+            raise ValueError(f"`n_best` ({n_best}) must be at most `beam_size` ({beam_size}): "
+                             "the search keeps only `beam_size` hypotheses")
+        self.k, self.alpha, self.n_best = int(beam_size), float(alpha), int(n_best)
 
-    def body(step, state, results):
-        state = _beam_step(model, table, step, state, k, alpha)
-        all_done = ops.all(state["done"])
-        # Finished sentences leave the batch once that removes a quarter of
-        # its rows: each step costs in proportion to the rows, leaving costs
-        # one copy.
+    def start(self, batch, bound, width, source_length):
+        k = self.k
+        # Everything per sentence; `rows` says which sentence of `source` each row
+        # is, as finished sentences leave the batch (see `_retire`).
+        return {
+            "rows": ops.arange(batch),
+            "last": ops.full((batch, k), BOS_ID, "int32"),
+            # Which cache slots each hypothesis descends from (see `own_history`).
+            "history": ops.zeros((batch, k, 0), "bool"),
+            "alive_ids": ops.zeros((batch, k, width), "int32"),
+            # Only the first beam is live at the start: the others would duplicate it.
+            "alive_scores": ops.tile(ops.convert_to_tensor([[0.0] + [_NEG_INF] * (k - 1)]),
+                                     (batch, 1)),
+            "finished_ids": ops.zeros((batch, k, width), "int32"),
+            "finished_scores": ops.full((batch, k), _NEG_INF),
+            "done": ops.zeros((batch,), "bool"),
+        }
+
+    def no_results(self, batch, width):
+        return (ops.zeros((batch, self.n_best, width), "int32"),
+                ops.full((batch, self.n_best), _NEG_INF))
+
+    def inputs(self, state):
+        # Each hypothesis sees its history and its own newest slot.
+        return state["last"], _self_mask(state["history"], ops.shape(state["last"])[0], self.k)
+
+    def advance(self, step, logits, coverage, self_mask, state):
+        return _beam_step(step, logits, self_mask, state, self.k, self.alpha)
+
+    def leave(self, state, results, all_done):
+        # Done sentences leave the batch once that removes a quarter of its
+        # rows: each step costs in proportion to the rows, leaving costs one copy.
         rows = ops.shape(state["done"])[0]
         worth_it = ops.logical_and(ops.logical_not(all_done),
                                    _kept_rows(state["done"]) * 4 <= rows * 3)
-        state, results = ops.cond(worth_it, lambda: _retire(state, results, n_best),
-                                  lambda: (state, results))
-        return ops.where(all_done, bound, step + 1), state, results
+        return ops.cond(worth_it, lambda: _retire(state, results, self.n_best),
+                        lambda: (state, results))
 
-    _, state, results = ops.while_loop(unfinished, body, (0, _relaxed(state), results))
-    # Every sentence still here is done: at the latest, its limit came.
-    ids, scores = _write_results(results, state["rows"], state["finished_ids"][:, :n_best],
-                                 state["finished_scores"][:, :n_best])
-    return ids[:, :, :bound], scores
+    def hypotheses(self, state, results, bound):
+        # Every sentence still here is done: at the latest, its limit came.
+        ids, scores = _write_results(results, state["rows"],
+                                     state["finished_ids"][:, :self.n_best],
+                                     state["finished_scores"][:, :self.n_best])
+        return Hypotheses(ids[:, :, :bound], scores, None)
 
 
-def _beam_step(model, table, step, state, k, alpha):
-    """One position of beam search for every sentence of `state`."""
-    batch = ops.shape(state["last"])[0]
-    history = _self_mask(state["history"], batch, k)  # (N, K, (step+1)*K)
-    logits, cache, _ = model.decode_step(state["last"], step,
-                                         {**state["cache"], "target_table": table}, history)
-    cache.pop("target_table")
+def greedy_search(model, source, max_length):
+    """`search` with `GreedySearch`: ``(ids (N, L), coverage (N, L, S))``.
+
+    Ids end with EOS then 0 (or fill the sentence's limit without EOS, then 0);
+    coverage is the last block's cross-attention averaged over heads.
+    """
+    found = search(model, source, max_length, GreedySearch())
+    return found.ids[:, 0], found.coverage
+
+
+def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
+    """`search` with `BeamSearch`: ``(ids (N, n_best, L), scores (N, n_best))``, best first."""
+    found = search(model, source, max_length, BeamSearch(beam_size, alpha, n_best))
+    return found.ids, found.scores
+
+
+def strategy_for(beam_size, alpha, n_best=1):
+    """The search of these settings: `GreedySearch` for a beam of 1, else `BeamSearch`."""
+    if beam_size == 1:
+        return GreedySearch(alpha)
+    return BeamSearch(beam_size, alpha, n_best)
+
+
+def _beam_step(step, logits, history, state, k, alpha):
+    """One position of beam search for every sentence of `state`.
+
+    `logits` `(N, K, V)` of the hypotheses' next tokens, read with the cache
+    slots `history` `(N, K, (step+1)*K)` (see `own_history`).
+    """
     top_scores, top_beams, top_tokens = _top_extensions(logits, state["alive_scores"], 2 * k)
     top_ids = ops.slice_update(_gather_beams(state["alive_ids"], top_beams), (0, 0, step),
                                top_tokens[:, :, None])  # (N, 2K, L)
@@ -355,9 +437,9 @@ def _beam_step(model, table, step, state, k, alpha):
     worst_finished = finished_scores[:, k - 1]
     beaten = ops.logical_and(worst_finished > _NEG_INF / 2, best_possible < worst_finished)
     done = ops.logical_or(done, ops.logical_or(at_limit, beaten))
-    return {"rows": state["rows"], "limits": limits, "last": last, "history": history,
-            "alive_ids": alive_ids, "alive_scores": alive_scores, "finished_ids": finished_ids,
-            "finished_scores": finished_scores, "done": done, "cache": cache}
+    return {**state, "last": last, "history": history, "alive_ids": alive_ids,
+            "alive_scores": alive_scores, "finished_ids": finished_ids,
+            "finished_scores": finished_scores, "done": done}
 
 
 # Rows leave the batch in groups: the undone sentences, topped up with done
@@ -478,23 +560,14 @@ class Translator:
         # call's main cost) does not rewrite every function the search calls.
         signature = [tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((None,), tf.int32)]
         compiled = functools.partial(tf.function, jit_compile=jit_compile, autograph=False)
-        self._greedy = compiled(self._greedy_fn, input_signature=signature)
-        self._beam = compiled(self._beam_fn, input_signature=signature)
         # All `beam_size` hypotheses and their scores; `n_best` slices them,
         # so one trace serves every `n_best`.
-        self._beam_all = compiled(self._beam_all_fn, input_signature=signature)
+        self.strategy = strategy_for(self.beam_size, self.alpha, n_best=self.beam_size)
+        self._search = compiled(self._search_fn, input_signature=signature)
         self._log_probs = compiled(self._log_probs_fn, input_signature=signature[:1] * 2)
 
-    def _greedy_fn(self, source, limits):
-        return greedy_search(self.model, source, limits)
-
-    def _beam_fn(self, source, limits):
-        ids, _ = beam_search(self.model, source, limits, self.beam_size, self.alpha)
-        return ids[:, 0]
-
-    def _beam_all_fn(self, source, limits):
-        return beam_search(self.model, source, limits, self.beam_size, self.alpha,
-                           n_best=self.beam_size)
+    def _search_fn(self, source, limits):
+        return search(self.model, source, limits, self.strategy)
 
     def _log_probs_fn(self, source, outputs):
         return sequence_log_probs(self.model, source, outputs)
@@ -510,27 +583,11 @@ class Translator:
         """Padded source ids `(N, S)` of a batch of id lists: EOS added, cut to `maxlen1`."""
         return _pad_ids([list(ids) + [EOS_ID] for ids in batch])[:, :self.model.maxlen1]
 
-    def _decode(self, batch, with_coverage):
-        """``(ids (N, L), coverage (N, L, S) or None)`` of a batch of id lists (EOS not added)."""
+    def _decode(self, batch):
+        """The `Hypotheses` of a batch of id lists (EOS not added), as numpy arrays."""
         source = self._encoder_input(batch)
-        limits = tf.constant(self._limits(source))
-        if self.beam_size > 1:
-            return self._beam(tf.constant(source), limits).numpy(), None
-        ids, coverage = self._greedy(tf.constant(source), limits)
-        return ids.numpy(), (coverage.numpy() if with_coverage else None)
-
-    def _decode_n_best(self, batch, n_best):
-        """``(ids (N, n_best, L), scores (N, n_best))`` of a batch of id lists, best first."""
-        source = self._encoder_input(batch)
-        limits = tf.constant(self._limits(source))
-        if self.beam_size > 1:
-            ids, scores = self._beam_all(tf.constant(source), limits)
-            return ids.numpy()[:, :n_best], scores.numpy()[:, :n_best]
-        # Greedy search keeps no score: the model gives it, as beam search would.
-        ids = self._greedy(tf.constant(source), limits)[0].numpy()
-        scores = self._normalized(self._log_probs(source, ids).numpy(),
-                                  np.count_nonzero(ids, axis=1))
-        return ids[:, None], scores[:, None]
+        found = self._search(tf.constant(source), tf.constant(self._limits(source)))
+        return Hypotheses(*(None if part is None else part.numpy() for part in found))
 
     def _normalized(self, log_probs, lengths):
         """`log_probs` divided by GNMT's length penalty of `lengths` (EOS included)."""
@@ -565,11 +622,11 @@ class Translator:
         results = [[] for _ in source_ids]
         coverages = [None for _ in source_ids]
         for rows in self._batches(source_ids, batch_size):
-            ids, coverage = self._decode([source_ids[i] for i in rows], with_coverage)
+            found = self._decode([source_ids[i] for i in rows])
             for row, index in enumerate(rows):
-                results[index] = self._output(ids[row])
+                results[index] = self._output(found.ids[row, 0])
                 if with_coverage:
-                    coverages[index] = coverage[row]
+                    coverages[index] = found.coverage[row]
         return (results, coverages) if with_coverage else results
 
     def _translate_n_best(self, source_ids, batch_size, n_best):
@@ -577,9 +634,10 @@ class Translator:
         hypotheses = [[[]] for _ in source_ids]
         scores = [[0.0] for _ in source_ids]
         for rows in self._batches(source_ids, batch_size):
-            ids, batch_scores = self._decode_n_best([source_ids[i] for i in rows], n_best)
+            found = self._decode([source_ids[i] for i in rows])
             for row, index in enumerate(rows):
-                hypotheses[index], scores[index] = self._hypotheses(ids[row], batch_scores[row])
+                hypotheses[index], scores[index] = self._hypotheses(
+                    found.ids[row, :n_best], found.scores[row, :n_best])
         return hypotheses, scores
 
     def _batches(self, source_ids, batch_size):
@@ -679,31 +737,3 @@ def _check_settings(beam_size, max_length, length_margin, maxlen2):
                          f"got {max_length}")
     if length_margin < 0:
         raise ValueError(f"`length_margin` must be at least 0, got {length_margin}")
-
-
-def recompute_greedy_search(model, source, max_length):
-    """Greedy search without a cache: the whole prefix is decoded again each step.
-
-    The baseline that the cache is measured against (and checked by): same
-    outputs as `greedy_search`, cost growing with the square of the length.
-    """
-    memory, source_mask = model.encode(source, training=False)
-    batch = ops.shape(source)[0]
-    # Column 0 holds BOS; step t decodes columns 0..t and writes column t + 1.
-    prefix = ops.concatenate([ops.full((batch, 1), BOS_ID, "int32"),
-                              ops.zeros((batch, max_length), "int32")], axis=1)
-    finished = ops.zeros((batch,), "bool")
-
-    def unfinished(step, *_):
-        return step < max_length
-
-    def body(step, prefix, finished):
-        logits = model.decode(prefix[:, :step + 1], memory, source_mask, training=False)
-        chosen = ops.cast(ops.argmax(logits[:, -1], axis=-1), "int32")
-        chosen = ops.where(finished, PAD_ID, chosen)
-        prefix = ops.slice_update(prefix, (0, step + 1), chosen[:, None])
-        finished = ops.logical_or(finished, ops.equal(chosen, EOS_ID))
-        return ops.where(ops.all(finished), max_length, step + 1), prefix, finished
-
-    _, prefix, _ = ops.while_loop(unfinished, body, (0, prefix, finished))
-    return prefix[:, 1:]

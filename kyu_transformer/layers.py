@@ -452,6 +452,86 @@ class ScaledDotProductAttention(keras.layers.Layer):
         return config
 
 
+def residual_connection(inputs, sublayer, norm, dropout, norm_position, training=None):
+    """The rule around every sub-layer (the paper's section 3.1), written once.
+
+    ``"post"`` (the original): ``LN(x + Dropout(F(x)))``; ``"pre"``:
+    ``x + Dropout(F(LN(x)))``. `MultiHeadAttention` and `FeedForward` apply it
+    in their `call`, so the blocks made of them only call them.
+
+    Args:
+      inputs: The sub-layer's input `x` `(N, T, C)`.
+      sublayer: `F`: its (normalized in pre-norm) input -> ``(outputs (N, T, C), *extras)``.
+      norm: The `Normalize` layer; dropout: the `Dropout` on `F`'s outputs.
+      norm_position: ``"post"`` or ``"pre"``.
+      training: Whether dropout is active.
+
+    Returns:
+      ``(outputs (N, T, C), *extras)``.
+    """
+    outputs, *extras = sublayer(norm(inputs) if norm_position == "pre" else inputs)
+    outputs = inputs + dropout(outputs, training=training)
+    return (norm(outputs) if norm_position == "post" else outputs, *extras)
+
+
+def attention_mask(query_mask, key_mask, num_queries, num_keys, causal):
+    """Boolean mask broadcastable to `(N, h, T_q, T_k)`, or None (all see all).
+
+    The one place masks are combined: keys `(N, T_k)` (the same for every
+    query) or `(N, T_q, T_k)` (keys per query), queries `(N, T_q)` (a hidden
+    query sees no key), and causality (query ``i`` sees keys ``j <= i``).
+    """
+    mask = None
+    if key_mask is not None:
+        key_mask = ops.cast(key_mask, "bool")
+        mask = (key_mask[:, None, None, :] if len(key_mask.shape) == 2  # (N, 1, 1, T_k)
+                else key_mask[:, None])  # (N, 1, T_q, T_k)
+    if query_mask is not None:
+        rows = ops.cast(query_mask, "bool")[:, None, :, None]  # (N, 1, T_q, 1)
+        mask = rows if mask is None else ops.logical_and(mask, rows)
+    if causal:
+        future = causal_mask(num_queries, num_keys)[None, None]  # (1, 1, T_q, T_k)
+        mask = future if mask is None else ops.logical_and(mask, future)
+    return mask
+
+
+def project_heads(inputs, denses, num_heads, dtype):
+    """`inputs` `(N, T, C_in)` through the `Dense` layers `denses`, split into heads.
+
+    The one projection path of attention: a product by the denses' kernels
+    side by side `(C_in, n*C)`, then the biases and the activation, as each
+    `Dense` computes them (they share their options). Projections of one input
+    thus read it once, in one wide matrix product instead of `n` narrow ones,
+    and back-propagation gets its gradient from one product instead of
+    summing `n` partial ones. The heads of each part are taken apart with one
+    transpose, then views along the leading axis (splitting the last axis
+    first would copy every element once more).
+
+    Returns:
+      `len(denses)` tensors `(N, h, T, d_k)`, in the compute `dtype`.
+    """
+    kernel = ops.concatenate([dense.kernel for dense in denses], axis=-1)  # (C_in, n*C)
+    x = ops.matmul(ops.cast(inputs, dtype), ops.cast(kernel, dtype))  # (N, T, n*C)
+    if denses[0].use_bias:
+        bias = ops.concatenate([dense.bias for dense in denses], axis=-1)  # (n*C,)
+        x = x + ops.cast(bias, dtype)
+    x = denses[0].activation(x)
+    parts, (batch, length) = len(denses), (ops.shape(x)[0], ops.shape(x)[1])
+    head_width = x.shape[-1] // (parts * num_heads)
+    if parts == 1:  # no leading axis to take apart
+        x = ops.reshape(x, (batch, length, num_heads, head_width))
+        return (ops.transpose(x, (0, 2, 1, 3)),)
+    x = ops.reshape(x, (batch, length, parts, num_heads, head_width))
+    x = ops.transpose(x, (2, 0, 3, 1, 4))  # (parts, N, h, T, d_k)
+    return tuple(ops.unstack(x, parts, axis=0))
+
+
+def _results(outputs, *optional):
+    """`outputs` alone, or a tuple of it and those of `optional` that are not None."""
+    given = tuple(value for value in optional if value is not None)
+    return (outputs, *given) if given else outputs
+
+
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class MultiHeadAttention(keras.layers.Layer):
     """Multi-head attention with residual connection and normalization.
@@ -459,8 +539,8 @@ class MultiHeadAttention(keras.layers.Layer):
     The original ``multihead_attention``: project queries/keys/values, split
     the projections into `num_heads` heads along the last axis (head ``h``
     owns columns ``h*d_k:(h+1)*d_k``), attend, concatenate the heads, add the
-    queries back and normalize. `sublayer` is the attention alone; `call`
-    wraps it as the paper wraps every sub-layer: dropout, residual sum, norm.
+    queries back and normalize (`residual_connection`). With a `cache`, the
+    same call decodes step by step.
 
     Args:
       num_heads: Number of heads `h`; must divide `num_units`.
@@ -490,14 +570,21 @@ class MultiHeadAttention(keras.layers.Layer):
         always used, also when the keys are the queries.
       query_mask: Optional boolean `(N, T_q)`; default the Keras mask of
         `queries`. A masked query gets all-zero attention weights.
-      key_mask: Optional boolean `(N, T_k)`; default the Keras mask of `keys`
-        (of `queries` in self-attention). A masked key gets weight 0.
+      key_mask: Optional boolean `(N, T_k)`, or `(N, T_q, T_k)` for keys per
+        query; default the Keras mask of `keys` (of `queries` in
+        self-attention; none with a `cache`). A masked key gets weight 0.
       training: Whether dropout is active.
       return_attention_scores: If True, also return the weights.
+      cache: For step-by-step decoding, the projected keys and values so far,
+        ``(k, v)`` `(N, h, T_c, d_k)` each. In self-attention this call's join
+        them and it attends over the grown cache, which holds earlier
+        positions only: `causality` gives way to `key_mask` (the slots each
+        query sees). Over other keys the cache is their projection
+        (`project_keys_values`, made once), used instead of `keys`.
 
     Returns:
-      `(N, T_q, C_q)` outputs, or ``(outputs, weights)`` with weights
-      `(N, h, T_q, T_k)`.
+      `(N, T_q, C_q)` outputs; then the weights `(N, h, T_q, T_k)` with
+      `return_attention_scores`, the cache (grown in self-attention) with one.
     """
 
     def __init__(self, num_heads=8, num_units=None, dropout_rate=0.0, causality=False,
@@ -545,18 +632,16 @@ class MultiHeadAttention(keras.layers.Layer):
             raise ValueError(
                 f"`num_units` ({units}) differs from the queries' width ({query_width}): "
                 "the residual connection needs `output_projection=True`.")
-        self._units = units
 
-        def projection(name):
-            return keras.layers.Dense(units, activation=self.projection_activation,
-                                      use_bias=self.use_bias, name=name)
+        def projection(name, shape):
+            dense = keras.layers.Dense(units, activation=self.projection_activation,
+                                       use_bias=self.use_bias, name=name)
+            dense.build(shape)
+            return dense
 
-        self.query_dense = projection("query_dense")
-        self.key_dense = projection("key_dense")
-        self.value_dense = projection("value_dense")
-        self.query_dense.build(queries_shape)
-        self.key_dense.build(keys_shape)
-        self.value_dense.build(values_shape)
+        self.query_dense = projection("query_dense", queries_shape)
+        self.key_dense = projection("key_dense", keys_shape)
+        self.value_dense = projection("value_dense", values_shape)
         if self.output_projection:
             self.output_dense = keras.layers.Dense(query_width, use_bias=self.use_bias,
                                                    name="output_dense")
@@ -564,122 +649,64 @@ class MultiHeadAttention(keras.layers.Layer):
         self.norm.build(queries_shape)
 
     def call(self, queries, keys=None, values=None, query_mask=None, key_mask=None,
-             training=None, return_attention_scores=False):
+             training=None, return_attention_scores=False, cache=None):
         # Keys that are the queries (or none) are self-attention's, normalized in
         # pre-norm; so are values that are the queries (or none). Values of their
         # own are used as given. Tensors are told apart by identity.
-        keys_are_queries = keys is None or keys is queries
-        if keys_are_queries and (values is None or values is queries):
+        self_attention = keys is None or keys is queries
+        if self_attention and (values is None or values is queries):
             values = None
         if query_mask is None:
             query_mask = _keras_mask(queries)
-        if key_mask is None:
-            key_mask = query_mask if keys_are_queries else _keras_mask(keys)
-        normalized = self.pre_norm(queries)
-        if keys_are_queries:
-            keys = None if values is None else normalized
-        outputs, weights = self.sublayer(
-            normalized, keys, values,
-            query_mask=query_mask, key_mask=key_mask, training=training)  # (N, T_q, C_q)
-        outputs = self.post_norm(queries + self.residual_dropout(outputs, training=training))
-        if return_attention_scores:
-            return outputs, weights
-        return outputs
+        if key_mask is None and cache is None:
+            key_mask = query_mask if self_attention else _keras_mask(keys)
 
-    def pre_norm(self, inputs):
-        """The sub-layer's input: `inputs` normalized in pre-norm, unchanged in post-norm."""
-        return self.norm(inputs) if self.norm_position == "pre" else inputs
+        def attend(normalized):  # the sub-layer: (N, T_q, C_q), (N, h, T_q, T_k), cache
+            q, k, v, grown = self._heads(normalized, None if self_attention else keys, values,
+                                         cache)
+            mask = attention_mask(query_mask, key_mask, ops.shape(q)[2], ops.shape(k)[2],
+                                  causal=self.causality and cache is None)
+            return (*self._attend_heads(q, k, v, mask), grown)
 
-    def post_norm(self, inputs):
-        """The output: the residual sum normalized in post-norm, unchanged in pre-norm."""
-        return self.norm(inputs) if self.norm_position == "post" else inputs
+        outputs, weights, cache = residual_connection(
+            queries, attend, self.norm, self.residual_dropout, self.norm_position, training)
+        return _results(outputs, weights if return_attention_scores else None, cache)
 
-    # The earlier name of `pre_norm`, kept for code that calls it.
-    normalize_queries = pre_norm
+    def _heads(self, queries, keys, values, cache):
+        """``(q, k, v, cache)``: the heads `call` attends with, `(N, h, T, d_k)` each.
 
-    def sublayer(self, queries, keys=None, values=None, query_mask=None, key_mask=None,
-                 training=None):
-        """The attention alone: ``(outputs (N, T_q, C_q), weights (N, h, T_q, T_k))``.
-
-        Arguments as `call`'s, with `keys` None for self-attention and no
-        default masks. No dropout, residual sum or norm (see `call`).
+        `queries` as normalized by `call`; `keys` None in self-attention.
         """
+        if keys is None and values is None and cache is None:
+            return (*self._project(queries, self.query_dense, self.key_dense,
+                                   self.value_dense), None)
+        (q,) = self._project(queries, self.query_dense)  # (N, h, T_q, d_k)
+        if cache is not None and keys is not None:
+            return (q, *cache, cache)  # other keys, projected once
         if keys is None:
-            q, k, v = self.project_self(queries)  # (N, h, T, d_k) each
-        else:
-            (q,) = self._project(queries, self.query_dense)  # (N, h, T_q, d_k)
-            k, v = self.project_keys_values(keys, values)  # (N, h, T_k, d_k) each
-        mask = self.attention_mask(query_mask, key_mask, ops.shape(queries)[1], ops.shape(k)[2])
-        return self._attend_heads(q, k, v, mask)
-
-    def attention_mask(self, query_mask, key_mask, num_queries, num_keys):
-        """Boolean mask broadcastable to `(N, h, T_q, T_k)`, or None (see all)."""
-        mask = None
-        if key_mask is not None:
-            mask = ops.cast(key_mask, "bool")[:, None, None, :]  # (N, 1, 1, T_k)
-        if query_mask is not None:
-            rows = ops.cast(query_mask, "bool")[:, None, :, None]  # (N, 1, T_q, 1)
-            mask = rows if mask is None else ops.logical_and(mask, rows)
-        if self.causality:
-            future = causal_mask(num_queries, num_keys)[None, None]  # (1, 1, T_q, T_k)
-            mask = future if mask is None else ops.logical_and(mask, future)
-        return mask
-
-    def project_self(self, inputs):
-        """Queries, keys and values of self-attention over `inputs` `(N, T, C)`.
-
-        Returns ``(q, k, v)``, `(N, h, T, d_k)` each. Pass the normalized inputs
-        in pre-norm (`pre_norm`).
-        """
-        return self._project(inputs, self.query_dense, self.key_dense, self.value_dense)
+            keys, values = queries, (queries if values is None else values)
+        k, v = self.project_keys_values(keys, values)  # (N, h, T_k, d_k)
+        if cache is not None:  # this call's positions join the cached ones
+            k = ops.concatenate([cache[0], ops.cast(k, cache[0].dtype)], axis=2)
+            v = ops.concatenate([cache[1], ops.cast(v, cache[1].dtype)], axis=2)
+            cache = (k, v)  # (N, h, T_c + T_q, d_k) each
+        return q, k, v, cache
 
     def project_keys_values(self, keys, values=None):
         """Keys and values `(N, T_k, C)` -> per-head projections `(N, h, T_k, d_k)`.
 
-        For incremental decoding, which projects a memory once. Without
-        `values`, both projections of `keys` in one product; with `values`
-        (even the same tensor), one product each: for the few rows of a
-        decoding step, joining the kernels costs more than it saves.
+        For step-by-step decoding, which projects a memory once (the `cache`
+        of `call`). Without `values`, both projections of `keys` in one
+        product; with `values` (even the same tensor), one product each: for
+        the few rows of a decoding step, joining the kernels costs more than
+        it saves.
         """
         if values is None:
             return self._project(keys, self.key_dense, self.value_dense)
         return self._project(keys, self.key_dense) + self._project(values, self.value_dense)
 
     def _project(self, inputs, *denses):
-        """`inputs` `(N, T, C_in)` through the projections `denses`, split into heads.
-
-        The one projection path: a product by the denses' kernels side by side
-        `(C_in, n*C)`, then the biases and the activation, as each `Dense`
-        computes them. Projections of one input thus read it once, in one wide
-        matrix product instead of `n` narrow ones, and back-propagation gets
-        its gradient from one product instead of summing `n` partial ones.
-
-        Returns:
-          `len(denses)` tensors `(N, h, T, d_k)`.
-        """
-        kernel = ops.concatenate([dense.kernel for dense in denses], axis=-1)  # (C_in, n*C)
-        outputs = ops.matmul(ops.cast(inputs, self.compute_dtype),
-                             ops.cast(kernel, self.compute_dtype))  # (N, T, n*C)
-        if self.use_bias:
-            bias = ops.concatenate([dense.bias for dense in denses], axis=-1)  # (n*C,)
-            outputs = outputs + ops.cast(bias, self.compute_dtype)
-        outputs = self.projection_activation(outputs)
-        return self._split_parts_into_heads(outputs, len(denses))
-
-    def _split_parts_into_heads(self, x, parts):
-        """`(N, T, parts*C)` -> `parts` tensors `(N, h, T, C/h)`, side by side in `x`.
-
-        One transpose for all parts, then views along the leading axis
-        (splitting the last axis first would copy every element once more).
-        """
-        batch, length = ops.shape(x)[0], ops.shape(x)[1]
-        head_width = x.shape[-1] // (parts * self.num_heads)
-        if parts == 1:  # no leading axis to take apart
-            x = ops.reshape(x, (batch, length, self.num_heads, head_width))
-            return (ops.transpose(x, (0, 2, 1, 3)),)
-        x = ops.reshape(x, (batch, length, parts, self.num_heads, head_width))
-        x = ops.transpose(x, (2, 0, 3, 1, 4))  # (parts, N, h, T, d_k)
-        return tuple(ops.unstack(x, parts, axis=0))
+        return project_heads(inputs, denses, self.num_heads, self.compute_dtype)
 
     def _attend_heads(self, q, k, v, mask):
         """Attention per head, heads concatenated and projected back: ``(outputs, weights)``."""
@@ -691,38 +718,15 @@ class MultiHeadAttention(keras.layers.Layer):
             outputs = self.output_dense(outputs)  # (N, T_q, C_q)
         return outputs, weights
 
-    def attend_projected(self, queries, k, v, key_mask=None, training=None,
-                         return_attention_scores=False):
-        """Attention of `queries` `(N, T_q, C)` over projected keys/values `(N, h, T_k, d_k)`.
-
-        The incremental-decoding counterpart of `call`: `key_mask` is boolean,
-        `(N, T_k)` (the same keys for every query) or `(N, T_q, T_k)` (keys per
-        query), and no causality is applied.
-        """
-        mask = None
-        if key_mask is not None:
-            key_mask = ops.cast(key_mask, "bool")
-            if len(key_mask.shape) == 3:
-                mask = key_mask[:, None, :, :]  # (N, 1, T_q, T_k)
-            else:
-                mask = key_mask[:, None, None, :]  # (N, 1, 1, T_k)
-        (q,) = self._project(self.pre_norm(queries), self.query_dense)  # (N, h, T_q, d_k)
-        outputs, weights = self._attend_heads(q, k, v, mask)
-        outputs = self.post_norm(queries + self.residual_dropout(outputs, training=training))
-        if return_attention_scores:
-            return outputs, weights
-        return outputs
-
     def compute_output_spec(self, queries, keys=None, values=None, query_mask=None,
-                            key_mask=None, training=None, return_attention_scores=False):
+                            key_mask=None, training=None, return_attention_scores=False,
+                            cache=None):
         outputs = keras.KerasTensor(queries.shape, dtype=self.compute_dtype)
-        if not return_attention_scores:
-            return outputs
         num_keys = (keys if keys is not None else queries).shape[1]
         weights = keras.KerasTensor(
             (queries.shape[0], self.num_heads, queries.shape[1], num_keys),
             dtype=self.compute_dtype)
-        return outputs, weights
+        return _results(outputs, weights if return_attention_scores else None, cache)
 
     def compute_mask(self, inputs, previous_mask=None):
         return previous_mask
@@ -747,9 +751,9 @@ class MultiHeadAttention(keras.layers.Layer):
 class FeedForward(keras.layers.Layer):
     """Position-wise feed-forward net with residual and normalization.
 
-    The original ``feedforward`` (two 1x1 convolutions, i.e. two `Dense`).
-    `sublayer` is the net alone; `call` wraps it as the paper wraps every
-    sub-layer: dropout, residual sum, norm.
+    The original ``feedforward`` (two 1x1 convolutions, i.e. two `Dense`),
+    wrapped as every sub-layer is (`residual_connection`): dropout, residual
+    sum, norm.
 
     Args:
       num_units: ``(inner, outer)`` widths; `outer` must equal the input width.
@@ -797,20 +801,12 @@ class FeedForward(keras.layers.Layer):
         self.norm.build(input_shape)
 
     def call(self, inputs, training=None):
-        outputs = self.sublayer(self.pre_norm(inputs))  # (N, T, C)
-        return self.post_norm(inputs + self.dropout(outputs, training=training))
+        def net(x):  # the sub-layer, (N, T, C) -> (N, T, C)
+            return (self.outer_dense(self.inner_dense(x)),)
 
-    def sublayer(self, inputs):
-        """The net alone, `(N, T, C)` -> `(N, T, C)`, before dropout, residual sum and norm."""
-        return self.outer_dense(self.inner_dense(inputs))
-
-    def pre_norm(self, inputs):
-        """The sub-layer's input: `inputs` normalized in pre-norm, unchanged in post-norm."""
-        return self.norm(inputs) if self.norm_position == "pre" else inputs
-
-    def post_norm(self, inputs):
-        """The output: the residual sum normalized in post-norm, unchanged in pre-norm."""
-        return self.norm(inputs) if self.norm_position == "post" else inputs
+        (outputs,) = residual_connection(inputs, net, self.norm, self.dropout,
+                                         self.norm_position, training)
+        return outputs
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -922,16 +918,8 @@ class EncoderBlock(_Block):
     def call(self, inputs, mask=None, training=None):
         if mask is None:
             mask = _keras_mask(inputs)
-        attention, feed_forward = self.self_attention, self.feed_forward
-        x = inputs  # (N, T, C)
-
-        y, _ = attention.sublayer(attention.pre_norm(x), query_mask=mask, key_mask=mask,
-                                  training=training)
-        x = attention.post_norm(x + attention.residual_dropout(y, training=training))
-
-        y = feed_forward.sublayer(feed_forward.pre_norm(x))
-        x = feed_forward.post_norm(x + feed_forward.dropout(y, training=training))
-        return x
+        x = self.self_attention(inputs, query_mask=mask, key_mask=mask, training=training)
+        return self.feed_forward(x, training=training)  # (N, T, C)
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -941,7 +929,9 @@ class EncoderBlock(_Block):
 class DecoderBlock(_Block):
     """Causal self-attention, attention over the encoder memory, feed-forward.
 
-    Each sub-layer is wrapped as in `EncoderBlock`.
+    Each sub-layer is wrapped as in `EncoderBlock`. Training and step-by-step
+    decoding run this same `call`: decoding passes a `cache` (from
+    `init_cache`) and gets it back grown by the call's positions.
 
     Args: as `EncoderBlock`.
 
@@ -956,9 +946,20 @@ class DecoderBlock(_Block):
       return_attention_scores: If True, also return the cross-attention
         weights `(N, h, T, S)` and their mean over heads, the "coverage"
         `(N, T, S)`.
+      cache: For decoding, ``{"self": (k, v), "cross": (k, v)}``: the
+        self-attention's keys and values of the earlier positions, and the
+        memory's, projected once (see `MultiHeadAttention`).
+      self_attention_mask: With a `cache`, the cache slots each of the `T`
+        queries sees, boolean `(N, T, T_c + T)` (this call's slots last):
+        needed when `T` > 1, as which slots belong to which query is the
+        search's to say (see `decoding.beam_search`); one query sees them all.
 
     Returns:
-      `(N, T, C)`, or ``(outputs, weights, coverage)``.
+      `(N, T, C)`; with `return_attention_scores` ``(outputs, weights,
+      coverage)``; with a `cache` the grown cache comes last.
+
+    Raises:
+      ValueError: `T` > 1 with a `cache` and no `self_attention_mask`.
     """
 
     def build(self, inputs_shape, memory_shape=None):
@@ -970,86 +971,54 @@ class DecoderBlock(_Block):
         self.cross_attention.build(inputs_shape, memory_shape)
         self.feed_forward.build(inputs_shape)
 
+    def init_cache(self, memory):
+        """The `cache` before the first position, for `memory` `(N, S, C)`.
+
+        ``self``: no keys and values yet, `(N, h, 0, d_k)` each; ``cross``: the
+        memory's keys and values `(N, h, S, d_k)`, projected once and shared by
+        every position (and by all hypotheses of a sentence).
+        """
+        empty = ops.zeros((ops.shape(memory)[0], self.num_heads, 0,
+                           memory.shape[-1] // self.num_heads), memory.dtype)
+        return {"self": (empty, empty),
+                "cross": self.cross_attention.project_keys_values(memory)}
+
     def call(self, inputs, memory, mask=None, memory_mask=None, training=None,
-             return_attention_scores=False):
+             return_attention_scores=False, cache=None, self_attention_mask=None):
         if mask is None:
             mask = _keras_mask(inputs)
         if memory_mask is None:
             memory_mask = _keras_mask(memory)
-        attention, cross, feed_forward = (self.self_attention, self.cross_attention,
-                                          self.feed_forward)
-        x = inputs  # (N, T, C)
-
-        y, _ = attention.sublayer(attention.pre_norm(x), query_mask=mask, key_mask=mask,
-                                  training=training)
-        x = attention.post_norm(x + attention.residual_dropout(y, training=training))
-
-        y, weights = cross.sublayer(cross.pre_norm(x), memory, query_mask=mask,
-                                    key_mask=memory_mask, training=training)  # weights (N, h, T, S)
-        x = cross.post_norm(x + cross.residual_dropout(y, training=training))
-
-        y = feed_forward.sublayer(feed_forward.pre_norm(x))
-        x = feed_forward.post_norm(x + feed_forward.dropout(y, training=training))
-        if return_attention_scores:
-            return x, weights, ops.mean(weights, axis=1)  # coverage (N, T, S)
-        return x
-
-    def step(self, inputs, self_cache, memory_keys_values, memory_mask, self_mask=None):
-        """One decoding step with a key/value cache, for any search to drive.
-
-        The step's `K` new positions per sentence (one per hypothesis a search
-        keeps) append their keys and values to the self-attention cache, after
-        the cached ones, and attend over the grown cache as `self_mask` allows.
-        The cache holds earlier positions only, so causality needs no mask;
-        which cached slots belong to which hypothesis is the search's to say
-        (see `decoding.beam_search`).
-
-        Args:
-          inputs: States of the newest positions `(N, K, C)`.
-          self_cache: ``(keys, values)`` of the self-attention so far,
-            `(N, h, T, d_k)` each.
-          memory_keys_values: ``(keys, values)`` of the cross-attention, from
-            ``cross_attention.project_keys_values(memory)``, `(N, h, S, d_k)`.
-          memory_mask: Boolean `(N, S)` source padding mask.
-          self_mask: Boolean `(N, K, T + K)`: the cache slots (this step's
-            included, last) each query sees. Needed when `K` > 1; with one
-            query per sentence it sees every slot.
-
-        Returns:
-          ``(outputs (N, K, C), self_cache grown to T + K slots, cross weights (N, h, K, S))``.
-
-        Raises:
-          ValueError: `K` > 1 without `self_mask`.
-        """
-        if not (isinstance(self_cache, (tuple, list)) and len(self_cache) == 2):
-            raise TypeError("`self_cache` must be the (keys, values) pair of the cache; "
-                            "`step` no longer takes the position (the cache holds the "
-                            "earlier ones): step(inputs, self_cache, memory_keys_values, "
-                            "memory_mask, self_mask)")
-        if self_mask is None and inputs.shape[1] != 1:
-            raise ValueError(f"{inputs.shape[1]} queries per sentence need a `self_mask`: "
-                             "which cache slots belong to each is the search's to say")
-        attention = self.self_attention
-        normed = attention.pre_norm(inputs)
-        new_keys, new_values = attention.project_keys_values(normed, normed)  # (N, h, K, d_k)
-        keys = ops.concatenate([self_cache[0], ops.cast(new_keys, self_cache[0].dtype)], axis=2)
-        values = ops.concatenate([self_cache[1], ops.cast(new_values, self_cache[1].dtype)],
-                                 axis=2)  # (N, h, T + K, d_k)
-        outputs = attention.attend_projected(inputs, keys, values, key_mask=self_mask)
-        outputs, weights = self.cross_attention.attend_projected(
-            outputs, *memory_keys_values, key_mask=memory_mask, return_attention_scores=True)
-        return self.feed_forward(outputs), (keys, values), weights
+        self_keys = mask
+        if cache is not None:
+            if self_attention_mask is None and inputs.shape[1] != 1:
+                raise ValueError(
+                    f"{inputs.shape[1]} queries per sentence need a `self_attention_mask`: "
+                    "which cache slots belong to each is the search's to say")
+            self_keys = self_attention_mask
+        caches = cache or {}
+        # The weights are asked for so that both calls return a tuple (with the cache last).
+        x, _, *grown_self = self.self_attention(
+            inputs, query_mask=mask, key_mask=self_keys, training=training,
+            return_attention_scores=True, cache=caches.get("self"))  # (N, T, C)
+        x, weights, *grown_cross = self.cross_attention(
+            x, memory, query_mask=mask, key_mask=memory_mask, training=training,
+            return_attention_scores=True, cache=caches.get("cross"))  # weights (N, h, T, S)
+        x = self.feed_forward(x, training=training)
+        coverage = ops.mean(weights, axis=1) if return_attention_scores else None  # (N, T, S)
+        grown = None if cache is None else {"self": grown_self[0], "cross": grown_cross[0]}
+        return _results(x, *((weights, coverage) if return_attention_scores else ()), grown)
 
     def compute_output_spec(self, inputs, memory, mask=None, memory_mask=None, training=None,
-                            return_attention_scores=False):
+                            return_attention_scores=False, cache=None, self_attention_mask=None):
         outputs = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
         if not return_attention_scores:
-            return outputs
+            return _results(outputs, cache)
         batch, length, source_length = inputs.shape[0], inputs.shape[1], memory.shape[1]
         weights = keras.KerasTensor((batch, self.num_heads, length, source_length),
                                     dtype=self.compute_dtype)
         coverage = keras.KerasTensor((batch, length, source_length), dtype=self.compute_dtype)
-        return outputs, weights, coverage
+        return _results(outputs, weights, coverage, cache)
 
 
 # --------------------------------------------------------------------- dropout
@@ -1089,13 +1058,3 @@ class Dropout(keras.layers.Dropout):
 
     def get_config(self):
         return {**super().get_config(), "fast_paths": self.fast_paths}
-
-
-# ------------------------------------------------------- kept for earlier imports
-
-
-def own_history(length, hypotheses):
-    """Kept for earlier imports: the beam-search cache layout is `decoding.own_history`."""
-    from kyu_transformer import decoding  # the search's, not the layers' (no import cycle)
-
-    return decoding.own_history(length, hypotheses)

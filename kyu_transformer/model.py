@@ -147,22 +147,17 @@ class Transformer(keras.Model):
     def init_cache(self, memory, source_mask):
         """The decoding state before the first output position.
 
-        Returns a dict: ``self``: per block, the self-attention keys and values
-        so far, `(N, h, 0, d_k)` each (see `DecoderBlock.step`, which grows
-        them); ``memory``: per block, the cross-attention keys and values of
-        the encoder output, computed once and shared by all hypotheses of a
-        sentence; ``source_mask``: `(N, S)`; ``target_table``: the target
-        embedding table in the compute dtype (cast once, not every step).
+        Returns a dict: ``blocks``: per decoder block, its cache
+        (`DecoderBlock.init_cache`: the self-attention's keys and values so
+        far, none yet, and the memory's, projected once); ``memory`` `(N, S, C)`
+        and ``source_mask`` `(N, S)`; ``target_table``: the target embedding
+        table in the compute dtype (cast once, not every step).
         """
         if not self.built:
             self.build()
-        batch = ops.shape(memory)[0]
-        head_width = self.d_model // self.num_heads
-        empty = ops.zeros((batch, self.num_heads, 0, head_width), memory.dtype)
         return {
-            "self": [(empty, empty) for _ in self.decoder_blocks],
-            "memory": [block.cross_attention.project_keys_values(memory)
-                       for block in self.decoder_blocks],
+            "blocks": [block.init_cache(memory) for block in self.decoder_blocks],
+            "memory": memory,
             "source_mask": source_mask,
             "target_table": self.target_embedding.table(),  # (V, C)
         }
@@ -170,12 +165,15 @@ class Transformer(keras.Model):
     def decode_step(self, token_ids, position, cache, self_mask=None):
         """Logits of the next token after `token_ids` at `position`.
 
+        The decoder blocks' own `call`, with their caches.
+
         Args:
           token_ids: `(N,)`, or `(N, K)` for `K` hypotheses per sentence.
           position: The index of `token_ids` in their sequences.
           cache: From `init_cache` or the previous step.
           self_mask: Boolean `(N, K, T + K)`, the self-attention cache slots
-            each hypothesis sees (see `DecoderBlock.step`); needed for `K` > 1.
+            each hypothesis sees (`DecoderBlock`'s `self_attention_mask`);
+            needed for `K` > 1.
 
         Returns:
           ``(logits, cache, coverage)``: logits `(N, V)` (or `(N, K, V)`), the
@@ -187,19 +185,20 @@ class Transformer(keras.Model):
             token_ids = token_ids[:, None]  # (N, 1)
         x = self.target_embedding(token_ids, table=cache["target_table"])  # (N, K, C)
         x = x + self.target_positions.encoding_at(position)[None]
-        new_self = []
-        for block, self_cache, memory_kv in zip(self.decoder_blocks, cache["self"],
-                                                cache["memory"]):
-            x, self_cache, weights = block.step(x, self_cache, memory_kv,
-                                                cache["source_mask"], self_mask)
-            new_self.append(self_cache)
+        blocks = []
+        for index, (block, block_cache) in enumerate(zip(self.decoder_blocks, cache["blocks"])):
+            last = index == len(self.decoder_blocks) - 1  # the coverage is the last block's
+            x, *coverage, block_cache = block(
+                x, cache["memory"], memory_mask=cache["source_mask"], cache=block_cache,
+                self_attention_mask=self_mask, return_attention_scores=last)
+            blocks.append(block_cache)
         if self.norm_position == "pre":
             x = self.decoder_norm(x)
         logits = self.target_embedding.attend(x, table=cache["target_table"])  # (N, K, V)
-        coverage = ops.mean(weights, axis=1)  # (N, K, S)
+        coverage = coverage[-1]  # (N, K, S)
         if single:
             logits, coverage = logits[:, 0], coverage[:, 0]
-        return logits, {**cache, "self": new_self}, coverage
+        return logits, {**cache, "blocks": blocks}, coverage
 
     def call(self, inputs, training=None):
         # A shared table is cast and masked once for its three uses, not each time.

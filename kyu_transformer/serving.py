@@ -4,7 +4,7 @@
 exactly as `decoding.Translator` does: EOS appended to each source, sources
 cut to ``maxlen1``, each sentence's own output limit
 ``min(maxlen2, source length (EOS included, after the cut) + length_margin)``,
-the same `beam_search` / `greedy_search`, and sentences decoded in batches
+the same `decoding.search`, and sentences decoded in batches
 of similar length. Its signatures:
 
 - ``serving_default`` (needs tensorflow-text's ops): ``text``, a string
@@ -38,9 +38,8 @@ import os
 
 import tensorflow as tf
 
-from kyu_transformer.decoding import (DEFAULT_BATCH_SIZE, NO_HYPOTHESIS_SCORE, beam_search,
-                                      greedy_search, length_penalty, output_limit,
-                                      sequence_log_probs)
+from kyu_transformer.decoding import (DEFAULT_BATCH_SIZE, NO_HYPOTHESIS_SCORE, output_limit,
+                                      search, strategy_for)
 from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID
 
 TEXT_SIGNATURE = "serving_default"
@@ -96,6 +95,7 @@ class _Decoder:
     def __init__(self, model, settings):
         self.model = model
         self.settings = settings
+        self.strategy = strategy_for(settings.beam_size, settings.alpha, settings.n_best)
         # One function that both signatures call: the SavedModel holds the
         # search's graph once, and loading it reads that graph once.
         self.search = tf.function(
@@ -105,16 +105,8 @@ class _Decoder:
 
     def _search(self, source, limits):
         """``(ids (n, K, L), scores (n, K))`` of one batch of encoder inputs `(n, S)`."""
-        settings = self.settings
-        if settings.beam_size > 1:
-            return beam_search(self.model, source, limits, settings.beam_size, settings.alpha,
-                               settings.n_best)
-        ids, _ = greedy_search(self.model, source, limits)
-        # Greedy search keeps no score: the model gives it, as beam search would rank it.
-        lengths = tf.math.count_nonzero(ids, axis=1, dtype=tf.int32)
-        scores = (sequence_log_probs(self.model, source, ids)
-                  / length_penalty(lengths, settings.alpha))
-        return ids[:, None], scores[:, None]
+        found = search(self.model, source, limits, self.strategy)
+        return found.ids, found.scores
 
     def encoder_inputs(self, ids):
         """``(sources, limits)``: EOS appended, cut to `maxlen1`; each output's limit.

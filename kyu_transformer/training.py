@@ -5,7 +5,7 @@ Each part is its own module: the step under any tf.distribute strategy
 checkpoints and resumption (`resumption`), the time budget (`time_budget`),
 stopping after an update on SIGTERM or SIGINT (`stop_requests`),
 history, TensorBoard and progress (`training_log`), the dtype policy
-(`precision`) and seeds (`seeding`). Their public names are re-exported here.
+(`precision`) and seeds (`seeding`).
 
 One switch, the ``fast_paths`` hparam (on by default), selects the trainer's
 CPU fast paths: the fused Adam (`optimizers.Adam`), the loss's stated gradient
@@ -24,18 +24,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kyu_transformer.distribution import (  # noqa: F401  (re-exported)
-    STRATEGIES, distribute_batches, is_chief, make_strategy, replica_slices)
+from kyu_transformer.distribution import distribute_batches, is_chief
 from kyu_transformer.files import replaced_atomically
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
 from kyu_transformer.optimizers import make_adam
 from kyu_transformer.plots import plot_training
-from kyu_transformer.precision import (  # noqa: F401
-    PRECISION_POLICIES, resolve_precision, set_precision)
-from kyu_transformer.resumption import RunCheckpoints, copy_aside, random_states  # noqa: F401
+from kyu_transformer.precision import resolve_precision, set_precision
+from kyu_transformer.resumption import RunCheckpoints
 from kyu_transformer.schedules import NoamSchedule
-from kyu_transformer.seeding import seed_everything  # noqa: F401
 from kyu_transformer.stop_requests import StopRequests
 from kyu_transformer.time_budget import TimeBudget, UpdatePlan
 from kyu_transformer.train_step import TrainStep, loss_terms_function

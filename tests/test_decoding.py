@@ -15,8 +15,8 @@ import tensorflow as tf
 import hparams as hp
 from kyu_transformer import data
 from kyu_transformer.checkpoints import CheckpointError, list_checkpoints, load_model
-from kyu_transformer.decoding import (Translator, _strip, _top_k_rows, beam_search, greedy_search,
-                                      recompute_greedy_search, sequence_log_probs)
+from kyu_transformer.decoding import (GreedySearch, Translator, _strip, _top_k_rows, beam_search,
+                                      greedy_search, length_penalty, search, sequence_log_probs)
 from kyu_transformer.model import Transformer
 from tests.conftest import copy_of_logdir, load_logdir
 from tests.test_data import MULTI30K
@@ -151,6 +151,11 @@ def test_batched_beam_search_equals_one_sentence_at_a_time(varied):
 
 
 def test_cached_greedy_equals_recomputing_greedy(varied):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:  # the baseline of the decoding benchmark
+        from decode_speed import recompute_greedy_search
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
     source = _pad(varied["sources"][:32])
     cached, _ = greedy_search(varied["model"], tf.constant(source), 40)
     recomputed = recompute_greedy_search(varied["model"], tf.constant(source), 40)
@@ -216,13 +221,27 @@ def test_beam_search_finds_likelier_outputs_than_greedy(varied):
     assert np.all(np.asarray(scores[:, 0]) >= np.asarray(scores[:, 1]))
 
 
+def test_greedy_scores_are_summed_while_picking_as_forced_decoding_scores_them(varied):
+    """No second pass: the scores equal those of the whole outputs decoded again."""
+    model = varied["model"]
+    source = tf.constant(_pad(varied["sources"][:32]))
+    limits = np.array([40, 12, 25, 6] * 8, dtype="int32")
+    found = search(model, source, tf.constant(limits), GreedySearch(alpha=0.6))
+    ids = found.ids[:, 0].numpy()
+    lengths = np.count_nonzero(ids, axis=1)
+    expected = (sequence_log_probs(model, source, ids).numpy()
+                / length_penalty(lengths, 0.6).numpy())
+    np.testing.assert_allclose(found.scores[:, 0], expected, rtol=1e-5, atol=1e-5)
+    ended = (ids == data.EOS_ID).any(axis=1)
+    assert ended.sum() >= 4 and (~ended).sum() >= 4  # outputs ended by EOS and cut at a limit
+
+
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_finished_sentences_stay_padded(varied, beam_size):
     translator = Translator(varied["model"], beam_size=beam_size)
     source = tf.constant(_pad(varied["sources"][:32]))
     limits = np.array([40, 12, 25, 6] * 8, dtype="int32")
-    ids = (translator._greedy(source, limits)[0] if beam_size == 1
-           else translator._beam(source, limits)).numpy()
+    ids = translator._search(source, limits).ids[:, 0].numpy()
     assert ids.shape == (32, 40)
     finished = cut = 0
     for row, limit in zip(ids, limits):
@@ -427,32 +446,44 @@ def test_the_search_knows_no_corpus():
 
 
 def test_the_beam_cache_layout_is_the_searchs(rng):
-    """Slot ``l * K + j`` is position `l` of hypothesis `j`; layers keep the old import."""
-    from kyu_transformer import layers
+    """Slot ``l * K + j`` is position `l` of hypothesis `j`; the block does not guess it."""
     from kyu_transformer.decoding import own_history
     expected = np.array([[[slot % 3 == j for slot in range(6)] for j in range(3)]])
     np.testing.assert_array_equal(own_history(2, 3), expected)
-    np.testing.assert_array_equal(layers.own_history(2, 3), expected)
     # A decoder step does not guess the layout: several queries need their mask.
     model = Transformer(50, d_model=16, d_ff=32, num_blocks=1, num_heads=2, maxlen1=10,
                         maxlen2=10)
     memory, source_mask = model.encode(rng.integers(4, 50, size=(2, 5)).astype("int32"))
     cache = model.init_cache(memory, source_mask)
-    with pytest.raises(ValueError, match="3 queries per sentence need a `self_mask`"):
+    with pytest.raises(ValueError, match="3 queries per sentence need a `self_attention_mask`"):
         model.decode_step(tf.constant(np.full((2, 3), 2, "int32")), 0, cache)
     logits, _, _ = model.decode_step(tf.constant(np.full((2, 3), 2, "int32")), 0, cache,
                                      tf.constant(np.broadcast_to(expected[:, :, :3], (2, 3, 3))))
     assert logits.shape == (2, 3, 50)
 
 
-def test_a_step_called_the_earlier_way_says_what_changed(rng):
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_a_decoder_block_decodes_with_the_call_it_trains_with(rng, norm_position):
+    """One `call`: position by position with a cache, the outputs of the whole sequence."""
     model = Transformer(50, d_model=16, d_ff=32, num_blocks=1, num_heads=2, maxlen1=10,
-                        maxlen2=10)
-    memory, source_mask = model.encode(rng.integers(4, 50, size=(2, 5)).astype("int32"))
-    cache = model.init_cache(memory, source_mask)
+                        maxlen2=10, norm_position=norm_position)
+    source = rng.integers(4, 50, size=(2, 5)).astype("int32")
+    source[1, 3:] = 0
+    memory, source_mask = model.encode(source)
     block = model.decoder_blocks[0]
-    inputs = tf.zeros((2, 1, 16))
-    with pytest.raises(TypeError, match="`step` no longer takes the position"):
-        block.step(inputs, 0, cache["self"][0], cache["memory"][0], source_mask)
-    outputs, grown, _ = block.step(inputs, cache["self"][0], cache["memory"][0], source_mask)
-    assert outputs.shape == (2, 1, 16) and grown[0].shape[2] == 1
+    inputs = tf.constant(rng.normal(size=(2, 4, 16)).astype("float32"))
+    whole, weights, coverage = block(inputs, memory, memory_mask=source_mask,
+                                     return_attention_scores=True)
+    cache = block.init_cache(memory)
+    assert cache["self"][0].shape == (2, 2, 0, 8) and cache["cross"][0].shape == (2, 2, 5, 8)
+    for position in range(4):
+        outputs, step_weights, step_coverage, cache = block(
+            inputs[:, position:position + 1], memory, memory_mask=source_mask, cache=cache,
+            return_attention_scores=True)
+        assert cache["self"][0].shape[2] == position + 1
+        np.testing.assert_allclose(outputs[:, 0], whole[:, position], atol=1e-5)
+        np.testing.assert_allclose(step_weights[:, :, 0], weights[:, :, position], atol=1e-6)
+        np.testing.assert_allclose(step_coverage[:, 0], coverage[:, position], atol=1e-6)
+    # the memory's keys and values are projected once: the cache holds them unchanged
+    np.testing.assert_array_equal(cache["cross"][0],
+                                  block.cross_attention.project_keys_values(memory)[0])

@@ -9,7 +9,7 @@ from keras import ops
 
 from kyu_transformer.layers import (
     LAYER_NORM_EPSILON, DecoderBlock, Dropout, Embedding, EncoderBlock, FeedForward,
-    MultiHeadAttention, Normalize, PositionalEncoding, label_smoothing)
+    MultiHeadAttention, Normalize, PositionalEncoding, label_smoothing, project_heads)
 from tests import reference
 
 
@@ -367,7 +367,9 @@ def test_every_projection_equals_its_dense(rng, use_bias, activation):
                 [(layer.query_dense, queries), (layer.key_dense, queries),
                  (layer.value_dense, queries), (layer.key_dense, keys),
                  (layer.value_dense, keys)]]
-    got = [*layer.project_self(queries), *layer.project_keys_values(keys)]
+    self_heads = project_heads(queries, (layer.query_dense, layer.key_dense, layer.value_dense),
+                               2, "float32")
+    got = [*self_heads, *layer.project_keys_values(keys)]
     for got_heads, expected_heads in zip(got, expected):
         np.testing.assert_allclose(got_heads, expected_heads, rtol=1e-6, atol=1e-6)
     for got_heads, expected_heads in zip(layer.project_keys_values(keys, keys), expected[3:]):
@@ -477,7 +479,7 @@ def test_values_of_their_own_are_used_when_the_keys_are_the_queries(rng, norm_po
     given = np.asarray(layer(x, x, v))
     assert not np.allclose(given, self_attention)
     # The same as keys that are another tensor, holding what self-attention's keys hold.
-    keys = np.asarray(layer.pre_norm(x)) if norm_position == "pre" else np.asarray(x)
+    keys = np.asarray(layer.norm(x)) if norm_position == "pre" else np.asarray(x)
     np.testing.assert_allclose(given, np.asarray(layer(x, keys, v, key_mask=np.ones((2, 5),
                                                                                    bool))),
                                atol=1e-6)
