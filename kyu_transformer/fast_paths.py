@@ -1,16 +1,47 @@
 """CPU fast paths of the layers, apart from the concepts they compute.
 
 Each function here computes what a Keras operation computes, by another
-mechanism. `Normalize` and `Dropout` (in `layers.py`) call them when their
-``fast_paths`` argument is True (the default; the ``fast_paths`` hparam) and
-Keras' own ``LayerNormalization`` and ``Dropout`` when it is False, the plain
-path to fall back to on any other device or backend.
+mechanism. `Normalize` and `Dropout` (in `layers.py`) call them when the
+switch was on as they were made, and Keras' own ``LayerNormalization`` and
+``Dropout`` when it was off, the plain path to fall back to on any other
+device or backend. The switch is one global setting, as Keras' dtype policy
+is: on by default, `set_enabled(False)` or ``with enabled_as(False):`` for
+the layers made meanwhile; `Transformer.from_hparams` applies the
+``fast_paths`` hparam (train.py's flag; eval.py and export.py read it from
+the logdir's hparams.json).
 """
 
+import contextlib
 import math
 
 import keras
 from keras import ops
+
+# ------------------------------------------------------------------ the switch
+
+_SETTING = {"enabled": True}
+
+
+def enabled():
+    """Whether layers made now take the fast paths (True unless switched off)."""
+    return _SETTING["enabled"]
+
+
+def set_enabled(on):
+    """Switches the fast paths on or off for the layers made from now on."""
+    _SETTING["enabled"] = bool(on)
+
+
+@contextlib.contextmanager
+def enabled_as(on):
+    """The switch set to `on` for the layers made inside the block, then restored."""
+    previous = enabled()
+    set_enabled(on)
+    try:
+        yield
+    finally:
+        set_enabled(previous)
+
 
 # ------------------------------------------------------------------ layer norm
 

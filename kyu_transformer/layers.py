@@ -28,9 +28,9 @@ the original is reachable through an explicit option:
   key gets all-zero weights instead of NaN.
 
 `Normalize` and `Dropout` compute what Keras' ``LayerNormalization`` and
-``Dropout`` compute. With ``fast_paths=True`` (the default, passed down by
-every layer that creates them) they do it by the CPU fast paths of
-`kyu_transformer.fast_paths`; with ``fast_paths=False`` they are Keras' own.
+``Dropout`` compute: by the CPU fast paths of `kyu_transformer.fast_paths`
+when its switch (one global setting, on by default) was on as they were made,
+else by Keras' own.
 """
 
 import math
@@ -80,6 +80,13 @@ def _masked_score(dtype):
     return _MASKED_SCORE.get(keras.backend.standardize_dtype(dtype), _MASKED_SCORE_DEFAULT)
 
 
+def _without_saved_switch(kwargs):
+    """`kwargs` without ``fast_paths``, once an argument of every layer, now a global
+    setting (`fast_paths.enabled`): configs saved before carry it; it is ignored."""
+    kwargs.pop("fast_paths", None)
+    return kwargs
+
+
 def _check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
@@ -111,8 +118,9 @@ class Normalize(keras.layers.LayerNormalization):
 
     Args:
       epsilon: Small number added to the variance.
-      fast_paths: If True, over the last axis, `fast_paths.layer_norm` (a
-        stated gradient); if False, Keras' ``LayerNormalization.call``.
+
+    Over the last axis, `fast_paths.layer_norm` (a stated gradient) when the
+    switch was on as the layer was made (`fast_paths`), else Keras' own.
 
     Call arguments:
       inputs: A tensor `(..., C)`.
@@ -122,10 +130,10 @@ class Normalize(keras.layers.LayerNormalization):
       shape `(C,)`.
     """
 
-    def __init__(self, epsilon=LAYER_NORM_EPSILON, fast_paths=True, **kwargs):
+    def __init__(self, epsilon=LAYER_NORM_EPSILON, **kwargs):
         kwargs.setdefault("axis", -1)
-        super().__init__(epsilon=epsilon, **kwargs)
-        self.fast_paths = bool(fast_paths)
+        super().__init__(epsilon=epsilon, **_without_saved_switch(kwargs))
+        self.fast_paths = fast.enabled()
 
     def call(self, inputs):
         if self.fast_paths and self._is_plain_last_axis_norm(inputs):
@@ -137,9 +145,6 @@ class Normalize(keras.layers.LayerNormalization):
         last = len(inputs.shape) - 1
         return (self.axis in (-1, [-1], last, [last]) and self.center and self.scale
                 and not self.rms_scaling)
-
-    def get_config(self):
-        return {**super().get_config(), "fast_paths": self.fast_paths}
 
 
 # ------------------------------------------------------------------- embedding
@@ -402,7 +407,6 @@ class ScaledDotProductAttention(keras.layers.Layer):
     Args:
       dropout_rate: Dropout on the attention weights, in training only.
       temperature: Divisor of the scores; ``sqrt(d_k)`` when None.
-      fast_paths: Passed to its `Dropout`.
 
     Call arguments:
       q: `(N, h, T_q, d_k)`; k: `(N, h, T_k, d_k)`; v: `(N, h, T_k, d_v)`.
@@ -414,13 +418,12 @@ class ScaledDotProductAttention(keras.layers.Layer):
       `(N, h, T_q, T_k)`.
     """
 
-    def __init__(self, dropout_rate=0.0, temperature=None, fast_paths=True, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, dropout_rate=0.0, temperature=None, **kwargs):
+        super().__init__(**_without_saved_switch(kwargs))
         _check_rate("dropout_rate", dropout_rate)
         self.dropout_rate = float(dropout_rate)
         self.temperature = temperature
-        self.fast_paths = bool(fast_paths)
-        self.dropout = Dropout(self.dropout_rate, fast_paths=self.fast_paths)
+        self.dropout = Dropout(self.dropout_rate)
 
     def call(self, q, k, v, mask=None, training=None):
         temperature = self.temperature or math.sqrt(q.shape[-1])
@@ -447,8 +450,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(dropout_rate=self.dropout_rate, temperature=self.temperature,
-                      fast_paths=self.fast_paths)
+        config.update(dropout_rate=self.dropout_rate, temperature=self.temperature)
         return config
 
 
@@ -526,6 +528,13 @@ def project_heads(inputs, denses, num_heads, dtype):
     return tuple(ops.unstack(x, parts, axis=0))
 
 
+def merge_heads(heads):
+    """Heads `(N, h, T, d_k)` side by side again: `(N, T, h*d_k)`."""
+    width = heads.shape[1] * heads.shape[-1]
+    heads = ops.transpose(heads, (0, 2, 1, 3))  # (N, T, h, d_k)
+    return ops.reshape(heads, (ops.shape(heads)[0], ops.shape(heads)[1], width))
+
+
 def _results(outputs, *optional):
     """`outputs` alone, or a tuple of it and those of `optional` that are not None."""
     given = tuple(value for value in optional if value is not None)
@@ -561,7 +570,6 @@ class MultiHeadAttention(keras.layers.Layer):
       attention: The attention operator, a layer or callable
         ``(q, k, v, mask) -> (outputs, weights)`` on per-head tensors;
         `ScaledDotProductAttention(dropout_rate)` when None.
-      fast_paths: Passed to its `Normalize` and `Dropout` layers.
 
     Call arguments:
       queries: `(N, T_q, C_q)`.
@@ -590,8 +598,8 @@ class MultiHeadAttention(keras.layers.Layer):
     def __init__(self, num_heads=8, num_units=None, dropout_rate=0.0, causality=False,
                  use_bias=True, projection_activation=None, output_projection=False,
                  norm_position="post", epsilon=LAYER_NORM_EPSILON, residual_dropout_rate=0.0,
-                 attention=None, fast_paths=True, **kwargs):
-        super().__init__(**kwargs)
+                 attention=None, **kwargs):
+        super().__init__(**_without_saved_switch(kwargs))
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
         _check_rate("dropout_rate", dropout_rate)
         _check_rate("residual_dropout_rate", residual_dropout_rate)
@@ -610,13 +618,11 @@ class MultiHeadAttention(keras.layers.Layer):
         self.norm_position = norm_position
         self.epsilon = float(epsilon)
         self.residual_dropout_rate = float(residual_dropout_rate)
-        self.fast_paths = bool(fast_paths)
         if isinstance(attention, dict):
             attention = keras.saving.deserialize_keras_object(attention)
-        self.attention = attention or ScaledDotProductAttention(self.dropout_rate,
-                                                                fast_paths=self.fast_paths)
-        self.residual_dropout = Dropout(self.residual_dropout_rate, fast_paths=self.fast_paths)
-        self.norm = Normalize(epsilon=self.epsilon, fast_paths=self.fast_paths, name="norm")
+        self.attention = attention or ScaledDotProductAttention(self.dropout_rate)
+        self.residual_dropout = Dropout(self.residual_dropout_rate)
+        self.norm = Normalize(epsilon=self.epsilon, name="norm")
         self.supports_masking = True
 
     def build(self, queries_shape, keys_shape=None, values_shape=None):
@@ -650,9 +656,8 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def call(self, queries, keys=None, values=None, query_mask=None, key_mask=None,
              training=None, return_attention_scores=False, cache=None):
-        # Keys that are the queries (or none) are self-attention's, normalized in
-        # pre-norm; so are values that are the queries (or none). Values of their
-        # own are used as given. Tensors are told apart by identity.
+        # Keys (and values) that are the queries, or none, are self-attention's, normalized
+        # in pre-norm; values of their own are used as given. Told apart by identity.
         self_attention = keys is None or keys is queries
         if self_attention and (values is None or values is queries):
             values = None
@@ -709,14 +714,10 @@ class MultiHeadAttention(keras.layers.Layer):
         return project_heads(inputs, denses, self.num_heads, self.compute_dtype)
 
     def _attend_heads(self, q, k, v, mask):
-        """Attention per head, heads concatenated and projected back: ``(outputs, weights)``."""
+        """Attention per head, heads concatenated (and projected back): ``(outputs, weights)``."""
         heads, weights = self.attention(q, k, v, mask)  # (N, h, T_q, d_k), (N, h, T_q, T_k)
-        heads = ops.transpose(heads, (0, 2, 1, 3))  # (N, T_q, h, d_k)
-        outputs = ops.reshape(heads, (ops.shape(heads)[0], ops.shape(heads)[1],
-                                      self.num_heads * heads.shape[-1]))  # (N, T_q, C)
-        if self.output_projection:
-            outputs = self.output_dense(outputs)  # (N, T_q, C_q)
-        return outputs, weights
+        outputs = merge_heads(heads)  # (N, T_q, C)
+        return (self.output_dense(outputs) if self.output_projection else outputs), weights
 
     def compute_output_spec(self, queries, keys=None, values=None, query_mask=None,
                             key_mask=None, training=None, return_attention_scores=False,
@@ -739,8 +740,7 @@ class MultiHeadAttention(keras.layers.Layer):
             projection_activation=keras.activations.serialize(self.projection_activation),
             output_projection=self.output_projection, norm_position=self.norm_position,
             epsilon=self.epsilon, residual_dropout_rate=self.residual_dropout_rate,
-            attention=keras.saving.serialize_keras_object(self.attention),
-            fast_paths=self.fast_paths)
+            attention=keras.saving.serialize_keras_object(self.attention))
         return config
 
 
@@ -761,7 +761,6 @@ class FeedForward(keras.layers.Layer):
       activation: Activation of the inner layer.
       norm_position: ``"post"``: ``LN(x + FF(x))``; ``"pre"``: ``x + FF(LN(x))``.
       epsilon: Epsilon of the `Normalize` layer (`norm`).
-      fast_paths: Passed to its `Normalize` and `Dropout` layers.
 
     Call arguments:
       inputs: `(N, T, C)`.
@@ -772,8 +771,8 @@ class FeedForward(keras.layers.Layer):
     """
 
     def __init__(self, num_units=(2048, 512), dropout_rate=0.0, activation="relu",
-                 norm_position="post", epsilon=LAYER_NORM_EPSILON, fast_paths=True, **kwargs):
-        super().__init__(**kwargs)
+                 norm_position="post", epsilon=LAYER_NORM_EPSILON, **kwargs):
+        super().__init__(**_without_saved_switch(kwargs))
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
         _check_rate("dropout_rate", dropout_rate)
         if len(num_units) != 2 or min(num_units) < 1:
@@ -783,12 +782,11 @@ class FeedForward(keras.layers.Layer):
         self.activation = keras.activations.get(activation)
         self.norm_position = norm_position
         self.epsilon = float(epsilon)
-        self.fast_paths = bool(fast_paths)
         self.inner_dense = keras.layers.Dense(self.num_units[0], activation=self.activation,
                                               name="inner_dense")
         self.outer_dense = keras.layers.Dense(self.num_units[1], name="outer_dense")
-        self.dropout = Dropout(self.dropout_rate, fast_paths=self.fast_paths)
-        self.norm = Normalize(epsilon=self.epsilon, fast_paths=self.fast_paths, name="norm")
+        self.dropout = Dropout(self.dropout_rate)
+        self.norm = Normalize(epsilon=self.epsilon, name="norm")
         self.supports_masking = True
 
     def build(self, input_shape):
@@ -816,7 +814,7 @@ class FeedForward(keras.layers.Layer):
         config.update(
             num_units=list(self.num_units), dropout_rate=self.dropout_rate,
             activation=keras.activations.serialize(self.activation),
-            norm_position=self.norm_position, epsilon=self.epsilon, fast_paths=self.fast_paths)
+            norm_position=self.norm_position, epsilon=self.epsilon)
         return config
 
 
@@ -844,11 +842,15 @@ def label_smoothing(inputs, epsilon=0.1):
 
 
 class _Block(keras.layers.Layer):
-    """What the encoder and decoder blocks share: sizes, dropout, norm position."""
+    """What the encoder and decoder blocks share: sizes, dropout, norm position.
+
+    The sub-layers are made when the block is built, under the fast-paths
+    switch as it was when the block was made (`fast_paths`), as if made then.
+    """
 
     def __init__(self, num_heads, d_ff, dropout_rate=0.0, norm_position="post",
-                 epsilon=LAYER_NORM_EPSILON, fast_paths=True, **kwargs):
-        super().__init__(**kwargs)
+                 epsilon=LAYER_NORM_EPSILON, **kwargs):
+        super().__init__(**_without_saved_switch(kwargs))
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
         _check_rate("dropout_rate", dropout_rate)
         self.num_heads = int(num_heads)
@@ -856,20 +858,21 @@ class _Block(keras.layers.Layer):
         self.dropout_rate = float(dropout_rate)
         self.norm_position = norm_position
         self.epsilon = float(epsilon)
-        self.fast_paths = bool(fast_paths)
+        self._fast_paths = fast.enabled()
         self.supports_masking = True
 
     def _attention(self, name, causality=False):
-        return MultiHeadAttention(
-            num_heads=self.num_heads, dropout_rate=self.dropout_rate, causality=causality,
-            output_projection=True, norm_position=self.norm_position, epsilon=self.epsilon,
-            residual_dropout_rate=self.dropout_rate, fast_paths=self.fast_paths, name=name)
+        with fast.enabled_as(self._fast_paths):
+            return MultiHeadAttention(
+                num_heads=self.num_heads, dropout_rate=self.dropout_rate, causality=causality,
+                output_projection=True, norm_position=self.norm_position, epsilon=self.epsilon,
+                residual_dropout_rate=self.dropout_rate, name=name)
 
     def _feed_forward(self, d_model):
-        return FeedForward(
-            (self.d_ff, d_model), dropout_rate=self.dropout_rate,
-            norm_position=self.norm_position, epsilon=self.epsilon, fast_paths=self.fast_paths,
-            name="feed_forward")
+        with fast.enabled_as(self._fast_paths):
+            return FeedForward((self.d_ff, d_model), dropout_rate=self.dropout_rate,
+                               norm_position=self.norm_position, epsilon=self.epsilon,
+                               name="feed_forward")
 
     def compute_mask(self, inputs, previous_mask=None):
         return previous_mask
@@ -878,7 +881,7 @@ class _Block(keras.layers.Layer):
         config = super().get_config()
         config.update(
             num_heads=self.num_heads, d_ff=self.d_ff, dropout_rate=self.dropout_rate,
-            norm_position=self.norm_position, epsilon=self.epsilon, fast_paths=self.fast_paths)
+            norm_position=self.norm_position, epsilon=self.epsilon)
         return config
 
 
@@ -898,7 +901,6 @@ class EncoderBlock(_Block):
         output before its residual sum.
       norm_position: ``"post"`` or ``"pre"`` (see `MultiHeadAttention`).
       epsilon: Epsilon of the normalizations.
-      fast_paths: Passed to its `Normalize` and `Dropout` layers.
 
     Call arguments:
       inputs: `(N, T, C)`.
@@ -1026,18 +1028,17 @@ class DecoderBlock(_Block):
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class Dropout(keras.layers.Dropout):
-    """Keras' ``Dropout``, by `fast_paths.dropout` when `fast_paths` is True.
+    """Keras' ``Dropout``, by `fast_paths.dropout` (16-bit random draws) when the
+    fast-paths switch was on as the layer was made (`fast_paths`).
 
     Sets inputs to zero with probability `rate` in training and scales the
     others by ``1 / (1 - rate)``, as Keras' layer, whose options and config it
-    keeps. With a `noise_shape`, or `fast_paths` False, Keras' own
-    implementation runs.
+    keeps. With a `noise_shape`, or the switch off, Keras' own implementation
+    runs.
 
     Args:
       rate: Fraction of the inputs to drop, in [0, 1).
       noise_shape, seed: As Keras' ``Dropout``.
-      fast_paths: If True, 16-bit random draws (`fast_paths.dropout`); if
-        False, Keras' ``Dropout.call``.
 
     Call arguments:
       inputs: Any floating-point tensor.
@@ -1047,14 +1048,12 @@ class Dropout(keras.layers.Dropout):
       A tensor of the inputs' shape and dtype.
     """
 
-    def __init__(self, rate, noise_shape=None, seed=None, fast_paths=True, **kwargs):
-        super().__init__(rate, noise_shape=noise_shape, seed=seed, **kwargs)
-        self.fast_paths = bool(fast_paths)
+    def __init__(self, rate, noise_shape=None, seed=None, **kwargs):
+        super().__init__(rate, noise_shape=noise_shape, seed=seed,
+                         **_without_saved_switch(kwargs))
+        self.fast_paths = fast.enabled()
 
     def call(self, inputs, training=False):
         if self.fast_paths and training and self.rate > 0 and self.noise_shape is None:
             return fast.dropout(inputs, self.rate, self.seed_generator)
         return super().call(inputs, training=training)
-
-    def get_config(self):
-        return {**super().get_config(), "fast_paths": self.fast_paths}

@@ -8,14 +8,15 @@ logits. Id 0 is padding everywhere.
 import keras
 from keras import ops
 
+from kyu_transformer import fast_paths as fast
 from kyu_transformer.layers import (
     LAYER_NORM_EPSILON, NORM_POSITIONS, DecoderBlock, Dropout, Embedding, EncoderBlock, Normalize,
-    PositionalEncoding, _check_choice, _check_rate)
+    PositionalEncoding, _check_choice, _check_rate, _without_saved_switch)
 
 # The model's own arguments; `from_hparams` picks these out of a larger dict.
 MODEL_ARGUMENTS = (
     "vocab_size", "d_model", "d_ff", "num_blocks", "num_heads", "maxlen1", "maxlen2",
-    "dropout_rate", "norm_position", "sinusoid", "share_embeddings", "epsilon", "fast_paths")
+    "dropout_rate", "norm_position", "sinusoid", "share_embeddings", "epsilon")
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -38,10 +39,12 @@ class Transformer(keras.Model):
       share_embeddings: One embedding table for source, target and output
         logits (True), or a source table apart from the target/output one.
       epsilon: Epsilon of every normalization.
-      fast_paths: If True, the normalizations and dropouts run the CPU fast
-        paths of `kyu_transformer.fast_paths`; if False, Keras' own
-        ``LayerNormalization`` and ``Dropout`` (the plain path, for any
-        device). Same function either way.
+
+    Its normalizations and dropouts run the CPU fast paths of
+    `kyu_transformer.fast_paths` when that switch is on as the model is made
+    (the default; `from_hparams` sets it from the ``fast_paths`` hparam), else
+    Keras' own ``LayerNormalization`` and ``Dropout`` (the plain path, for any
+    device). Same function either way.
 
     Call arguments:
       inputs: dict with ``"source"`` ids `(N, S)` and ``"target_in"`` ids
@@ -54,9 +57,8 @@ class Transformer(keras.Model):
 
     def __init__(self, vocab_size, d_model=512, d_ff=2048, num_blocks=6, num_heads=8,
                  maxlen1=100, maxlen2=100, dropout_rate=0.1, norm_position="post",
-                 sinusoid=True, share_embeddings=True, epsilon=LAYER_NORM_EPSILON,
-                 fast_paths=True, **kwargs):
-        super().__init__(**kwargs)
+                 sinusoid=True, share_embeddings=True, epsilon=LAYER_NORM_EPSILON, **kwargs):
+        super().__init__(**_without_saved_switch(kwargs))
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
         _check_rate("dropout_rate", dropout_rate)
         if d_model % num_heads:
@@ -67,7 +69,7 @@ class Transformer(keras.Model):
         self.maxlen1, self.maxlen2 = int(maxlen1), int(maxlen2)
         self.dropout_rate, self.norm_position = float(dropout_rate), norm_position
         self.sinusoid, self.share_embeddings = bool(sinusoid), bool(share_embeddings)
-        self.epsilon, self.fast_paths = float(epsilon), bool(fast_paths)
+        self.epsilon = float(epsilon)
 
         self.target_embedding = Embedding(vocab_size, d_model, name="target_embedding")
         self.source_embedding = (self.target_embedding if share_embeddings
@@ -76,23 +78,26 @@ class Transformer(keras.Model):
                                                    name="source_positions")
         self.target_positions = PositionalEncoding(maxlen2, d_model, sinusoid=sinusoid,
                                                    name="target_positions")
-        self.source_dropout = Dropout(dropout_rate, fast_paths=fast_paths)
-        self.target_dropout = Dropout(dropout_rate, fast_paths=fast_paths)
+        self.source_dropout = Dropout(dropout_rate)
+        self.target_dropout = Dropout(dropout_rate)
         block_args = dict(num_heads=num_heads, d_ff=d_ff, dropout_rate=dropout_rate,
-                          norm_position=norm_position, epsilon=epsilon, fast_paths=fast_paths)
+                          norm_position=norm_position, epsilon=epsilon)
         self.encoder_blocks = [EncoderBlock(**block_args, name=f"encoder_{i}")
                                for i in range(num_blocks)]
         self.decoder_blocks = [DecoderBlock(**block_args, name=f"decoder_{i}")
                                for i in range(num_blocks)]
         # Pre-norm stacks leave their last residual sum unnormalized.
         if norm_position == "pre":
-            self.encoder_norm = Normalize(epsilon, fast_paths=fast_paths, name="encoder_norm")
-            self.decoder_norm = Normalize(epsilon, fast_paths=fast_paths, name="decoder_norm")
+            self.encoder_norm = Normalize(epsilon, name="encoder_norm")
+            self.decoder_norm = Normalize(epsilon, name="decoder_norm")
 
     @classmethod
     def from_hparams(cls, hparams, **kwargs):
-        """Builds the model from a dict holding (at least) `MODEL_ARGUMENTS`."""
-        return cls(**{key: hparams[key] for key in MODEL_ARGUMENTS if key in hparams}, **kwargs)
+        """The model of a dict holding (at least) `MODEL_ARGUMENTS`, made under its
+        ``fast_paths`` setting (on when the dict has none)."""
+        with fast.enabled_as(hparams.get("fast_paths", True)):
+            return cls(**{key: hparams[key] for key in MODEL_ARGUMENTS if key in hparams},
+                       **kwargs)
 
     def build(self, input_shape=None):
         # Run once on dummy ids so that every weight exists (e.g. before loading).

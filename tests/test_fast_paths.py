@@ -2,6 +2,8 @@
 
 import inspect
 import math
+import os
+import zipfile
 
 import keras
 import numpy as np
@@ -12,6 +14,8 @@ from kyu_transformer import fast_paths
 from kyu_transformer.layers import LAYER_NORM_EPSILON, Dropout, Normalize
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 # ------------------------------------------------------------------ layer norm
 
@@ -24,9 +28,11 @@ def normalize_gradients(value_and_gradients, layer, x, upstream):
     return value_and_gradients(loss, [x], [layer.gamma, layer.beta])[1]
 
 
-def normalize_pair(shape, **kwargs):
-    """`Normalize` with the fast path and Keras' `LayerNormalization`, same weights."""
-    ours = Normalize(**kwargs)
+def normalize_pair(shape, fast=True, **kwargs):
+    """`Normalize` (made with the switch `fast`) and Keras' `LayerNormalization`, same weights."""
+    with fast_paths.enabled_as(fast):
+        ours = Normalize(**kwargs)
+    assert ours.fast_paths is fast
     keras_layer = keras.layers.LayerNormalization(epsilon=ours.epsilon, dtype=ours.dtype_policy)
     for layer in (ours, keras_layer):
         layer.build(shape)
@@ -53,7 +59,7 @@ def test_normalize_switch_gives_equal_outputs_and_gradients(rng, value_and_gradi
     x = (rng.normal(size=shape) * 3 + 1).astype("float32")
     upstream = rng.normal(size=shape).astype("float32")
     fast, _ = normalize_pair(shape, dtype=dtype)
-    plain, _ = normalize_pair(shape, dtype=dtype, fast_paths=False)
+    plain, _ = normalize_pair(shape, fast=False, dtype=dtype)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=3e-2)
     inputs = ops.cast(x, fast.compute_dtype)
     np.testing.assert_allclose(ops.cast(fast(inputs), "float32"),
@@ -79,7 +85,9 @@ def calls_of(monkeypatch, name):
 def test_normalize_switch_selects_the_path(rng, monkeypatch):
     calls = calls_of(monkeypatch, "layer_norm")
     x = rng.normal(size=(2, 3, 8)).astype("float32")
-    Normalize(fast_paths=False)(x)
+    with fast_paths.enabled_as(False):
+        plain = Normalize()
+    plain(x)
     assert not calls
     Normalize(axis=1)(x)  # another axis: Keras' own, whatever the switch
     assert not calls
@@ -115,7 +123,9 @@ def drop_fraction_and_scale(value_and_gradients, layer, x, upstream):
 def test_dropout_switch_gives_equal_outputs_and_gradients(rng, value_and_gradients, rate):
     x = inputs_without_zeros(rng, (97, 211))
     upstream = rng.normal(size=x.shape).astype("float32")
-    fast, plain = Dropout(rate, seed=4), Dropout(rate, seed=4, fast_paths=False)
+    fast = Dropout(rate, seed=4)
+    with fast_paths.enabled_as(False):
+        plain = Dropout(rate, seed=4)
     # Outside training both are the identity.
     for layer in (fast, plain):
         np.testing.assert_array_equal(layer(x), x)
@@ -134,7 +144,9 @@ def test_dropout_switch_gives_equal_outputs_and_gradients(rng, value_and_gradien
 def test_dropout_switch_selects_the_path(rng, monkeypatch):
     calls = calls_of(monkeypatch, "dropout")
     x = rng.normal(size=(4, 8)).astype("float32")
-    Dropout(0.5, fast_paths=False)(x, training=True)
+    with fast_paths.enabled_as(False):
+        plain = Dropout(0.5)
+    plain(x, training=True)
     Dropout(0.5, noise_shape=(4, 1))(x, training=True)  # Keras' own, whatever the switch
     Dropout(0.5)(x)  # not training
     assert not calls
@@ -168,9 +180,10 @@ def training_batch(rng):
 
 def twin_models(**size):
     """The same Transformer (same weights) with the fast paths on and off."""
-    fast = Transformer(**size, fast_paths=True)
-    plain = Transformer(**size, fast_paths=False)
-    fast.build()
+    fast = Transformer(**size)
+    with fast_paths.enabled_as(False):
+        plain = Transformer(**size)
+    fast.build()  # the blocks' layers are made now, with the switch of the block's making
     plain.build()
     plain.set_weights(fast.get_weights())
     return fast, plain
@@ -205,32 +218,39 @@ def test_transformer_trains_the_same_with_and_without_fast_paths(rng, norm_posit
         np.testing.assert_allclose(fast_weight, plain_weight, rtol=1e-4, atol=1e-5)
 
 
-def test_keras_file_keeps_fast_paths_off(rng, tmp_path):
-    features, _ = training_batch(rng)
-    model = Transformer(**SIZE, fast_paths=False)
-    expected = model(features)
-    model.save(tmp_path / "plain.keras")
-    loaded = keras.models.load_model(tmp_path / "plain.keras")
-    assert loaded.fast_paths is False
-    assert not any(layer.fast_paths for layer in sub_layers(loaded))
-    np.testing.assert_array_equal(loaded(features), expected)
+def test_hparams_set_the_switch_of_the_model_they_make():
+    for on in (True, False):
+        model = Transformer.from_hparams({**SIZE, "fast_paths": on})
+        model.build()
+        assert {layer.fast_paths for layer in sub_layers(model)} == {on}
+    assert fast_paths.enabled()  # restored
 
 
-def test_configs_written_without_the_switch_load_with_fast_paths_on():
-    config = Transformer(**SIZE, fast_paths=False).get_config()
-    del config["fast_paths"]
-    assert Transformer.from_config(config).fast_paths is True
-    for layer in (Normalize(fast_paths=False), Dropout(0.1, fast_paths=False)):
-        layer_config = layer.get_config()
-        del layer_config["fast_paths"]
-        assert type(layer).from_config(layer_config).fast_paths is True
+def test_keras_files_written_when_every_layer_took_the_switch_still_load(tmp_path):
+    """Written at 8a23b56 with `fast_paths=False` in every config (a `Transformer`, and a
+    functional model of the layers): the argument is ignored, the outputs are the same."""
+    data = np.load(os.path.join(DATA, "before_global_fast_paths.npz"))
+    for name, inputs, expected in (
+            ("before_global_fast_paths.keras",
+             {"source": data["source"], "target_in": data["target_in"]}, data["logits"]),
+            ("before_global_fast_paths_layers.keras", data["layers_ids"],
+             data["layers_outputs"])):
+        with zipfile.ZipFile(os.path.join(DATA, name)) as archive:
+            assert '"fast_paths": false' in archive.read("config.json").decode()
+        for on in (True, False):
+            with fast_paths.enabled_as(on):
+                loaded = keras.models.load_model(os.path.join(DATA, name))
+            assert {layer.fast_paths for layer in sub_layers(loaded)} == {on}
+            np.testing.assert_allclose(loaded(inputs), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_every_default_is_fast_paths_on():
+def test_the_switch_is_on_by_default_and_no_layer_takes_it_as_an_argument():
     from kyu_transformer import layers
 
+    assert fast_paths.enabled()
     for cls in (Transformer, Normalize, Dropout, layers.ScaledDotProductAttention,
                 layers.MultiHeadAttention, layers.FeedForward, layers.EncoderBlock,
                 layers.DecoderBlock):
-        assert inspect.signature(cls).parameters["fast_paths"].default is True, cls
+        assert "fast_paths" not in inspect.signature(cls).parameters, cls
+    assert Normalize().fast_paths and Dropout(0.1).fast_paths
     assert Normalize().epsilon == LAYER_NORM_EPSILON

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from keras import ops
 
+from kyu_transformer import fast_paths as fast_paths_switch
 from kyu_transformer.layers import (
     LAYER_NORM_EPSILON, DecoderBlock, Dropout, Embedding, EncoderBlock, FeedForward,
     MultiHeadAttention, Normalize, PositionalEncoding, label_smoothing, project_heads)
@@ -100,8 +101,15 @@ def assert_fraction_near(observed, probability, draws):
 SCALE_RTOL = {"float32": 1e-4, "bfloat16": 1e-2}
 
 
-# Every Dropout test runs the fast path and Keras' own (`fast_paths=False`).
+# Every Dropout test runs the fast path and Keras' own (the switch off as the layer is made).
 FAST_PATHS = pytest.mark.parametrize("fast_paths", [True, False], ids=["fast", "plain"])
+
+
+def dropout(rate, fast_paths, **kwargs):
+    with fast_paths_switch.enabled_as(fast_paths):
+        layer = Dropout(rate, **kwargs)
+    assert layer.fast_paths is fast_paths
+    return layer
 
 
 @FAST_PATHS
@@ -110,7 +118,7 @@ FAST_PATHS = pytest.mark.parametrize("fast_paths", [True, False], ids=["fast", "
 def test_dropout_drops_the_rate_and_scales_the_rest(rng, dtype, rate, fast_paths):
     x = inputs_without_zeros(rng, (101, 999))
     inputs = ops.cast(x, dtype)
-    layer = Dropout(rate, seed=3, dtype=dtype, fast_paths=fast_paths)
+    layer = dropout(rate, fast_paths, seed=3, dtype=dtype)
     outputs = np.asarray(ops.cast(layer(inputs, training=True), "float32"))
     x = np.asarray(ops.cast(inputs, "float32"))  # as the layer saw them
     dropped = outputs == 0
@@ -125,7 +133,7 @@ def test_dropout_drops_the_rate_and_scales_the_rest(rng, dtype, rate, fast_paths
 @FAST_PATHS
 @pytest.mark.parametrize("rate", [0.1, 0.3, 0.6])
 def test_dropout_gradient_is_the_same_mask(rng, value_and_gradients, rate, fast_paths):
-    layer = Dropout(rate, seed=5, fast_paths=fast_paths)
+    layer = dropout(rate, fast_paths, seed=5)
     x = inputs_without_zeros(rng, (37, 129))
     upstream = rng.normal(size=x.shape).astype("float32")
 
@@ -144,11 +152,11 @@ def test_dropout_gradient_is_the_same_mask(rng, value_and_gradients, rate, fast_
 
 @FAST_PATHS
 def test_dropout_is_the_identity_outside_training_and_new_in_each_call(rng, fast_paths):
-    layer = Dropout(0.5, seed=1, fast_paths=fast_paths)
+    layer = dropout(0.5, fast_paths, seed=1)
     x = rng.normal(size=(4, 50)).astype("float32")
     np.testing.assert_array_equal(layer(x), x)
     np.testing.assert_array_equal(layer(x, training=False), x)
-    np.testing.assert_array_equal(Dropout(0.0, fast_paths=fast_paths)(x, training=True), x)
+    np.testing.assert_array_equal(dropout(0.0, fast_paths)(x, training=True), x)
     first, second = layer(x, training=True), layer(x, training=True)
     assert not np.array_equal(np.asarray(first) == 0, np.asarray(second) == 0)
 
@@ -157,7 +165,7 @@ def test_dropout_is_the_identity_outside_training_and_new_in_each_call(rng, fast
 @pytest.mark.parametrize("shape", [(1, 1, 1), (1, 1, 3), (5, 7, 3), (3, 5)])
 def test_dropout_of_odd_sizes_keeps_the_shape_and_scales_what_it_keeps(rng, shape, fast_paths):
     x = inputs_without_zeros(rng, shape)
-    outputs = np.asarray(Dropout(0.25, seed=2, fast_paths=fast_paths)(x, training=True))
+    outputs = np.asarray(dropout(0.25, fast_paths, seed=2)(x, training=True))
     assert outputs.shape == shape
     kept = outputs != 0
     np.testing.assert_allclose(outputs[kept], x[kept] / 0.75, rtol=SCALE_RTOL["float32"])
@@ -168,7 +176,7 @@ def test_dropout_of_odd_sizes_keeps_the_shape_and_scales_what_it_keeps(rng, shap
 def test_dropout_with_unknown_batch_shape(fast_paths):
     import tensorflow as tf
 
-    layer = Dropout(0.25, seed=2, fast_paths=fast_paths)
+    layer = dropout(0.25, fast_paths, seed=2)
     drop = tf.function(lambda x: layer(x, training=True),
                        input_signature=[tf.TensorSpec((None, None, 3))])
     for shape in [(1, 1, 3), (5, 7, 3), (64, 33, 3)]:

@@ -125,9 +125,11 @@ def test_from_hparams_takes_every_model_argument():
 
     model = Transformer.from_hparams({**hp.DEFAULTS, **SIZE, "fast_paths": False,
                                       "epsilon": 1e-5})
-    assert (model.fast_paths, model.epsilon) == (False, 1e-5)
-    assert model.get_config()["fast_paths"] is False
-    assert set(MODEL_ARGUMENTS) <= set(hp.DEFAULTS)  # every one is an hparam
+    assert model.epsilon == 1e-5 and model.get_config()["epsilon"] == 1e-5
+    model.build()  # the fast-paths hparam is the switch the model's layers were made with
+    assert not any(layer.fast_paths for layer in model._flatten_layers()
+                   if hasattr(layer, "fast_paths"))
+    assert set(MODEL_ARGUMENTS) | {"fast_paths"} <= set(hp.DEFAULTS)  # every one is an hparam
 
 
 def test_one_layer_norm_epsilon_in_layers_model_and_hparams():

@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 
+from kyu_transformer import fast_paths
 from kyu_transformer.layers import (
     DecoderBlock, Dropout, Embedding, EncoderBlock, FeedForward, MultiHeadAttention, Normalize,
     PositionalEncoding, ScaledDotProductAttention)
@@ -22,25 +23,35 @@ LAYERS = [
     (DecoderBlock(num_heads=2, d_ff=16, dropout_rate=0.1), (2, 3, 8)),
     (ScaledDotProductAttention(dropout_rate=0.1, temperature=2.0), None),
     (Dropout(0.2, seed=7), (2, 3, 8)),
-    # The plain Keras path is kept by a config as well.
-    (Normalize(fast_paths=False), (2, 3, 8)),
-    (Dropout(0.2, seed=7, fast_paths=False), (2, 3, 8)),
-    (ScaledDotProductAttention(dropout_rate=0.1, fast_paths=False), None),
-    (MultiHeadAttention(num_heads=2, dropout_rate=0.1, fast_paths=False), (2, 3, 8)),
-    (FeedForward((16, 8), dropout_rate=0.1, fast_paths=False), (2, 3, 8)),
-    (EncoderBlock(num_heads=2, d_ff=16, dropout_rate=0.1, fast_paths=False), (2, 3, 8)),
-    (DecoderBlock(num_heads=2, d_ff=16, dropout_rate=0.1, fast_paths=False), (2, 3, 8)),
 ]
+LAYERS = [(layer, input_kind, True) for layer, input_kind in LAYERS]
+# The plain Keras path round-trips as well (the switch is global: off while these are made,
+# and while they load).
+with fast_paths.enabled_as(False):
+    LAYERS += [
+        (Normalize(), (2, 3, 8), False),
+        (Dropout(0.2, seed=7), (2, 3, 8), False),
+        (ScaledDotProductAttention(dropout_rate=0.1), None, False),
+        (MultiHeadAttention(num_heads=2, dropout_rate=0.1), (2, 3, 8), False),
+        (FeedForward((16, 8), dropout_rate=0.1), (2, 3, 8), False),
+        (EncoderBlock(num_heads=2, d_ff=16, dropout_rate=0.1), (2, 3, 8), False),
+        (DecoderBlock(num_heads=2, d_ff=16, dropout_rate=0.1), (2, 3, 8), False),
+    ]
 
 
-@pytest.mark.parametrize("layer,input_kind", LAYERS, ids=lambda v: type(v).__name__)
-def test_config_round_trip_gives_same_layer_and_outputs(rng, layer, input_kind):
+def switches(layer):
+    """The fast-paths choice of every `Normalize` and `Dropout` in `layer` (built)."""
+    return {sub.fast_paths for sub in layer._flatten_layers()
+            if isinstance(sub, (Normalize, Dropout))}
+
+
+@pytest.mark.parametrize("layer,input_kind,fast", LAYERS, ids=lambda v: type(v).__name__)
+def test_config_round_trip_gives_same_layer_and_outputs(rng, layer, input_kind, fast):
     config = keras.saving.serialize_keras_object(layer)
-    clone = keras.saving.deserialize_keras_object(config)
+    with fast_paths.enabled_as(fast):
+        clone = keras.saving.deserialize_keras_object(config)
     assert type(clone) is type(layer)
     assert clone.get_config() == layer.get_config()
-    if "fast_paths" in layer.get_config():
-        assert clone.fast_paths is layer.fast_paths
     if input_kind is None:
         return
     inputs = (rng.integers(0, 30, size=(2, 3)) if input_kind == "ids"
@@ -48,6 +59,7 @@ def test_config_round_trip_gives_same_layer_and_outputs(rng, layer, input_kind):
     args = (inputs, inputs) if isinstance(layer, DecoderBlock) else (inputs,)
     outputs = layer(*args)
     clone(*args)
+    assert switches(layer) <= {fast} and switches(clone) == switches(layer)
     clone.set_weights(layer.get_weights())
     np.testing.assert_array_equal(clone(*args), outputs)
 
