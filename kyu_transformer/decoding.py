@@ -259,16 +259,19 @@ def search(model, source, max_length, strategy):
 class GreedySearch:
     """The most likely next token, step by step: one hypothesis per sentence.
 
-    The log-probability of each token picked is added up as it is picked, so
-    the score needs no second pass. The cross-attention of every position is
-    recorded (the `coverage` of `Hypotheses`).
+    With `scores`, the log-probability of each token picked is added up as it
+    is picked, so the score needs no second pass (a log-sum-exp over the
+    vocabulary each step; without `scores` none, and `Hypotheses.scores` is
+    None). The cross-attention of every position is recorded (the `coverage`
+    of `Hypotheses`).
 
     Args:
       alpha: Length-penalty exponent of the score (it does not change the choice).
+      scores: Whether to score the outputs.
     """
 
-    def __init__(self, alpha=0.6):
-        self.alpha = float(alpha)
+    def __init__(self, alpha=0.6, scores=True):
+        self.alpha, self.scores = float(alpha), bool(scores)
 
     def start(self, batch, bound, width, source_length):
         return {"last": ops.full((batch,), BOS_ID, "int32"),
@@ -287,16 +290,18 @@ class GreedySearch:
         done = state["done"]
         chosen = ops.cast(ops.argmax(logits, axis=-1), "int32")  # (N,)
         chosen = ops.where(done, PAD_ID, chosen)  # finished sentences stay padded
-        # log p(chosen) = logit - logsumexp, whose maximum is the chosen logit itself.
-        logits = ops.cast(logits, "float32")
-        best = ops.max(logits, axis=-1, keepdims=True)  # (N, 1)
-        log_prob = -ops.log(ops.sum(ops.exp(logits - best), axis=-1))  # (N,)
+        log_probs = state["log_probs"]
+        if self.scores:
+            # log p(chosen) = logit - logsumexp, whose maximum is the chosen logit itself.
+            logits = ops.cast(logits, "float32")
+            best = ops.max(logits, axis=-1, keepdims=True)  # (N, 1)
+            log_prob = -ops.log(ops.sum(ops.exp(logits - best), axis=-1))  # (N,)
+            log_probs = log_probs + ops.where(done, 0.0, log_prob)
         limit_reached = ops.greater_equal(step + 1, state["limits"])
-        return {**state, "last": chosen,
+        return {**state, "last": chosen, "log_probs": log_probs,
                 "ids": ops.slice_update(state["ids"], (0, step), chosen[:, None]),
                 "coverage": ops.slice_update(state["coverage"], (0, step, 0),
                                              ops.cast(coverage, "float32")[:, None, :]),
-                "log_probs": state["log_probs"] + ops.where(done, 0.0, log_prob),
                 "done": ops.logical_or(done, ops.logical_or(ops.equal(chosen, EOS_ID),
                                                             limit_reached))}
 
@@ -304,9 +309,11 @@ class GreedySearch:
         return state, results
 
     def hypotheses(self, state, results, bound):
-        lengths = ops.sum(ops.cast(ops.not_equal(state["ids"], PAD_ID), "int32"), axis=1)
-        scores = state["log_probs"] / length_penalty(lengths, self.alpha)
-        return Hypotheses(state["ids"][:, None], scores[:, None], state["coverage"])
+        scores = None
+        if self.scores:
+            lengths = ops.sum(ops.cast(ops.not_equal(state["ids"], PAD_ID), "int32"), axis=1)
+            scores = (state["log_probs"] / length_penalty(lengths, self.alpha))[:, None]
+        return Hypotheses(state["ids"][:, None], scores, state["coverage"])
 
 
 class BeamSearch:
@@ -385,7 +392,7 @@ def greedy_search(model, source, max_length):
     Ids end with EOS then 0 (or fill the sentence's limit without EOS, then 0);
     coverage is the last block's cross-attention averaged over heads.
     """
-    found = search(model, source, max_length, GreedySearch())
+    found = search(model, source, max_length, GreedySearch(scores=False))
     return found.ids[:, 0], found.coverage
 
 
@@ -395,10 +402,13 @@ def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
     return found.ids, found.scores
 
 
-def strategy_for(beam_size, alpha, n_best=1):
-    """The search of these settings: `GreedySearch` for a beam of 1, else `BeamSearch`."""
+def strategy_for(beam_size, alpha, n_best=1, scores=True):
+    """The search of these settings: `GreedySearch` for a beam of 1, else `BeamSearch`.
+
+    `scores`: whether greedy search scores its outputs (beam search always does).
+    """
     if beam_size == 1:
-        return GreedySearch(alpha)
+        return GreedySearch(alpha, scores)
     return BeamSearch(beam_size, alpha, n_best)
 
 
@@ -561,13 +571,15 @@ class Translator:
         signature = [tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((None,), tf.int32)]
         compiled = functools.partial(tf.function, jit_compile=jit_compile, autograph=False)
         # All `beam_size` hypotheses and their scores; `n_best` slices them,
-        # so one trace serves every `n_best`.
-        self.strategy = strategy_for(self.beam_size, self.alpha, n_best=self.beam_size)
-        self._search = compiled(self._search_fn, input_signature=signature)
+        # so one trace serves every `n_best`. Greedy search scores only for n-best lists.
+        self._search = compiled(self._search_fn(scores=False), input_signature=signature)
+        self._scored_search = (compiled(self._search_fn(scores=True), input_signature=signature)
+                               if self.beam_size == 1 else self._search)
         self._log_probs = compiled(self._log_probs_fn, input_signature=signature[:1] * 2)
 
-    def _search_fn(self, source, limits):
-        return search(self.model, source, limits, self.strategy)
+    def _search_fn(self, scores):
+        strategy = strategy_for(self.beam_size, self.alpha, n_best=self.beam_size, scores=scores)
+        return lambda source, limits: search(self.model, source, limits, strategy)
 
     def _log_probs_fn(self, source, outputs):
         return sequence_log_probs(self.model, source, outputs)
@@ -583,10 +595,11 @@ class Translator:
         """Padded source ids `(N, S)` of a batch of id lists: EOS added, cut to `maxlen1`."""
         return _pad_ids([list(ids) + [EOS_ID] for ids in batch])[:, :self.model.maxlen1]
 
-    def _decode(self, batch):
+    def _decode(self, batch, scored=False):
         """The `Hypotheses` of a batch of id lists (EOS not added), as numpy arrays."""
         source = self._encoder_input(batch)
-        found = self._search(tf.constant(source), tf.constant(self._limits(source)))
+        search_function = self._scored_search if scored else self._search
+        found = search_function(tf.constant(source), tf.constant(self._limits(source)))
         return Hypotheses(*(None if part is None else part.numpy() for part in found))
 
     def _normalized(self, log_probs, lengths):
@@ -634,7 +647,7 @@ class Translator:
         hypotheses = [[[]] for _ in source_ids]
         scores = [[0.0] for _ in source_ids]
         for rows in self._batches(source_ids, batch_size):
-            found = self._decode([source_ids[i] for i in rows])
+            found = self._decode([source_ids[i] for i in rows], scored=True)
             for row, index in enumerate(rows):
                 hypotheses[index], scores[index] = self._hypotheses(
                     found.ids[row, :n_best], found.scores[row, :n_best])
