@@ -28,7 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import hparams as hp  # noqa: E402
 from kyu_transformer import data  # noqa: E402
 from kyu_transformer.checkpoints import (  # noqa: E402
-    CheckpointError, add_checkpoint_arguments, describe, load_model)
+    CheckpointError, add_checkpoint_arguments, check_checkpoint_arguments, describe, load_model)
 from kyu_transformer.decoding import DEFAULT_BATCH_SIZE, Translator  # noqa: E402
 from kyu_transformer.evaluation import score  # noqa: E402
 from kyu_transformer.files import (  # noqa: E402
@@ -81,13 +81,10 @@ def check_args(parser, args):
     """Stops with an error naming the flag, for a value out of range or flags that clash."""
     if args.ref and not args.src:
         parser.error("--ref goes with --src")
-    for flag, least in (("beam_size", 1), ("batch_size", 1), ("length_margin", 0),
-                        ("average_last", 0)):
+    for flag, least in (("beam_size", 1), ("batch_size", 1), ("length_margin", 0)):
         if getattr(args, flag) < least:
             parser.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
-    if args.ckpt and args.average_last:
-        parser.error(f"--ckpt ({args.ckpt}) and --average_last ({args.average_last}) exclude "
-                     "each other: give one checkpoint, or the number of last ones to average")
+    check_checkpoint_arguments(parser, args)
     if args.n_best is not None and not 1 <= args.n_best <= args.beam_size:
         parser.error(f"--n_best ({args.n_best}) must be between 1 and --beam_size "
                      f"({args.beam_size}): the search keeps only --beam_size hypotheses")

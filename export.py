@@ -22,17 +22,15 @@ import tempfile
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import data, serving  # noqa: E402
+from kyu_transformer import ctranslate2_export, data, serving  # noqa: E402
 from kyu_transformer.checkpoints import (  # noqa: E402
-    CheckpointError, add_checkpoint_arguments, describe, load_model)
+    CheckpointError, add_checkpoint_arguments, check_checkpoint_arguments, describe, load_model)
 from kyu_transformer.decoding import DEFAULT_BATCH_SIZE  # noqa: E402
 from kyu_transformer.files import stops_cleanly_when_full  # noqa: E402
 from kyu_transformer.precision import (  # noqa: E402
     PRECISION_POLICIES, resolve_precision, set_precision)
 
 FORMATS = ("saved_model", "ctranslate2")
-# The weight types of CTranslate2's CPU wheel.
-QUANTIZATIONS = ("float32", "int8", "int8_float32")
 # Our record of what was exported, where TensorFlow Serving looks for extra files.
 SETTINGS_FILE = os.path.join("assets.extra", "export.json")
 EXAMPLE = "Zwei Hunde spielen im Schnee."
@@ -64,7 +62,7 @@ def parse_args(argv):
     parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
                         help="precision of decoding (default no: float32, since the serving "
                              "machine is not known; auto chooses for this machine)")
-    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+    parser.add_argument("--quantization", default=None, choices=ctranslate2_export.QUANTIZATIONS,
                         help="weight type of --format ctranslate2 (default float32)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty --out (once the new export is complete)")
@@ -87,15 +85,13 @@ def check_args(parser, args):
         if getattr(args, flag) is None:
             setattr(args, flag, default)
     for flag, least in (("beam_size", 1), ("n_best", 1), ("length_margin", 0),
-                        ("batch_size", 1), ("average_last", 0)):
+                        ("batch_size", 1)):
         if getattr(args, flag) < least:
             parser.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
     if args.n_best > args.beam_size:
         parser.error(f"--n_best ({args.n_best}) must be at most --beam_size ({args.beam_size}): "
                      "the search keeps only --beam_size hypotheses")
-    if args.ckpt and args.average_last:
-        parser.error(f"--ckpt ({args.ckpt}) and --average_last ({args.average_last}) exclude "
-                     "each other: give one checkpoint, or the number of last ones to average")
+    check_checkpoint_arguments(parser, args)
     if args.mixed_precision and args.format == "ctranslate2":
         parser.error(f"--mixed_precision ({args.mixed_precision}) applies to --format "
                      "saved_model only: a CTranslate2 model computes in its --quantization "
@@ -250,15 +246,8 @@ def write_ctranslate2(args, hparams, model, subwords, target):
       target: The directory to write (it must not exist).
 
     Raises:
-      SystemExit: the converter is missing, or refuses the model or option.
+      SystemExit: ctranslate2 is missing, or the converter refuses the model or option.
     """
-    try:
-        from kyu_transformer import ctranslate2_export
-    except ModuleNotFoundError as error:
-        if error.name != "kyu_transformer.ctranslate2_export":
-            raise
-        raise SystemExit("error: --format ctranslate2 is not implemented in this checkout "
-                         "(kyu_transformer/ctranslate2_export.py is missing)") from None
     try:
         ctranslate2_export.convert(model, hparams, subwords, target,
                                    quantization=args.quantization or "float32")

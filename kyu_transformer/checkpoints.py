@@ -69,6 +69,15 @@ def add_checkpoint_arguments(parser):
                              "exist; not with --ckpt)")
 
 
+def check_checkpoint_arguments(parser, args):
+    """Stops with the parser's error for checkpoint flags that `load_model` would refuse."""
+    if args.average_last < 0:
+        parser.error(f"--average_last must be at least 0, got {args.average_last}")
+    if args.ckpt and args.average_last:
+        parser.error(f"--ckpt ({args.ckpt}) and --average_last ({args.average_last}) exclude "
+                     "each other: give one checkpoint, or the number of last ones to average")
+
+
 def checkpoint_dir(logdir):
     return os.path.join(logdir, "checkpoints")
 

@@ -143,6 +143,7 @@ def test_export_refuses_bad_flags_naming_them(capsys):
         (["--quantization", "int8"], "--quantization (int8) applies to --format ctranslate2"),
         (["--length_margin", "-1"], "--length_margin must be at least 0, got -1"),
         (["--ckpt", "best", "--average_last", "2"], "--ckpt (best) and --average_last (2)"),
+        (["--average_last", "-1"], "--average_last must be at least 0, got -1"),
         (["--beam_szie", "4"], "unknown flag --beam_szie (did you mean --beam_size?)"),
         # A CTranslate2 model holds no search settings: given ones would be lost.
         (["--format", "ctranslate2", "--beam_size", "1", "--alpha", "1"],
