@@ -2,14 +2,15 @@
 
 The encoder runs once per batch; the decoder runs one position per step
 (`Transformer.decode_step`), reading the keys/values of earlier positions from
-the cache instead of recomputing the prefix. Both searches are loops of
-`keras.ops.while_loop`, compiled as a whole by `Translator` (`tf.function`),
-and stop as soon as every sentence is finished.
+the cache instead of recomputing the prefix. One loop, `search` (a
+`keras.ops.while_loop`, compiled as a whole by `Translator` and the SavedModel
+with `tf.function`), serves both searches, `GreedySearch` and `BeamSearch`
+being what a step picks; it stops as soon as every sentence is finished.
 
 Each sentence has its own output limit (EOS included), whatever shares its
-batch. Outputs are id matrices `(N, L)`, `L` the largest limit: each row the
-generated ids, EOS included (none if cut at the sentence's limit), then
-padding (0).
+batch. Outputs are id arrays `(N, K, L)` (`Hypotheses`), `L` the largest limit:
+each row the generated ids, EOS included (none if cut at the sentence's
+limit), then padding (0).
 """
 
 import collections
@@ -201,9 +202,9 @@ Hypotheses.__doc__ = """What `search` finds for a batch of `N` sentences, `K` hy
 `ids` `(N, K, L)` (`L` the largest limit), best first: each row the generated
 ids, EOS included (none if cut at the sentence's limit), then padding;
 `scores` `(N, K)`: the log-probability (EOS included) over GNMT's length
-penalty of the hypothesis' length; `coverage` `(N, L, S)`, the last block's
-cross-attention averaged over heads, where the strategy records it (greedy
-search), else None.
+penalty of the hypothesis' length (None from `GreedySearch(scores=False)`);
+`coverage` `(N, L, S)`, the last block's cross-attention averaged over heads,
+where the strategy records it (greedy search), else None.
 """
 
 
@@ -538,7 +539,7 @@ class Translator:
     Args:
       model: The `Transformer`.
       beam_size: 1 for greedy search, else beam search.
-      alpha: Length-penalty exponent of beam search.
+      alpha: Length-penalty exponent of beam search and of every score.
       max_length: Most output tokens (at most the model's `maxlen2`, which is
         the default).
       length_margin: How many tokens an output may have beyond its source's.

@@ -584,8 +584,8 @@ class MultiHeadAttention(keras.layers.Layer):
       training: Whether dropout is active.
       return_attention_scores: If True, also return the weights.
       cache: For step-by-step decoding, the projected keys and values so far,
-        ``(k, v)`` `(N, h, T_c, d_k)` each. In self-attention this call's join
-        them and it attends over the grown cache, which holds earlier
+        ``(k, v)`` `(N, h, T_c, d_k)` each. In self-attention this call's keys and
+        values join them and it attends over the grown cache, which holds earlier
         positions only: `causality` gives way to `key_mask` (the slots each
         query sees). Over other keys the cache is their projection
         (`project_keys_values`, made once), used instead of `keys`.
@@ -954,7 +954,7 @@ class DecoderBlock(_Block):
       self_attention_mask: With a `cache`, the cache slots each of the `T`
         queries sees, boolean `(N, T, T_c + T)` (this call's slots last):
         needed when `T` > 1, as which slots belong to which query is the
-        search's to say (see `decoding.beam_search`); one query sees them all.
+        search's to say (see `decoding.own_history`); one query sees them all.
 
     Returns:
       `(N, T, C)`; with `return_attention_scores` ``(outputs, weights,
