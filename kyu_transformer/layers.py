@@ -974,14 +974,14 @@ class DecoderBlock(_Block):
         self.feed_forward.build(inputs_shape)
 
     def init_cache(self, memory):
-        """The `cache` before the first position, for `memory` `(N, S, C)`.
+        """The `cache` of a built block before the first position, for `memory` `(N, S, C_m)`.
 
         ``self``: no keys and values yet, `(N, h, 0, d_k)` each; ``cross``: the
         memory's keys and values `(N, h, S, d_k)`, projected once and shared by
         every position (and by all hypotheses of a sentence).
         """
-        empty = ops.zeros((ops.shape(memory)[0], self.num_heads, 0,
-                           memory.shape[-1] // self.num_heads), memory.dtype)
+        head_width = self.self_attention.key_dense.units // self.num_heads  # d_k
+        empty = ops.zeros((ops.shape(memory)[0], self.num_heads, 0, head_width), memory.dtype)
         return {"self": (empty, empty),
                 "cross": self.cross_attention.project_keys_values(memory)}
 

@@ -17,6 +17,7 @@ from kyu_transformer import data
 from kyu_transformer.checkpoints import CheckpointError, list_checkpoints, load_model
 from kyu_transformer.decoding import (GreedySearch, Translator, _strip, _top_k_rows, beam_search,
                                       greedy_search, length_penalty, search, sequence_log_probs)
+from kyu_transformer.layers import DecoderBlock
 from kyu_transformer.model import Transformer
 from tests.conftest import copy_of_logdir, load_logdir
 from tests.test_data import MULTI30K
@@ -487,3 +488,15 @@ def test_a_decoder_block_decodes_with_the_call_it_trains_with(rng, norm_position
     # the memory's keys and values are projected once: the cache holds them unchanged
     np.testing.assert_array_equal(cache["cross"][0],
                                   block.cross_attention.project_keys_values(memory)[0])
+
+
+def test_a_decoder_block_over_a_wider_memory_decodes_with_its_own_head_width(rng):
+    block = DecoderBlock(num_heads=2, d_ff=32)
+    inputs = tf.constant(rng.normal(size=(2, 3, 16)).astype("float32"))
+    memory = tf.constant(rng.normal(size=(2, 5, 24)).astype("float32"))
+    whole = block(inputs, memory)
+    cache = block.init_cache(memory)
+    assert cache["self"][0].shape == (2, 2, 0, 8)  # the block's heads, not the memory's width
+    for position in range(3):
+        outputs, cache = block(inputs[:, position:position + 1], memory, cache=cache)
+        np.testing.assert_allclose(outputs[:, 0], whole[:, position], atol=1e-5)
