@@ -297,7 +297,8 @@ class GreedySearch:
             logits = ops.cast(logits, "float32")
             best = ops.max(logits, axis=-1, keepdims=True)  # (N, 1)
             log_prob = -ops.log(ops.sum(ops.exp(logits - best), axis=-1))  # (N,)
-            log_probs = log_probs + ops.where(done, 0.0, log_prob)
+            # Padding (finished sentences, or a PAD picked) is no token: as forced decoding.
+            log_probs = log_probs + ops.where(ops.equal(chosen, PAD_ID), 0.0, log_prob)
         limit_reached = ops.greater_equal(step + 1, state["limits"])
         return {**state, "last": chosen, "log_probs": log_probs,
                 "ids": ops.slice_update(state["ids"], (0, step), chosen[:, None]),
@@ -596,12 +597,15 @@ class Translator:
         """Padded source ids `(N, S)` of a batch of id lists: EOS added, cut to `maxlen1`."""
         return _pad_ids([list(ids) + [EOS_ID] for ids in batch])[:, :self.model.maxlen1]
 
-    def _decode(self, batch, scored=False):
-        """The `Hypotheses` of a batch of id lists (EOS not added), as numpy arrays."""
+    def _decode(self, batch, scored=False, with_coverage=False):
+        """The `Hypotheses` of a batch of id lists (EOS not added), as numpy arrays
+        (the scores when `scored`, the coverage when `with_coverage`)."""
         source = self._encoder_input(batch)
         search_function = self._scored_search if scored else self._search
-        found = search_function(tf.constant(source), tf.constant(self._limits(source)))
-        return Hypotheses(*(None if part is None else part.numpy() for part in found))
+        ids, scores, coverage = search_function(tf.constant(source),
+                                                tf.constant(self._limits(source)))
+        return Hypotheses(ids.numpy(), scores.numpy() if scored else None,
+                          coverage.numpy() if with_coverage else None)
 
     def _normalized(self, log_probs, lengths):
         """`log_probs` divided by GNMT's length penalty of `lengths` (EOS included)."""
@@ -636,7 +640,7 @@ class Translator:
         results = [[] for _ in source_ids]
         coverages = [None for _ in source_ids]
         for rows in self._batches(source_ids, batch_size):
-            found = self._decode([source_ids[i] for i in rows])
+            found = self._decode([source_ids[i] for i in rows], with_coverage=with_coverage)
             for row, index in enumerate(rows):
                 results[index] = self._output(found.ids[row, 0])
                 if with_coverage:
