@@ -29,7 +29,8 @@ import hparams as hp  # noqa: E402
 from kyu_transformer import data  # noqa: E402
 from kyu_transformer.checkpoints import (  # noqa: E402
     CheckpointError, add_checkpoint_arguments, check_checkpoint_arguments, describe, load_model)
-from kyu_transformer.decoding import DEFAULT_BATCH_SIZE, Translator  # noqa: E402
+from kyu_transformer.translation import (  # noqa: E402
+    Translator, add_search_arguments, given_search_flags, search_settings)
 from kyu_transformer.evaluation import score  # noqa: E402
 from kyu_transformer.files import (  # noqa: E402
     replaced_atomically, stops_cleanly_when_full, write_text)
@@ -45,13 +46,9 @@ def parse_args(argv):
     source.add_argument("--src", default=None, help="source text file, or - for standard input")
     parser.add_argument("--ref", default=None, help="reference translations of --src")
     parser.add_argument("--data_dir", default=None, help="default: the logdir's data_dir")
-    parser.add_argument("--beam_size", type=int, default=4, help="1 for greedy search")
-    parser.add_argument("--alpha", type=float, default=0.6, help="length-penalty exponent")
-    parser.add_argument("--batch_size", type=int, default=DEFAULT_BATCH_SIZE,
-                        help="sentences per batch")
-    parser.add_argument("--length_margin", type=int, default=16, metavar="M",
-                        help="a translation has at most its source's length + M subwords "
-                             "(EOS included, at most maxlen2)")
+    add_search_arguments(parser, helps={
+        "n_best": "also write the K best hypotheses of each sentence (with sampling, K "
+                  "samples) and their scores to <name>.nbest.jsonl (K at most --beam_size)"})
     parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
                         help="precision of decoding (default auto: chosen for this machine, "
                              "whatever the training machine chose; the weights are float32 "
@@ -59,9 +56,6 @@ def parse_args(argv):
     parser.add_argument("--plot_attention", type=int, default=0, metavar="K",
                         help="save cross-attention heatmaps of the first K sentences, "
                              "decoded greedily whatever --beam_size")
-    parser.add_argument("--n_best", type=int, default=None, metavar="K",
-                        help="also write the K best hypotheses of each sentence and their "
-                             "scores to <name>.nbest.jsonl (K at most --beam_size)")
     parser.add_argument("--score", default=None, metavar="FILE",
                         help="instead of translating, score the translations in FILE (one "
                              "per line of --src or --split): log-probability, EOS included, "
@@ -81,13 +75,8 @@ def check_args(parser, args):
     """Stops with an error naming the flag, for a value out of range or flags that clash."""
     if args.ref and not args.src:
         parser.error("--ref goes with --src")
-    for flag, least in (("beam_size", 1), ("batch_size", 1), ("length_margin", 0)):
-        if getattr(args, flag) < least:
-            parser.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
+    args.settings = search_settings(parser, **given_search_flags(args))
     check_checkpoint_arguments(parser, args)
-    if args.n_best is not None and not 1 <= args.n_best <= args.beam_size:
-        parser.error(f"--n_best ({args.n_best}) must be between 1 and --beam_size "
-                     f"({args.beam_size}): the search keeps only --beam_size hypotheses")
     for first, second, why in EXCLUSIVE_FLAGS:
         if _given(args, first) and _given(args, second):
             parser.error(f"--{first} and --{second} exclude each other: {why}")
@@ -102,6 +91,7 @@ EXCLUSIVE_FLAGS = (
     ("score", "ref", "--score rates FILE by the model, not by references"),
     ("score", "n_best", "--score translates nothing"),
     ("score", "plot_attention", "--score translates nothing"),
+    ("score", "sampling_topk", "--score translates nothing"),
     ("score", "ctranslate2", "--score scores with the logdir's Keras model"),
     ("ctranslate2", "ckpt", "the CTranslate2 model holds the weights it was converted from"),
     ("ctranslate2", "average_last",
@@ -113,6 +103,8 @@ EXCLUSIVE_FLAGS = (
 
 
 def _given(args, flag):
+    if flag == "sampling_topk":
+        return args.settings.sampling
     return getattr(args, flag) not in (None, 0, False, "")
 
 
@@ -159,7 +151,8 @@ def plot_attention(model, translator, subwords, sources, count, out_dir, name):
 
     sources = sources[:count]
     source_ids = subwords.encode(sources)
-    outputs, coverages = translator.translate_ids(source_ids, with_coverage=True)
+    found = translator.translate_ids(source_ids, with_coverage=True)
+    outputs, coverages = found.outputs, found.coverages
     paths = []
     for index, (ids, output, coverage) in enumerate(zip(source_ids, outputs, coverages)):
         if coverage is None:
@@ -185,64 +178,21 @@ def plot_attention(model, translator, subwords, sources, count, out_dir, name):
     return paths
 
 
-def print_truncation_notes(translator, hparams):
+def print_truncation_notes(translations, translator):
     """Says how many sources were cut to maxlen1 and outputs to their length limit."""
-    if translator.truncated_sources:
-        print(f"note: {translator.truncated_sources} sentences were longer than maxlen1="
-              f"{hparams['maxlen1']} subwords and were cut to it")
-    if translator.truncated_outputs:
-        print(f"note: {translator.truncated_outputs} translations reached their length limit "
-              f"(source length + {translator.length_margin} subwords, at most "
+    if translations.truncated_sources:
+        print(f"note: {translations.truncated_sources} sentences were longer than maxlen1="
+              f"{translator.maxlen1} subwords and were cut to it")
+    if translations.truncated_outputs:
+        print(f"note: {translations.truncated_outputs} translations reached their length limit "
+              f"(source length + {translator.settings.length_margin} subwords, at most "
               f"{translator.max_length}) before ending and were cut there")
-
-
-class CTranslate2Translator:
-    """A CTranslate2 model directory behind the part of `Translator` that eval.py uses.
-
-    Sentences are translated by `ctranslate2_export.translate_with_ctranslate2`,
-    which cuts sources and limits outputs as `Translator` does and maps beam
-    size, alpha and length margin onto CTranslate2's options. With beam search
-    the n-best come in CTranslate2's order (log-probability over
-    ``length ** alpha``), scored as ours (over GNMT's penalty), so their scores
-    need not fall.
-    """
-
-    def __init__(self, model_dir, beam_size, alpha, length_margin):
-        from kyu_transformer import ctranslate2_export
-
-        import ctranslate2
-
-        self._export = ctranslate2_export
-        settings = ctranslate2_export.read_settings(model_dir)
-        self.model_dir, self.quantization = model_dir, settings.get("quantization")
-        self.maxlen1, self.max_length = settings["maxlen1"], settings["maxlen2"]
-        self.beam_size, self.alpha, self.length_margin = beam_size, alpha, length_margin
-        self.truncated_sources = self.truncated_outputs = 0
-        self._translator = ctranslate2.Translator(model_dir, device="cpu")
-
-    def translate_ids(self, source_ids, batch_size=DEFAULT_BATCH_SIZE, n_best=None):
-        """As `Translator.translate_ids` (without coverage)."""
-        results = self._export.translate_with_ctranslate2(
-            self.model_dir, source_ids, beam_size=self.beam_size, alpha=self.alpha,
-            length_margin=self.length_margin, n_best=n_best or 1,
-            translator=self._translator, batch_size=batch_size)
-        self.truncated_sources = sum(len(ids) + 1 > self.maxlen1 for ids in source_ids)
-        self.truncated_outputs = sum(bool(ids) and hypotheses[0].truncated
-                                     for ids, hypotheses in zip(source_ids, results))
-        if not n_best:
-            return [hypotheses[0].ids for hypotheses in results]
-        # An empty source has one empty hypothesis scored 0, as Translator gives it.
-        return ([[h.ids for h in hypotheses] for hypotheses in results],
-                [[h.score for h in hypotheses] for hypotheses in results])
-
-    def translate(self, sentences, subwords, batch_size=DEFAULT_BATCH_SIZE):
-        source_ids = subwords.encode(sentences)
-        return [subwords.decode(ids) for ids in self.translate_ids(source_ids, batch_size)]
 
 
 def load_ctranslate2(args):
     """``(translator, facts)`` of --ctranslate2 DIR, checked against the logdir's subwords."""
-    from kyu_transformer.ctranslate2_export import SUBWORDS_FILE, ExportError
+    from kyu_transformer.ctranslate2_export import (SUBWORDS_FILE, CTranslate2Translator,
+                                                    ExportError)
 
     model_dir = args.ctranslate2
     if not os.path.isdir(model_dir):
@@ -254,8 +204,7 @@ def load_ctranslate2(args):
                              f"{ours}: convert this logdir's model, or give the logdir it "
                              "came from")
     try:
-        translator = CTranslate2Translator(model_dir, args.beam_size, args.alpha,
-                                           args.length_margin)
+        translator = CTranslate2Translator(model_dir, args.settings)
     except ImportError:
         raise data.DataError('--ctranslate2 needs the ctranslate2 package: pip install -e '
                              '".[serve]" (or pip install ctranslate2)') from None
@@ -279,25 +228,25 @@ def load_translator(args, hparams):
                                   print(line, file=sys.stderr))
     set_precision(precision)
     model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
-    translator = Translator(model, beam_size=args.beam_size, alpha=args.alpha,
-                            length_margin=args.length_margin)
+    translator = Translator(model, args.settings)
     return translator, {"engine": "keras", "checkpoint": describe(checkpoints),
                         "checkpoints": checkpoints, "mixed_precision": precision, **choice}
 
 
 def translate(translator, subwords, sources, args):
-    """``(hypotheses, n-best rows or None)``: the best translations, and with --n_best
-    one row per sentence for <name>.nbest.jsonl."""
+    """``(translations, texts, n-best rows or None)``: the `Translations`, the best texts, and
+    with --n_best one row per sentence for <name>.nbest.jsonl."""
+    translations = translator.translate_ids(subwords.encode(sources), n_best=args.n_best)
+    texts = [subwords.decode(ids) for ids in translations.outputs]
     if not args.n_best:
-        return translator.translate(sources, subwords, args.batch_size), None
-    outputs, scores = translator.translate_ids(subwords.encode(sources), args.batch_size,
-                                               n_best=args.n_best)
+        return translations, texts, None
     rows = []
-    for source, ids_list, sentence_scores in zip(sources, outputs, scores):
+    for source, ids_list, sentence_scores in zip(sources, translations.hypotheses,
+                                                 translations.scores):
         hypotheses = [{"text": subwords.decode(ids), "score": score}
                       for ids, score in zip(ids_list, sentence_scores)]
         rows.append({"source": source, "hypotheses": hypotheses})
-    return [row["hypotheses"][0]["text"] for row in rows], rows
+    return translations, texts, rows
 
 
 def score_translations(translator, subwords, sources, source_file, args):
@@ -306,13 +255,13 @@ def score_translations(translator, subwords, sources, source_file, args):
     if len(targets) != len(sources):
         raise data.DataError(f"{args.score} has {len(targets)} lines but {source_file} has "
                              f"{len(sources)}: --score needs one translation per source line")
-    scored = translator.score_ids(subwords.encode(sources), subwords.encode(targets),
-                                  args.batch_size)
+    scored, truncated_sources = translator.score_ids(subwords.encode(sources),
+                                                     subwords.encode(targets))
     return [{"source": source, "target": target, **result._asdict()}
-            for source, target, result in zip(sources, targets, scored)]
+            for source, target, result in zip(sources, targets, scored)], truncated_sources
 
 
-def write_scores(rows, translator, hparams, out_dir, name):
+def write_scores(rows, truncated_sources, translator, out_dir, name):
     """Writes <name>.scores.jsonl and says what the scores are."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}.scores.jsonl")
@@ -321,12 +270,13 @@ def write_scores(rows, translator, hparams, out_dir, name):
     log_prob = sum(row["log_prob"] for row in rows)
     print(f"{len(rows)} translations scored: {tokens} subwords (EOS included), "
           f"log-probability {log_prob:.2f}, perplexity {math.exp(-log_prob / tokens):.2f}; "
-          f"score = log_prob / ((5 + tokens) / 6) ** {translator.alpha} (--alpha)")
-    if translator.truncated_sources:
-        print(f"note: {translator.truncated_sources} sources were longer than maxlen1="
-              f"{hparams['maxlen1']} subwords and were cut to it")
-    if translator.truncated_outputs:
-        print(f"note: {translator.truncated_outputs} translations were longer than "
+          f"score = log_prob / ((5 + tokens) / 6) ** {translator.settings.alpha} (--alpha)")
+    if truncated_sources:
+        print(f"note: {truncated_sources} sources were longer than maxlen1="
+              f"{translator.maxlen1} subwords and were cut to it")
+    truncated_outputs = sum(row["truncated"] for row in rows)
+    if truncated_outputs:
+        print(f"note: {truncated_outputs} translations were longer than "
               f"{translator.max_length} subwords with EOS (maxlen2): only their first "
               f"{translator.max_length} were scored, without EOS (\"truncated\": true)")
     print(f"scores: {path}")
@@ -350,27 +300,28 @@ def main(argv=None):
         name, sources, references, source_file = load_inputs(args, hparams)
         out_dir = os.path.join(args.logdir, "eval")
         if args.score:
-            rows = score_translations(translator, subwords, sources, source_file, args)
-            write_scores(rows, translator, hparams, out_dir, name)
+            rows, truncated = score_translations(translator, subwords, sources, source_file,
+                                                 args)
+            write_scores(rows, truncated, translator, out_dir, name)
             return 0
     except (hp.HParamsError, data.DataError, CheckpointError) as error:
         raise SystemExit(f"error: {error}")
     os.makedirs(out_dir, exist_ok=True)
-    hypotheses, decode_seconds = write_translations(translator, facts, subwords, sources,
-                                                    args, out_dir, name)
-    print_truncation_notes(translator, hparams)
+    translations, hypotheses, decode_seconds = write_translations(
+        translator, facts, subwords, sources, args, out_dir, name)
+    print_truncation_notes(translations, translator)
     if args.plot_attention:
         model = translator.model
-        greedy = Translator(model, length_margin=args.length_margin)  # coverage needs greedy
+        # Coverage is recorded by greedy search.
+        greedy = Translator(model, args.settings.replace(beam_size=1, sampling_topk=1, n_best=1))
         for path in plot_attention(model, greedy, subwords, sources, args.plot_attention,
                                    out_dir, name):
             print(f"attention: {path}")
     if references is not None:
         result = score(hypotheses, references)
-        result.update(**facts, beam_size=args.beam_size, alpha=args.alpha,
-                      length_margin=args.length_margin, n_best=args.n_best,
-                      truncated_sources=translator.truncated_sources,
-                      truncated_outputs=translator.truncated_outputs,
+        result.update(**facts, **search_record(args.settings), n_best=args.n_best,
+                      truncated_sources=translations.truncated_sources,
+                      truncated_outputs=translations.truncated_outputs,
                       num_sentences=len(sources), seconds=round(time.time() - started, 2),
                       decode_seconds=round(decode_seconds, 2))
         write_result(result, os.path.join(out_dir, f"{name}.json"))
@@ -385,21 +336,39 @@ def write_result(result, path):
 
 
 def write_translations(translator, facts, subwords, sources, args, out_dir, name):
-    """Translates, writes <name>.hyp.txt (and <name>.nbest.jsonl); ``(hypotheses, seconds)``."""
+    """Translates, writes <name>.hyp.txt (and <name>.nbest.jsonl);
+    ``(translations, hypotheses, seconds)``."""
     decode_started = time.time()
-    hypotheses, n_best_rows = translate(translator, subwords, sources, args)
+    translations, hypotheses, n_best_rows = translate(translator, subwords, sources, args)
     decode_seconds = time.time() - decode_started
     hypothesis_path = os.path.join(out_dir, f"{name}.hyp.txt")
     write_lines(hypothesis_path, hypotheses)
     print(f"{len(sources)} sentences translated in {decode_seconds:.1f} s "
           f"({len(sources) / max(decode_seconds, 1e-9):.0f} sentences/s), "
-          f"beam {args.beam_size}, {describe_engine(facts)}")
+          f"{describe_search(args.settings)}, {describe_engine(facts)}")
     print(f"translations: {hypothesis_path}")
     if n_best_rows is not None:
         n_best_path = os.path.join(out_dir, f"{name}.nbest.jsonl")
         write_json_lines(n_best_path, n_best_rows)
         print(f"the {args.n_best} best hypotheses and their scores: {n_best_path}")
-    return hypotheses, decode_seconds
+    return translations, hypotheses, decode_seconds
+
+
+def search_record(settings):
+    """The search settings that <name>.json records."""
+    record = {"beam_size": settings.beam_size, "alpha": settings.alpha,
+              "length_margin": settings.length_margin}
+    if settings.sampling:
+        record.update(sampling_topk=settings.sampling_topk, sampling_topp=settings.sampling_topp,
+                      sampling_temperature=settings.sampling_temperature, seed=settings.seed)
+    return record
+
+
+def describe_search(settings):
+    if settings.sampling:
+        return (f"sampling top-k {settings.sampling_topk}, top-p {settings.sampling_topp}, "
+                f"temperature {settings.sampling_temperature}, seed {settings.seed}")
+    return f"beam {settings.beam_size}"
 
 
 def describe_engine(facts):

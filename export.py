@@ -25,7 +25,8 @@ import hparams as hp  # noqa: E402
 from kyu_transformer import ctranslate2_export, data, serving  # noqa: E402
 from kyu_transformer.checkpoints import (  # noqa: E402
     CheckpointError, add_checkpoint_arguments, check_checkpoint_arguments, describe, load_model)
-from kyu_transformer.decoding import DEFAULT_BATCH_SIZE  # noqa: E402
+from kyu_transformer.translation import (  # noqa: E402
+    SAMPLING_FLAGS, SEARCH_FLAGS, add_search_arguments, given_search_flags, search_settings)
 from kyu_transformer.files import stops_cleanly_when_full  # noqa: E402
 from kyu_transformer.precision import (  # noqa: E402
     PRECISION_POLICIES, resolve_precision, set_precision)
@@ -34,11 +35,9 @@ FORMATS = ("saved_model", "ctranslate2")
 # Our record of what was exported, where TensorFlow Serving looks for extra files.
 SETTINGS_FILE = os.path.join("assets.extra", "export.json")
 EXAMPLE = "Zwei Hunde spielen im Schnee."
-# The SavedModel's search flags and their defaults. A CTranslate2 model holds
-# no search settings (they are given when it translates), so --format
-# ctranslate2 refuses them rather than ignoring them.
-SEARCH_DEFAULTS = {"beam_size": 4, "alpha": 0.6, "n_best": 1, "length_margin": 16,
-                   "batch_size": DEFAULT_BATCH_SIZE}
+# The sample signature draws from the whole distribution unless told otherwise
+# (eval.py's default of 1 means "do not sample", which a sample signature cannot).
+SAMPLE_TOPK = 0
 
 
 def parse_args(argv):
@@ -47,18 +46,14 @@ def parse_args(argv):
     parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
     parser.add_argument("--format", default="saved_model", choices=FORMATS,
                         help="saved_model (TensorFlow, text in and out) or ctranslate2")
-    parser.add_argument("--beam_size", type=int, help="1 for greedy search (default 4)")
-    parser.add_argument("--alpha", type=float, help="length-penalty exponent (default 0.6)")
-    parser.add_argument("--n_best", type=int, metavar="K",
-                        help="hypotheses returned per sentence (at most --beam_size; default "
-                             "1)")
-    parser.add_argument("--length_margin", type=int, metavar="M",
-                        help="a translation has at most its source's length + M subwords "
-                             "(EOS included, at most maxlen2; default 16)")
-    parser.add_argument("--batch_size", type=int,
-                        help="most sentences the SavedModel decodes together (a request of "
-                             "any size is decoded in batches of this size; default "
-                             f"{DEFAULT_BATCH_SIZE})")
+    # A CTranslate2 model holds no search settings (they are given when it
+    # translates), so --format ctranslate2 refuses them rather than ignoring them.
+    add_search_arguments(parser, [flag for flag in SEARCH_FLAGS if flag != "seed"], helps={
+        "batch_size": "most sentences the SavedModel decodes together (a request of any size "
+                      "is decoded in batches of this size; default 128)",
+        "sampling_topk": "add the sample signature (text and seed in), which draws each "
+                         f"token from the K most likely (default {SAMPLE_TOPK}: from all; "
+                         "any sampling flag adds it)"})
     parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
                         help="precision of decoding (default no: float32, since the serving "
                              "machine is not known; auto chooses for this machine)")
@@ -74,23 +69,27 @@ def parse_args(argv):
 def check_args(parser, args):
     """Stops with an error naming the flag, for a value out of range or flags that clash.
 
-    Fills in the search flags' defaults (`SEARCH_DEFAULTS`) for a SavedModel.
+    Sets `args.settings` and `args.sampling`, the `SearchSettings` of the
+    SavedModel's signatures.
     """
-    given = [f"--{flag}" for flag in SEARCH_DEFAULTS if getattr(args, flag) is not None]
+    given = given_search_flags(args)
     if args.format == "ctranslate2" and given:
-        parser.error(f"{', '.join(given)} applies to --format saved_model only: a CTranslate2 "
-                     "model holds no search settings, they are given when it translates "
-                     "(python eval.py --ctranslate2 DIR --beam_size ... --alpha ...)")
-    for flag, default in SEARCH_DEFAULTS.items():
-        if getattr(args, flag) is None:
-            setattr(args, flag, default)
-    for flag, least in (("beam_size", 1), ("n_best", 1), ("length_margin", 0),
-                        ("batch_size", 1)):
-        if getattr(args, flag) < least:
-            parser.error(f"--{flag} must be at least {least}, got {getattr(args, flag)}")
-    if args.n_best > args.beam_size:
-        parser.error(f"--n_best ({args.n_best}) must be at most --beam_size ({args.beam_size}): "
-                     "the search keeps only --beam_size hypotheses")
+        parser.error(f"{', '.join('--' + flag for flag in given)} applies to --format "
+                     "saved_model only: a CTranslate2 model holds no search settings, they "
+                     "are given when it translates (python eval.py --ctranslate2 DIR "
+                     "--beam_size ... --alpha ...)")
+    searching = {flag: value for flag, value in given.items() if flag not in SAMPLING_FLAGS}
+    args.settings = search_settings(parser, **searching)
+    # The sample signature, where sampling flags are given: the same settings,
+    # sampling (its seed comes with each request).
+    sampling = {flag: value for flag, value in given.items() if flag in SAMPLING_FLAGS}
+    args.sampling = None
+    if sampling:
+        if sampling.get("sampling_topk") == 1:
+            parser.error("--sampling_topk 1 does not sample: give 0 (all tokens) or K > 1 "
+                         "for the sample signature")
+        args.sampling = search_settings(parser, **{"sampling_topk": SAMPLE_TOPK, **searching,
+                                                   "beam_size": 1, **sampling})
     check_checkpoint_arguments(parser, args)
     if args.mixed_precision and args.format == "ctranslate2":
         parser.error(f"--mixed_precision ({args.mixed_precision}) applies to --format "
@@ -220,14 +219,19 @@ def write_saved_model(args, model, subwords, checkpoints, precision, target):
       The names of its signatures (without tensorflow-text, the ids one only).
     """
     with_text = serving.import_tensorflow_text() is not None
-    settings = serving.SearchSettings(args.beam_size, args.alpha, args.n_best,
-                                      args.length_margin, args.batch_size)
-    signatures = serving.save(model, subwords.path, settings, target, with_text=with_text)
+    signatures = serving.save(model, subwords.path, args.settings, target,
+                              sampling=args.sampling, with_text=with_text)
+    settings, sampling = args.settings, args.sampling
     record = {"format": "saved_model", "signatures": signatures, "logdir": args.logdir,
               "checkpoint": describe(checkpoints), "checkpoints": checkpoints,
               "mixed_precision": precision, "compute_dtype": PRECISION_POLICIES[precision],
-              "beam_size": args.beam_size, "alpha": args.alpha, "n_best": args.n_best,
-              "length_margin": args.length_margin, "batch_size": args.batch_size,
+              "beam_size": settings.beam_size, "alpha": settings.alpha,
+              "n_best": settings.n_best, "length_margin": settings.length_margin,
+              "batch_size": settings.batch_size,
+              "sample": sampling and {"sampling_topk": sampling.sampling_topk,
+                                      "sampling_topp": sampling.sampling_topp,
+                                      "sampling_temperature": sampling.sampling_temperature,
+                                      "n_best": sampling.n_best},
               "maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
               "subword_model": serving.asset_name(subwords.path)}
     os.makedirs(os.path.dirname(os.path.join(target, SETTINGS_FILE)), exist_ok=True)
@@ -259,11 +263,17 @@ def write_ctranslate2(args, hparams, model, subwords, target):
 
 def print_saved_model_usage(out, signatures, args, checkpoints, precision):
     """Says what was written and how to call it, load it and serve it."""
-    search = (f"beam {args.beam_size}, alpha {args.alpha}" if args.beam_size > 1
-              else f"greedy, alpha {args.alpha} for the scores")
+    settings, sampling = args.settings, args.sampling
+    search = (f"beam {settings.beam_size}, alpha {settings.alpha}" if settings.beam_size > 1
+              else f"greedy, alpha {settings.alpha} for the scores")
     print(f"wrote a SavedModel to {out}: checkpoint {describe(checkpoints)}; {search}, "
-          f"n_best {args.n_best}, length margin {args.length_margin}; decoding in "
+          f"n_best {settings.n_best}, length margin {settings.length_margin}; decoding in "
           f"{PRECISION_POLICIES[precision]}")
+    if serving.SAMPLE_SIGNATURE in signatures:
+        print(f"{serving.SAMPLE_SIGNATURE}: {sampling.n_best} samples per sentence, top-k "
+              f"{sampling.sampling_topk}, top-p {sampling.sampling_topp}, temperature "
+              f"{sampling.sampling_temperature}; call it with text=..., seed=tf.constant(S, "
+              "tf.int64)")
     print(f"signatures: {', '.join(signatures)}  (saved_model_cli show --dir {out} --all)")
     if serving.TEXT_SIGNATURE not in signatures:
         print("note: tensorflow-text is not installed, so only the ids signature was written "
@@ -288,12 +298,11 @@ def print_ctranslate2_usage(out, args, checkpoints):
     print(f"wrote a CTranslate2 model to {out}: checkpoint {describe(checkpoints)}, weights "
           f"{args.quantization or 'float32'}")
     print("translate and score a split or a file with it (search settings given here):")
-    print(f"  python eval.py --logdir {args.logdir} --ctranslate2 {out} --beam_size "
-          f"{args.beam_size} --alpha {args.alpha}")
+    print(f"  python eval.py --logdir {args.logdir} --ctranslate2 {out} --beam_size 4 "
+          "--alpha 0.6")
     print("or from Python, as eval.py decodes (EOS appended, the same length limits):")
-    print("  from kyu_transformer.ctranslate2_export import translate_with_ctranslate2")
-    print(f"  translate_with_ctranslate2({out!r}, source_ids, beam_size={args.beam_size}, "
-          f"alpha={args.alpha}, length_margin={args.length_margin})")
+    print("  from kyu_transformer.ctranslate2_export import CTranslate2Translator")
+    print(f"  CTranslate2Translator({out!r}, beam_size=4).translate_ids(source_ids).outputs")
     print("  (source_ids: lists of subword ids without EOS, from the subword model in the "
           "directory)")
 

@@ -57,13 +57,14 @@ def timed(function, repeats):
 
 def ours(logdir, hparams, subwords, sources, args):
     from kyu_transformer.checkpoints import load_model
-    from kyu_transformer.decoding import Translator
     from kyu_transformer.precision import set_precision
+    from kyu_transformer.translation import Translator
 
     set_precision(hparams["mixed_precision"])
     model, _ = load_model(hparams, logdir)
-    translator = Translator(model, beam_size=args.beam_size, alpha=args.alpha)
-    return timed(lambda: translator.translate(sources, subwords, args.batch_size), args.repeats)
+    translator = Translator(model, beam_size=args.beam_size, alpha=args.alpha,
+                            batch_size=args.batch_size)
+    return timed(lambda: translator.translate(sources, subwords), args.repeats)
 
 
 def saved_model(directory, sources, args):
@@ -84,20 +85,18 @@ def saved_model(directory, sources, args):
 def ctranslate2_model(directory, hparams, subwords, sources, args):
     import ctranslate2
 
-    from kyu_transformer.ctranslate2_export import translate_with_ctranslate2
+    from kyu_transformer.ctranslate2_export import CTranslate2Translator
 
-    source_ids = subwords.encode(sources)
     state = {}
 
     def translate():
-        if "translator" not in state:  # the first call loads the model
-            state["translator"] = ctranslate2.Translator(directory, device="cpu",
-                                                         intra_threads=args.threads)
-        results = translate_with_ctranslate2(
-            directory, source_ids, beam_size=args.beam_size, alpha=args.alpha,
-            maxlen1=hparams["maxlen1"], maxlen2=hparams["maxlen2"],
-            translator=state["translator"], batch_size=args.batch_size)
-        return [subwords.decode(hypotheses[0].ids) for hypotheses in results]
+        if "engine" not in state:  # the first call loads the model
+            state["engine"] = CTranslate2Translator(
+                directory, beam_size=args.beam_size, alpha=args.alpha,
+                batch_size=args.batch_size,
+                translator=ctranslate2.Translator(directory, device="cpu",
+                                                  intra_threads=args.threads))
+        return state["engine"].translate(sources, subwords)
 
     return timed(translate, args.repeats)
 

@@ -19,20 +19,18 @@ does not assume by itself is set from the model:
   start and end tokens (``<unk>``, ``<s>``, ``</s>``).
 
 The source's EOS is not added by CTranslate2 (``add_source_eos`` is false):
-the caller appends ``</s>`` and cuts to ``maxlen1`` as `decoding.Translator`
-does, ``(pieces + ["</s>"])[:maxlen1]``. A source longer than the encoder's
+the front end (`translation.encoder_inputs`) appends ``</s>`` and cuts to
+``maxlen1`` as for our model, ``(pieces + ["</s>"])[:maxlen1]``. A source longer than the encoder's
 table then loses its EOS, as in our Translator; CTranslate2's own cut
 (``max_input_length``) would keep the EOS and drop one more piece instead, so
 with ``add_source_eos`` no long sentence could translate as ours does.
 
-`translate_with_ctranslate2` translates the way `decoding.Translator` does
-(same source cut, same per-sentence output limit, empty outputs allowed) and
-can return per-token log-probabilities. ctranslate2 is an optional
-dependency (``pip install -e ".[serve]"``), imported only when a function
+`CTranslate2Translator` translates with it through `Translator`'s front end
+and methods, and can give per-token log-probabilities. ctranslate2 is an
+optional dependency (``pip install -e ".[serve]"``), imported only when a function
 here needs it.
 """
 
-import collections
 import json
 import os
 import shutil
@@ -42,10 +40,11 @@ import keras
 import numpy as np
 
 # Named apart: `length_penalty` is also CTranslate2's own option in this module.
+from kyu_transformer.decoding import NO_HYPOTHESIS_SCORE
 from kyu_transformer.decoding import length_penalty as gnmt_penalty
-from kyu_transformer.decoding import output_limit
 from kyu_transformer.layers import ScaledDotProductAttention, sinusoid_table
 from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from kyu_transformer.translation import Engine, SearchSettings
 
 # The weight types of CTranslate2's CPU wheel.
 QUANTIZATIONS = ("float32", "int8", "int8_float32")
@@ -363,18 +362,6 @@ def convert(model, hparams, subwords, out_dir, quantization="float32"):
 
 # ------------------------------------------------------------- translating
 
-class Hypothesis(collections.namedtuple("Hypothesis", "ids score log_prob log_probs truncated")):
-    """One translation from `translate_with_ctranslate2`.
-
-    `ids`: the output's subword ids (EOS and padding removed); `log_prob`:
-    its log-probability, EOS included; `score`: `log_prob` divided by GNMT's
-    length penalty ``((5 + length) / 6) ** alpha`` of its length (EOS
-    included), as our beam search scores; `log_probs`: one log-probability per
-    generated token, EOS included (None unless asked for); `truncated`: the
-    output stopped at its limit without EOS.
-    """
-
-
 def read_settings(model_dir):
     """Our settings written beside a converted model (`SETTINGS_FILE`), as a dict."""
     path = os.path.join(model_dir, SETTINGS_FILE)
@@ -397,137 +384,120 @@ def _log_softmax(logits):
     return shifted - np.log(np.exp(shifted).sum())
 
 
-def translate_with_ctranslate2(model_dir, sources, beam_size=1, alpha=0.6, length_margin=16,
-                               maxlen1=None, maxlen2=None, n_best=1, max_length=None,
-                               return_log_probs=False, translator=None, batch_size=64,
-                               length_penalty=None, patience=1.0):
-    """Translates with a converted model the way `decoding.Translator` does.
+class CTranslate2Translator(Engine):
+    """A model directory written by `convert`, behind `Translator`'s methods.
 
-    Each source gets ``</s>`` and is cut to `maxlen1`, as our encoder input;
-    each sentence's output limit (EOS included) is `output_limit` of its
-    source. ``translate_batch`` takes one limit per call, so sentences are
-    decoded in groups of equal limit (which sentences share a call changes no
-    output). Empty sources give one empty hypothesis, undecoded.
-
-    Options map to ``translate_batch`` as follows:
+    The front end is `Engine`'s (the same source cut, per-sentence limits,
+    batches, stripping and counts as `Translator`). ``translate_batch`` takes
+    one limit a call, so each batch is decoded in groups of equal limit
+    (which sentences share a call changes no output). The settings map to
+    its options as follows:
 
     - the limit to ``max_decoding_length`` (CTranslate2 counts EOS in it too),
       ``min_decoding_length=0`` (CTranslate2 would otherwise never end an
-      output before one token), ``max_input_length=0`` (cut here);
-    - `beam_size` and `n_best` (``num_hypotheses``, at most `beam_size`);
-    - greedy search (``beam_size=1``): ``length_penalty=0``, so that
-      CTranslate2's score is the plain log-probability, EOS included;
-    - beam search: ``length_penalty=alpha`` (or `length_penalty`) with
-      ``return_end_token=True``. CTranslate2 ranks finished hypotheses by
-      ``log p / length ** length_penalty`` where we divide by GNMT's
-      ``((5 + length) / 6) ** alpha``; both count EOS in the length (that is
-      what ``return_end_token`` does for the ranking), and both orders agree
-      between hypotheses of equal length, but CTranslate2's favours longer
-      ones more. The stop rules differ too: CTranslate2 takes a hypothesis as
-      finished only when EOS is among the `beam_size` best of its
-      ``2 * beam_size`` candidates (ours: among all of them), and ends a
-      sentence once ``beam_size * patience`` hypotheses have finished (with
-      ``length_penalty=0``, as soon as the best one has), where ours ends it
-      when no live hypothesis can beat the worst finished one even at the
-      sentence's limit. At the limit both finish every live hypothesis
-      without EOS. Beam outputs may therefore differ from ours; greedy ones
-      do not.
+      output before one token), ``max_input_length=0`` (cut by the front end);
+    - `beam_size`, `n_best` (``num_hypotheses``) and the sampling settings
+      (``sampling_topk``, ``sampling_topp``, ``sampling_temperature``) as they
+      are. CTranslate2's random generators are its worker threads' own,
+      seeded from ``set_random_seed`` when a thread first draws: so for each
+      `translate_ids` that samples, the seed is set and the model loaded anew
+      (fresh workers, as the given `translator`'s device and weight type).
+      The same seed and the same batches then reproduce the samples (which
+      are sorted here by score), but they depend on the batches;
+    - greedy search and sampling: ``length_penalty=0``, so that CTranslate2's
+      score is the plain log-probability, EOS included;
+    - beam search: ``length_penalty=alpha`` with ``return_end_token=True``.
+      CTranslate2 ranks finished hypotheses by ``log p / length ** alpha``
+      where we divide by GNMT's ``((5 + length) / 6) ** alpha``; both count
+      EOS in the length, and both orders agree between hypotheses of equal
+      length, but CTranslate2's favours longer ones more. The stop rules
+      differ too: CTranslate2 takes a hypothesis as finished only when EOS is
+      among the `beam_size` best of its ``2 * beam_size`` candidates (ours:
+      among all of them), and ends a sentence once `beam_size` hypotheses
+      have finished, where ours ends it when no live hypothesis can beat the
+      worst finished one even at the sentence's limit. At the limit both
+      finish every live hypothesis without EOS. Beam outputs may therefore
+      differ from ours, and come in CTranslate2's order (scored as ours, so
+      their scores need not fall); greedy ones do not differ.
+
+    Per-token log-probabilities (`translate_ids` ``with_log_probs``, greedy
+    search only) come from the logits CTranslate2 returns with
+    ``return_logits_vocab``, which its beam search does not fill reliably.
 
     Args:
       model_dir: A directory written by `convert`.
-      sources: Lists of subword ids, or of subword pieces (strings; pieces
-        outside the vocabulary read as ``<unk>``, as CTranslate2 maps them),
-        without EOS.
-      beam_size: 1 for greedy search.
-      alpha: Our length-penalty exponent (see above).
-      length_margin: How many tokens an output may have beyond its source's.
-      maxlen1, maxlen2: The model's limits; default those in `SETTINGS_FILE`.
-      n_best: Hypotheses per sentence, best first (CTranslate2's order).
-      max_length: Most output tokens of any sentence; default `maxlen2`.
-      return_log_probs: Also give each output's per-token log-probabilities
-        (greedy search only: they come from the logits CTranslate2 returns
-        with ``return_logits_vocab``, which its beam search does not fill
-        reliably).
+      settings: A `SearchSettings` (default its defaults), with `fields` replaced.
       translator: A ``ctranslate2.Translator`` of `model_dir` already loaded;
         default one loaded here (CPU, the model's own weight type).
-      batch_size: Most sentences per ``translate_batch`` batch.
-      length_penalty: CTranslate2's exponent for beam search; default `alpha`.
-      patience: CTranslate2's beam-search patience factor.
-
-    Returns:
-      One list of `n_best` `Hypothesis` per source, in the order given; an
-      empty source has one, empty and scored 0.
-
-    Raises:
-      ValueError: naming an option out of range.
     """
-    ctranslate2 = _import_ctranslate2()
-    if maxlen1 is None or maxlen2 is None:
-        settings = read_settings(model_dir)
-        maxlen1 = settings["maxlen1"] if maxlen1 is None else maxlen1
-        maxlen2 = settings["maxlen2"] if maxlen2 is None else maxlen2
-    max_length = maxlen2 if max_length is None else max_length
-    if beam_size < 1:
-        raise ValueError(f"`beam_size` must be at least 1, got {beam_size}")
-    if not 1 <= n_best <= beam_size:
-        raise ValueError(f"`n_best` ({n_best}) must be in [1, beam_size={beam_size}]: the "
-                         "search keeps only `beam_size` hypotheses")
-    if not 1 <= max_length <= maxlen2:
-        raise ValueError(f"`max_length` must be in [1, {maxlen2}] (the model's maxlen2), "
-                         f"got {max_length}")
-    if length_margin < 0:
-        raise ValueError(f"`length_margin` must be at least 0, got {length_margin}")
-    if return_log_probs and beam_size > 1:
-        raise ValueError(f"`return_log_probs` needs greedy search, but `beam_size` is "
-                         f"{beam_size}: CTranslate2 returns no usable logits from beam search")
-    if batch_size < 1:
-        raise ValueError(f"`batch_size` must be at least 1, got {batch_size}")
-    if translator is None:
-        translator = ctranslate2.Translator(model_dir, device="cpu")
-    pieces = read_vocabulary(model_dir)
-    ids_of = {piece: i for i, piece in enumerate(pieces)}
-    eos = pieces[EOS_ID]
 
-    # An empty source is not decoded: one empty hypothesis, scored 0 (as Translator).
-    results = [[Hypothesis([], 0.0, 0.0, [] if return_log_probs else None, False)]
-               for _ in sources]
-    groups = collections.defaultdict(list)  # limit: indices of its sources
-    inputs = {}
-    for index, source in enumerate(sources):
-        if len(source) == 0:
-            continue
-        tokens = [pieces[i] if isinstance(i, (int, np.integer)) else i for i in source]
-        inputs[index] = (tokens + [eos])[:maxlen1]  # the encoder's input, as ours
-        groups[int(output_limit(len(source), maxlen1, max_length, length_margin))].append(index)
+    log_probs = True
 
-    greedy = beam_size == 1
-    for limit, indices in sorted(groups.items()):
-        outputs = translator.translate_batch(
-            [inputs[i] for i in indices], beam_size=beam_size, num_hypotheses=n_best,
-            length_penalty=0.0 if greedy else (alpha if length_penalty is None
-                                               else length_penalty),
-            patience=patience, max_batch_size=batch_size, max_input_length=0,
-            max_decoding_length=limit, min_decoding_length=0, return_end_token=True,
-            return_scores=True, return_logits_vocab=return_log_probs)
-        for index, output in zip(indices, outputs):
-            results[index] = [
-                _hypothesis(output, k, ids_of, alpha, greedy, return_log_probs,
-                            alpha if length_penalty is None else length_penalty)
-                for k in range(n_best)]
-    return results
+    def __init__(self, model_dir, settings=None, translator=None, **fields):
+        ctranslate2 = _import_ctranslate2()
+        ours = read_settings(model_dir)
+        super().__init__(ours["maxlen1"], ours["maxlen2"],
+                         (settings or SearchSettings()).replace(**fields))
+        self.model_dir, self.quantization = model_dir, ours.get("quantization")
+        self._ctranslate2 = ctranslate2
+        self._translator = translator or ctranslate2.Translator(model_dir, device="cpu")
+        self._pieces = read_vocabulary(model_dir)
+        self._ids_of = {piece: i for i, piece in enumerate(self._pieces)}
 
+    def translate_ids(self, source_ids, seed=None, **options):
+        """`Engine.translate_ids`; sources may also be lists of pieces (strings: those
+        outside the vocabulary read as ``<unk>``, as CTranslate2 reads them)."""
+        source_ids = [[self._ids_of.get(i, UNK_ID) if isinstance(i, str) else i for i in ids]
+                      for ids in source_ids]
+        if self.settings.sampling:  # fresh workers, whose generators take the seed
+            self._ctranslate2.set_random_seed(self.settings.seed if seed is None else seed)
+            self._translator = self._ctranslate2.Translator(
+                self.model_dir, device=self._translator.device,
+                compute_type=self._translator.compute_type)
+        return super().translate_ids(source_ids, seed=seed, **options)
 
-def _hypothesis(output, k, ids_of, alpha, greedy, return_log_probs, length_penalty):
-    """Our `Hypothesis` of the `k`-th hypothesis of a ``TranslationResult``."""
-    tokens = [ids_of.get(piece, UNK_ID) for piece in output.hypotheses[k]]
-    ended = bool(tokens) and tokens[-1] == EOS_ID
-    length = len(tokens)  # EOS included
-    # CTranslate2's score is the log-probability divided by its own penalty.
-    log_prob = output.scores[k] * (1.0 if greedy else max(length, 1) ** length_penalty)
-    log_probs = None
-    if return_log_probs:
-        log_probs = [float(_log_softmax(np.asarray(logits))[token])
-                     for logits, token in zip(output.logits[k], tokens)]
-    ids = [i for i in (tokens[:-1] if ended else tokens) if i != PAD_ID]
-    return Hypothesis(ids, log_prob / float(gnmt_penalty(length, alpha)), log_prob, log_probs,
-                      not ended)
+    def _decode(self, inputs, limits, sentences, n_best, scored, with_coverage, with_log_probs,
+                seed):
+        settings = self.settings
+        sources = [[self._pieces[i] for i in row] for row in inputs.to_list()]
+        options = dict(
+            beam_size=settings.beam_size, num_hypotheses=n_best,
+            length_penalty=settings.alpha if settings.beam_size > 1 else 0.0,
+            sampling_topk=settings.sampling_topk, sampling_topp=settings.sampling_topp,
+            sampling_temperature=settings.sampling_temperature,
+            max_batch_size=settings.batch_size, max_input_length=0, min_decoding_length=0,
+            return_end_token=True, return_scores=True, return_logits_vocab=with_log_probs)
+        results = [None] * len(sources)
+        for limit in sorted(set(limits.tolist())):
+            group = [row for row, own in enumerate(limits) if own == limit]
+            outputs = self._translator.translate_batch(
+                [sources[row] for row in group], max_decoding_length=int(limit), **options)
+            for row, output in zip(group, outputs):
+                results[row] = [self._hypothesis(output, k, with_log_probs)
+                                for k in range(min(n_best, len(output.hypotheses)))]
+        return self._arrays(results, n_best, int(max(limits)))
+
+    def _hypothesis(self, output, k, with_log_probs):
+        """``(ids with EOS if it ended, our score, per-token log-probabilities or None)``."""
+        ids = [self._ids_of.get(piece, UNK_ID) for piece in output.hypotheses[k]]
+        # CTranslate2's score is the log-probability divided by its own penalty.
+        exponent = self.settings.alpha if self.settings.beam_size > 1 else 0.0
+        log_prob = output.scores[k] * max(len(ids), 1) ** exponent
+        token_log_probs = None
+        if with_log_probs:
+            token_log_probs = [float(_log_softmax(np.asarray(logits))[token])
+                               for logits, token in zip(output.logits[k], ids)]
+        return ids, log_prob / float(gnmt_penalty(len(ids), self.settings.alpha)), token_log_probs
+
+    def _arrays(self, results, n_best, width):
+        """`_decode`'s ids `(n, K, L)` and scores `(n, K)` (samples sorted by score); a
+        hypothesis CTranslate2 did not give is scored as impossible."""
+        ids = np.zeros((len(results), n_best, width), "int32")
+        scores = np.full((len(results), n_best), NO_HYPOTHESIS_SCORE)
+        for row, hypotheses in enumerate(results):
+            if self.settings.sampling:
+                hypotheses = sorted(hypotheses, key=lambda hypothesis: -hypothesis[1])
+            for k, (output, score, _) in enumerate(hypotheses):
+                ids[row, k, :len(output)], scores[row, k] = output, score
+        log_probs = [hypotheses[0][2] for hypotheses in results]
+        return {"ids": ids, "scores": scores, "token_log_probs": log_probs}

@@ -14,7 +14,6 @@ limit), then padding (0).
 """
 
 import collections
-import functools
 
 import numpy as np
 import tensorflow as tf
@@ -388,6 +387,129 @@ class BeamSearch:
         return Hypotheses(ids[:, :, :bound], scores, None)
 
 
+class SamplingSearch:
+    """Random sampling: each of `n` hypotheses per sentence draws its next token.
+
+    Each step, a hypothesis' logits are divided by `temperature`, cut to the
+    `topk` most likely tokens (0: the whole vocabulary), then to the fewest
+    whose renormalized probability reaches `topp` (1: no cut), and one token is
+    drawn from what is left. Hypothesis `j` of the sentence numbered `i` draws
+    from a random stream of ``(seed, i, j)`` alone (`_uniforms`), so what it
+    draws does not depend on the batch the sentence is in. The `n` hypotheses
+    keep their own cache slots (the beam layout, never reordered; see
+    `own_history`). A hypothesis is scored as beam search scores (the model's
+    log-probability over GNMT's length penalty); they come best first,
+    duplicates kept.
+
+    Args:
+      topk, topp, temperature: The cuts and the temperature.
+      n: Hypotheses (samples) per sentence.
+      alpha: Length-penalty exponent of the scores (it does not change the draws).
+      seed: An int64 scalar (a Python int or a tensor).
+      sentences: The number of each row's sentence `(N,)` int (a tensor): the
+        ``i`` of its random streams.
+    """
+
+    def __init__(self, topk=0, topp=1.0, temperature=1.0, n=1, alpha=0.6, seed=0,
+                 sentences=None):
+        self.topk, self.topp, self.temperature = int(topk), float(topp), float(temperature)
+        self.n, self.alpha, self.seed, self.sentences = int(n), float(alpha), seed, sentences
+
+    def start(self, batch, bound, width, source_length):
+        n = self.n
+        return {"last": ops.full((batch, n), BOS_ID, "int32"),
+                "history": ops.zeros((batch, n, 0), "bool"),
+                "ids": ops.zeros((batch, n, bound), "int32"),
+                "log_probs": ops.zeros((batch, n), "float32"),
+                "finished": ops.zeros((batch, n), "bool"),
+                "done": ops.zeros((batch,), "bool")}
+
+    def no_results(self, batch, width):
+        return ()  # the state holds them: no sentence leaves the batch
+
+    def inputs(self, state):
+        return state["last"], _self_mask(state["history"], ops.shape(state["last"])[0], self.n)
+
+    def advance(self, step, logits, coverage, self_mask, state):
+        logits = ops.cast(logits, "float32")  # (N, n, V)
+        uniforms = _uniforms(self.seed, self.sentences, self.n, step)  # (N, n)
+        chosen = _draw(logits / self.temperature, self.topk, self.topp, uniforms)
+        finished = state["finished"]
+        chosen = ops.where(finished, PAD_ID, chosen)  # finished hypotheses stay padded
+        best = ops.max(logits, axis=-1, keepdims=True)
+        normalizer = best[..., 0] + ops.log(ops.sum(ops.exp(logits - best), axis=-1))
+        log_prob = ops.take_along_axis(logits, chosen[..., None], axis=-1)[..., 0] - normalizer
+        limit_reached = ops.greater_equal(step + 1, state["limits"])[:, None]  # (N, 1)
+        finished = ops.logical_or(finished, ops.logical_or(ops.equal(chosen, EOS_ID),
+                                                           limit_reached))
+        return {**state, "last": chosen, "history": self_mask, "finished": finished,
+                "log_probs": state["log_probs"] + ops.where(ops.equal(chosen, PAD_ID), 0.0,
+                                                            log_prob),
+                "ids": ops.slice_update(state["ids"], (0, 0, step), chosen[:, :, None]),
+                "done": ops.all(finished, axis=1)}
+
+    def leave(self, state, results, all_done):
+        return state, results
+
+    def hypotheses(self, state, results, bound):
+        lengths = ops.sum(ops.cast(ops.not_equal(state["ids"], PAD_ID), "int32"), axis=2)
+        scores = state["log_probs"] / length_penalty(lengths, self.alpha)  # (N, n)
+        order = ops.argsort(-scores, axis=1)  # best first
+        return Hypotheses(_gather_beams(state["ids"], order), _gather_beams(scores, order), None)
+
+
+def _draw(logits, topk, topp, uniforms):
+    """One token per row of `logits` `(N, n, V)`, drawn with `uniforms` `(N, n)` in [0, 1).
+
+    The `topk` largest logits are kept (all for 0), then the fewest of them
+    whose probability (renormalized over the kept ones) reaches `topp`; the
+    token is the first whose cumulative probability exceeds the uniform draw.
+    """
+    vocab = logits.shape[-1]
+    if topk == 0 and topp >= 1.0:
+        values, tokens = logits, None  # no cut: no sorting either
+    else:
+        values, tokens = ops.top_k(logits, topk or vocab)  # (N, n, k), largest first
+    probs = ops.softmax(values, axis=-1)
+    if topp < 1.0:
+        # A token stays if the tokens before it fall short of `topp` (the first always stays).
+        probs = ops.where(ops.cumsum(probs, axis=-1) - probs < topp, probs, 0.0)
+    cumulative = ops.cumsum(probs, axis=-1)
+    threshold = uniforms[..., None] * cumulative[..., -1:]
+    picked = ops.sum(ops.cast(cumulative <= threshold, "int32"), axis=-1)
+    picked = ops.minimum(picked, values.shape[-1] - 1)  # (N, n)
+    if tokens is None:
+        return picked
+    return ops.take_along_axis(tokens, picked[..., None], axis=-1)[..., 0]
+
+
+def _mix(hash_):
+    """MurmurHash3's 32-bit finalizer: every input bit changes each output bit by half."""
+    hash_ = tf.bitwise.bitwise_xor(hash_, tf.bitwise.right_shift(hash_, 16))
+    hash_ = hash_ * tf.constant(0x85EBCA6B, tf.uint32)
+    hash_ = tf.bitwise.bitwise_xor(hash_, tf.bitwise.right_shift(hash_, 13))
+    hash_ = hash_ * tf.constant(0xC2B2AE35, tf.uint32)
+    return tf.bitwise.bitwise_xor(hash_, tf.bitwise.right_shift(hash_, 16))
+
+
+def _uniforms(seed, sentences, n, step):
+    """Uniform numbers in [0, 1) `(N, n)`: element ``(r, j)`` from ``(seed, sentences[r], j, step)``.
+
+    A counter-based generator (a hash of the four, as Philox is a cipher of
+    key and counter): each number depends on those alone, so a sentence
+    draws the same wherever it sits in a batch. TensorFlow's stateless
+    random ops take one seed per call, not one per row.
+    """
+    seed = tf.cast(seed, tf.int64)
+    words = [tf.cast(seed // (1 << 32), tf.uint32), tf.cast(seed % (1 << 32), tf.uint32)]
+    hash_ = _mix(_mix(words[0]) + words[1])
+    rows = _mix(hash_ + tf.cast(sentences, tf.uint32))[:, None]  # (N, 1)
+    hash_ = _mix(rows + tf.cast(tf.range(n), tf.uint32)[None, :])  # (N, n)
+    hash_ = _mix(hash_ + tf.cast(step, tf.uint32) + tf.constant(0x9E3779B9, tf.uint32))
+    # 24 bits: exact in float32, and never 1.
+    return tf.cast(tf.bitwise.right_shift(hash_, 8), tf.float32) / float(1 << 24)
+
+
 def greedy_search(model, source, max_length):
     """`search` with `GreedySearch`: ``(ids (N, L), coverage (N, L, S))``.
 
@@ -402,16 +524,6 @@ def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
     """`search` with `BeamSearch`: ``(ids (N, n_best, L), scores (N, n_best))``, best first."""
     found = search(model, source, max_length, BeamSearch(beam_size, alpha, n_best))
     return found.ids, found.scores
-
-
-def strategy_for(beam_size, alpha, n_best=1, scores=True):
-    """The search of these settings: `GreedySearch` for a beam of 1, else `BeamSearch`.
-
-    `scores`: whether greedy search scores its outputs (beam search always does).
-    """
-    if beam_size == 1:
-        return GreedySearch(alpha, scores)
-    return BeamSearch(beam_size, alpha, n_best)
 
 
 def _beam_step(step, logits, history, state, k, alpha):
@@ -503,255 +615,3 @@ def sequence_log_probs(model, source, outputs):
     log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)
     picked = ops.take_along_axis(log_probs, ops.cast(outputs, "int32")[..., None], axis=-1)[..., 0]
     return ops.sum(ops.where(ops.equal(outputs, PAD_ID), 0.0, picked), axis=1)
-
-
-class ScoredOutput(collections.namedtuple("ScoredOutput",
-                                          "log_prob tokens score truncated")):
-    """An output's log-probability, its length in tokens and its score (see `Translator`).
-
-    `tokens` counts EOS; `truncated` says the output was cut to the
-    Translator's `max_length` (then without EOS).
-    """
-
-
-def _strip(ids):
-    """A decoded row as a list, EOS and what follows removed (padding included)."""
-    output = ids.tolist()
-    output = output[:output.index(EOS_ID)] if EOS_ID in output else output
-    return [i for i in output if i != PAD_ID]
-
-
-def _pad_ids(sequences, width=None):
-    width = width or max(len(s) for s in sequences)
-    padded = np.zeros((len(sequences), width), dtype="int32")
-    for row, sequence in enumerate(sequences):
-        padded[row, :len(sequence)] = sequence
-    return padded
-
-
-class Translator:
-    """Batched translation of subword ids or text with a trained `Transformer`.
-
-    Each sentence's output is limited on its own, whatever shares its batch:
-    at most ``min(max_length, source length + length_margin)`` tokens, EOS
-    included, the source length being the one the encoder reads (EOS
-    included, after cutting to `maxlen1`).
-
-    Args:
-      model: The `Transformer`.
-      beam_size: 1 for greedy search, else beam search.
-      alpha: Length-penalty exponent of beam search and of every score.
-      max_length: Most output tokens (at most the model's `maxlen2`, which is
-        the default).
-      length_margin: How many tokens an output may have beyond its source's.
-      jit_compile: Compile the search with XLA.
-
-    After each `translate_ids` or `translate`, `truncated_sources` counts the
-    sources cut to `maxlen1` and `truncated_outputs` the outputs stopped at
-    their limit without EOS (the best hypothesis of each, with `n_best`).
-
-    A hypothesis' score (`translate_ids` with `n_best`) is the one beam search
-    ranks by: its log-probability, EOS included, divided by GNMT's length
-    penalty of its length (EOS included) with `alpha` (`length_penalty`).
-    """
-
-    def __init__(self, model, beam_size=1, alpha=0.6, max_length=None, length_margin=16,
-                 jit_compile=False):
-        self.model = model
-        self.beam_size = int(beam_size)
-        self.alpha = float(alpha)
-        self.max_length = int(max_length or model.maxlen2)
-        self.length_margin = int(length_margin)
-        self.truncated_sources = 0
-        self.truncated_outputs = 0
-        _check_settings(self.beam_size, self.max_length, self.length_margin, model.maxlen2)
-        # One trace serves every batch: source shape and limits are dynamic (a
-        # retrace per batch shape would cost more than decoding). The searches
-        # write their control flow as `ops.while_loop` / `ops.cond`, so there is
-        # nothing for AutoGraph to convert, and without it tracing (the first
-        # call's main cost) does not rewrite every function the search calls.
-        signature = [tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((None,), tf.int32)]
-        compiled = functools.partial(tf.function, jit_compile=jit_compile, autograph=False)
-        # All `beam_size` hypotheses and their scores; `n_best` slices them,
-        # so one trace serves every `n_best`. Greedy search scores only for n-best lists.
-        self._search = compiled(self._search_fn(scores=False), input_signature=signature)
-        self._scored_search = (compiled(self._search_fn(scores=True), input_signature=signature)
-                               if self.beam_size == 1 else self._search)
-        self._log_probs = compiled(self._log_probs_fn, input_signature=signature[:1] * 2)
-
-    def _search_fn(self, scores):
-        strategy = strategy_for(self.beam_size, self.alpha, n_best=self.beam_size, scores=scores)
-        return lambda source, limits: search(self.model, source, limits, strategy)
-
-    def _log_probs_fn(self, source, outputs):
-        return sequence_log_probs(self.model, source, outputs)
-
-    def _limits(self, source):
-        """Each sentence's most output tokens `(N,)`, from its encoder input `source` `(N, S)`."""
-        # The encoder input holds EOS (unless cut away): the source had one token fewer.
-        lengths = np.count_nonzero(source, axis=1) - 1
-        return output_limit(lengths, self.model.maxlen1, self.max_length,
-                            self.length_margin).astype("int32")
-
-    def _encoder_input(self, batch):
-        """Padded source ids `(N, S)` of a batch of id lists: EOS added, cut to `maxlen1`."""
-        return _pad_ids([list(ids) + [EOS_ID] for ids in batch])[:, :self.model.maxlen1]
-
-    def _decode(self, batch, scored=False, with_coverage=False):
-        """The `Hypotheses` of a batch of id lists (EOS not added), as numpy arrays
-        (the scores when `scored`, the coverage when `with_coverage`)."""
-        source = self._encoder_input(batch)
-        search_function = self._scored_search if scored else self._search
-        ids, scores, coverage = search_function(tf.constant(source),
-                                                tf.constant(self._limits(source)))
-        return Hypotheses(ids.numpy(), scores.numpy() if scored else None,
-                          coverage.numpy() if with_coverage else None)
-
-    def _normalized(self, log_probs, lengths):
-        """`log_probs` divided by GNMT's length penalty of `lengths` (EOS included)."""
-        return np.asarray(log_probs) / np.asarray(length_penalty(lengths, self.alpha), "float64")
-
-    def translate_ids(self, source_ids, batch_size=DEFAULT_BATCH_SIZE, with_coverage=False,
-                      n_best=None):
-        """Lists of output ids (EOS and padding removed), in the order given.
-
-        Sentences are decoded in batches of similar source length; which
-        sentences share a batch does not change any output. Empty sources give
-        empty outputs without being decoded.
-
-        Args:
-          source_ids: Lists of subword ids, without EOS.
-          batch_size: Most sentences decoded together.
-          with_coverage: Also return each output's cross-attention `(L, S)`
-            (greedy search only: a beam Translator refuses it).
-          n_best: Return the `n_best` best hypotheses of each sentence (at most
-            `beam_size`) and their scores instead of the best one.
-
-        Returns:
-          The output lists, and with `with_coverage` also the coverages (None
-          for empty sources). With `n_best`, ``(hypotheses, scores)``: per
-          sentence a list of `n_best` output lists, best first, and their
-          scores (see the class); an empty source has one empty hypothesis,
-          scored 0 (it is not decoded).
-        """
-        self._check_request(batch_size, with_coverage, n_best)
-        if n_best:
-            return self._translate_n_best(source_ids, batch_size, n_best)
-        results = [[] for _ in source_ids]
-        coverages = [None for _ in source_ids]
-        for rows in self._batches(source_ids, batch_size):
-            found = self._decode([source_ids[i] for i in rows], with_coverage=with_coverage)
-            for row, index in enumerate(rows):
-                results[index] = self._output(found.ids[row, 0])
-                if with_coverage:
-                    coverages[index] = found.coverage[row]
-        return (results, coverages) if with_coverage else results
-
-    def _translate_n_best(self, source_ids, batch_size, n_best):
-        """``(hypotheses, scores)`` of `translate_ids` with `n_best`."""
-        hypotheses = [[[]] for _ in source_ids]
-        scores = [[0.0] for _ in source_ids]
-        for rows in self._batches(source_ids, batch_size):
-            found = self._decode([source_ids[i] for i in rows], scored=True)
-            for row, index in enumerate(rows):
-                hypotheses[index], scores[index] = self._hypotheses(
-                    found.ids[row, :n_best], found.scores[row, :n_best])
-        return hypotheses, scores
-
-    def _batches(self, source_ids, batch_size):
-        """Yields the indices of the non-empty sources, in batches of similar length.
-
-        Starts the counts of truncated sources and outputs afresh.
-        """
-        # Sources the encoder cannot take whole are cut to its `maxlen1` (and counted).
-        self.truncated_sources = sum(len(ids) + 1 > self.model.maxlen1 for ids in source_ids)
-        self.truncated_outputs = 0
-        order = sorted((i for i, ids in enumerate(source_ids) if ids),
-                       key=lambda i: len(source_ids[i]))
-        for first in range(0, len(order), batch_size):
-            yield order[first:first + batch_size]
-
-    def _check_request(self, batch_size, with_coverage, n_best):
-        """Raises ValueError naming a `translate_ids` argument this Translator cannot honour."""
-        if with_coverage and self.beam_size > 1:
-            raise ValueError(f"`with_coverage` needs greedy search, but this Translator has "
-                             f"beam_size={self.beam_size}: the beam's own attention is not "
-                             "recorded; use a Translator with beam_size=1")
-        if batch_size < 1:
-            raise ValueError(f"`batch_size` must be at least 1, got {batch_size}")
-        if n_best is None:
-            return
-        if not 1 <= n_best <= self.beam_size:
-            raise ValueError(f"`n_best` ({n_best}) must be between 1 and `beam_size` "
-                             f"({self.beam_size}): the search keeps only `beam_size` "
-                             "hypotheses")
-        if with_coverage:
-            raise ValueError("`with_coverage` and `n_best` exclude each other: coverage is "
-                             "recorded for the greedy output only")
-
-    def _output(self, ids):
-        """A decoded row as a list, EOS and padding removed; counts it if cut at its limit."""
-        self.truncated_outputs += EOS_ID not in ids  # it stopped at its limit
-        return _strip(ids)
-
-    def _hypotheses(self, ids, scores):
-        """``(outputs, scores)`` of one sentence's rows `(n_best, L)`; the best one is counted.
-
-        Rows scored as impossible (fewer real hypotheses than asked) are left out.
-        """
-        kept = [0] + [row for row in range(1, len(ids)) if scores[row] > _NEG_INF / 2]
-        outputs = [self._output(ids[0])] + [_strip(ids[row]) for row in kept[1:]]
-        return outputs, [float(scores[row]) for row in kept]
-
-    def score_ids(self, source_ids, target_ids, batch_size=DEFAULT_BATCH_SIZE):
-        """The model's scores of given outputs (forced decoding), in the order given.
-
-        A source is read as for translation (EOS added, cut to `maxlen1`); a
-        target gets EOS and is cut to `max_length` tokens if longer, EOS then
-        left out, as beam search scores a hypothesis cut at its limit.
-
-        Args:
-          source_ids: Lists of source subword ids, without EOS.
-          target_ids: As many lists of output subword ids, without EOS.
-          batch_size: Most sentences scored together.
-
-        Returns:
-          A `ScoredOutput` per sentence. `truncated_sources` counts the sources
-          cut, `truncated_outputs` the targets cut.
-        """
-        if len(source_ids) != len(target_ids):
-            raise ValueError(f"{len(source_ids)} sources but {len(target_ids)} targets")
-        if batch_size < 1:
-            raise ValueError(f"`batch_size` must be at least 1, got {batch_size}")
-        targets = [(list(ids) + [EOS_ID])[:self.max_length] for ids in target_ids]
-        self.truncated_sources = sum(len(ids) + 1 > self.model.maxlen1 for ids in source_ids)
-        self.truncated_outputs = sum(len(ids) + 1 > self.max_length for ids in target_ids)
-        # Sorted by length, so a batch pads little.
-        log_probs = np.zeros(len(targets))
-        order = sorted(range(len(targets)), key=lambda i: len(targets[i]))
-        for first in range(0, len(order), batch_size):
-            rows = order[first:first + batch_size]
-            source = self._encoder_input([source_ids[i] for i in rows])
-            outputs = _pad_ids([targets[i] for i in rows])
-            log_probs[rows] = self._log_probs(source, outputs).numpy()
-        lengths = np.array([len(ids) for ids in targets])
-        scores = self._normalized(log_probs, lengths)
-        cut = [len(ids) + 1 > self.max_length for ids in target_ids]
-        return [ScoredOutput(*values) for values in
-                zip(log_probs.tolist(), lengths.tolist(), scores.tolist(), cut)]
-
-    def translate(self, sentences, subwords, batch_size=DEFAULT_BATCH_SIZE):
-        """Detokenized translations of raw `sentences` (empty in, empty out)."""
-        source_ids = subwords.encode(sentences)
-        return [subwords.decode(ids) for ids in self.translate_ids(source_ids, batch_size)]
-
-
-def _check_settings(beam_size, max_length, length_margin, maxlen2):
-    """Raises ValueError naming a `Translator` setting out of range."""
-    if beam_size < 1:
-        raise ValueError(f"`beam_size` must be at least 1, got {beam_size}")
-    if not 1 <= max_length <= maxlen2:
-        raise ValueError(f"`max_length` must be in [1, {maxlen2}] (the model's maxlen2), "
-                         f"got {max_length}")
-    if length_margin < 0:
-        raise ValueError(f"`length_margin` must be at least 0, got {length_margin}")

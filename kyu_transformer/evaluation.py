@@ -5,7 +5,7 @@ import os
 
 import sacrebleu
 
-from kyu_transformer.decoding import Translator
+from kyu_transformer.translation import Translator
 from kyu_transformer.files import replaced_atomically, write_text
 
 
@@ -49,8 +49,8 @@ class ValidationBleu:
 
     def __call__(self, trainer, epoch, logs):
         if self.translator is None:
-            self.translator = Translator(trainer.model)
-        hypotheses = self.translator.translate(self.sources, self.subwords, self.batch_size)
+            self.translator = Translator(trainer.model, beam_size=1, batch_size=self.batch_size)
+        hypotheses = self.translator.translate(self.sources, self.subwords)
         result = score(hypotheses, self.references)
         logs.update(kind="eval", bleu=result["bleu"], chrf=result["chrf"])
         best_path = os.path.join(trainer.logdir, "best.json")

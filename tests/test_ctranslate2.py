@@ -1,5 +1,6 @@
 """The CTranslate2 export: CTranslate2's translations against ours, and what is refused."""
 
+import collections
 import json
 import os
 import stat
@@ -12,9 +13,9 @@ ctranslate2 = pytest.importorskip("ctranslate2")
 
 from kyu_transformer import data  # noqa: E402
 from kyu_transformer.ctranslate2_export import (  # noqa: E402
-    QUANTIZATIONS, SETTINGS_FILE, SUBWORDS_FILE, ExportError, convert, output_limit,
-    translate_with_ctranslate2)
-from kyu_transformer.decoding import Translator, sequence_log_probs  # noqa: E402
+    QUANTIZATIONS, SETTINGS_FILE, SUBWORDS_FILE, CTranslate2Translator, ExportError, convert)
+from kyu_transformer.decoding import output_limit, sequence_log_probs  # noqa: E402
+from kyu_transformer.translation import Translator  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
 from tests.conftest import load_logdir  # noqa: E402
 from tests.test_data import MULTI30K  # noqa: E402
@@ -39,13 +40,39 @@ def _source_ids(subwords, maxlen1):
     return ids
 
 
+class Hypothesis(collections.namedtuple("Hypothesis", "ids score log_prob log_probs truncated")):
+    """The `k`-th hypothesis of each sentence of CTranslate2's `Translations`, with its
+    log-probability (the score times GNMT's penalty, EOS counted) and its token log-probs."""
+
+
+def _hypotheses(translations, alpha=0.6):
+    """Per sentence, its `Hypothesis` list."""
+    results = []
+    for index, (outputs, scores, ended) in enumerate(zip(
+            translations.hypotheses, translations.scores or [[0.0]] * len(translations.ended),
+            translations.ended)):
+        log_probs = translations.token_log_probs
+        results.append([Hypothesis(ids, score, score * ((5 + len(ids) + end) / 6) ** alpha,
+                                   log_probs[index] if log_probs else None, not end)
+                        for ids, score, end in zip(outputs, scores, ended)])
+    return results
+
+
+def ctranslate2_translations(model_dir, sources, n_best=None, translator=None, **settings):
+    """Per source, CTranslate2's `Hypothesis` list (with log-probabilities when greedy)."""
+    engine = CTranslate2Translator(model_dir, translator=translator, **settings)
+    greedy = engine.settings.beam_size == 1 and not engine.settings.sampling
+    return _hypotheses(engine.translate_ids(sources, n_best=n_best or 1,
+                                            with_log_probs=greedy and not n_best),
+                       engine.settings.alpha)
+
+
 def _greedy_of_both(model, exported, sources):
     """Our greedy outputs (and the Translator's count) and CTranslate2's, with log-probabilities."""
-    translator = Translator(model, beam_size=1)
-    ours = translator.translate_ids(sources)
-    theirs = translate_with_ctranslate2(exported, sources, return_log_probs=True)
-    return {"ours": ours, "theirs": [hypotheses[0] for hypotheses in theirs],
-            "truncated_outputs": translator.truncated_outputs}
+    found = Translator(model, beam_size=1).translate_ids(sources)
+    theirs = ctranslate2_translations(exported, sources, beam_size=1)
+    return {"ours": found.outputs, "theirs": [hypotheses[0] for hypotheses in theirs],
+            "truncated_outputs": found.truncated_outputs}
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +199,9 @@ def test_per_token_log_probs_equal_ours(trained):
 @pytest.mark.slow
 def test_an_empty_source_has_one_empty_hypothesis_as_in_translator(varied, exported,
                                                                     sources):
-    theirs = translate_with_ctranslate2(exported, [[]] + sources[:3], beam_size=3, n_best=2)
-    hypotheses, scores = Translator(varied["model"], beam_size=3).translate_ids(
-        [[]] + sources[:3], n_best=2)
+    theirs = ctranslate2_translations(exported, [[]] + sources[:3], beam_size=3, n_best=2)
+    found = Translator(varied["model"], beam_size=3).translate_ids([[]] + sources[:3], n_best=2)
+    hypotheses, scores = found.hypotheses, found.scores
     assert [(h.ids, h.score) for h in theirs[0]] == list(zip(hypotheses[0], scores[0])) == \
         [([], 0.0)]
     assert all(len(row) == 2 for row in theirs[1:])
@@ -189,7 +216,7 @@ def test_pieces_and_unknown_characters_translate_as_ids(varied, exported, source
     pieces += processor.encode(UNKNOWN_TEXT, out_type=str) + [[]]
     vocabulary = {processor.id_to_piece(i) for i in range(processor.get_piece_size())}
     assert all(set(source) - vocabulary for source in pieces[-3:-1])
-    theirs = translate_with_ctranslate2(exported, pieces)
+    theirs = ctranslate2_translations(exported, pieces, beam_size=1)
     assert [hypotheses[0].ids for hypotheses in theirs] == greedy_results["ours"]
 
 
@@ -197,12 +224,14 @@ def test_pieces_and_unknown_characters_translate_as_ids(varied, exported, source
 def test_each_sentence_keeps_its_own_limit(varied, exported, sources):
     """A tighter limit than maxlen2 and a small margin: many outputs end at their limit."""
     model, chosen = varied["model"], sources[:120]
-    translator = Translator(model, beam_size=1, max_length=20, length_margin=2)
-    ours = translator.translate_ids(chosen)
-    theirs = translate_with_ctranslate2(exported, chosen, max_length=20, length_margin=2)
-    assert [hypotheses[0].ids for hypotheses in theirs] == ours
+    found = Translator(model, beam_size=1, max_length=20, length_margin=2).translate_ids(chosen)
+    engine = CTranslate2Translator(exported, beam_size=1, max_length=20, length_margin=2)
+    theirs_found = engine.translate_ids(chosen)
+    theirs = _hypotheses(theirs_found)
+    assert [hypotheses[0].ids for hypotheses in theirs] == found.outputs
     assert sum(hypotheses[0].truncated for hypotheses in theirs) == \
-        translator.truncated_outputs >= 10
+        theirs_found.truncated_outputs == found.truncated_outputs >= 10
+    assert theirs_found.truncated_sources == found.truncated_sources
     for source, hypotheses in zip(chosen, theirs):
         length = len(hypotheses[0].ids) + (not hypotheses[0].truncated)
         assert length <= output_limit(len(source), model.maxlen1, 20, 2)
@@ -212,7 +241,7 @@ def test_each_sentence_keeps_its_own_limit(varied, exported, sources):
 def test_beam_search_scores_are_log_probabilities_over_gnmt_penalties(varied, exported,
                                                                       sources):
     model, chosen, alpha = varied["model"], sources[:60], 0.6
-    theirs = translate_with_ctranslate2(exported, chosen, beam_size=4, alpha=alpha, n_best=2)
+    theirs = ctranslate2_translations(exported, chosen, beam_size=4, alpha=alpha, n_best=2)
     hypotheses = [h for per_sentence in theirs for h in per_sentence]
     repeated = [source for source in chosen for _ in range(2)]
     outputs = _full_outputs(hypotheses)
@@ -239,7 +268,7 @@ def test_quantized_models_write_and_translate(trained, tmp_path, quantization):
     assert os.path.getsize(os.path.join(out_dir, "model.bin")) < \
         0.5 * os.path.getsize(os.path.join(trained["exported"], "model.bin"))
     sources = trained["sources"]
-    theirs = translate_with_ctranslate2(out_dir, sources, translator=translator)
+    theirs = ctranslate2_translations(out_dir, sources, translator=translator, beam_size=1)
     same = sum(hypotheses[0].ids == output
                for hypotheses, output in zip(theirs, trained["ours"]))
     assert same >= 0.5 * len(sources)  # rounded weights change some outputs, not most
@@ -261,9 +290,9 @@ def test_untrained_models_convert_exactly(subwords, tmp_path, norm_position, sha
     out_dir = convert(model, {"epsilon": 1e-2}, subwords, str(tmp_path / "model"))
     val, _, _ = data.load_split(MULTI30K, "val")
     sources = subwords.encode(val[:80])
-    ours = Translator(model, beam_size=1, length_margin=4).translate_ids(sources)
-    theirs = [h[0] for h in translate_with_ctranslate2(out_dir, sources, length_margin=4,
-                                                       return_log_probs=True)]
+    ours = Translator(model, beam_size=1, length_margin=4).translate_ids(sources).outputs
+    theirs = [h[0] for h in ctranslate2_translations(out_dir, sources, beam_size=1,
+                                                     length_margin=4)]
     assert [h.ids for h in theirs] == ours
     mine = _our_token_log_probs(model, sources, _full_outputs(theirs))
     assert max(float(np.max(np.abs(m - np.array(h.log_probs))))
@@ -383,18 +412,21 @@ def test_a_non_empty_directory_is_refused_an_empty_one_filled(subwords, tmp_path
     assert "model.bin" in os.listdir(tmp_path / "empty")
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(beam_size=2, n_best=3), "`n_best` (3) must be in [1, beam_size=2]"),
-    (dict(beam_size=4, return_log_probs=True), "`return_log_probs` needs greedy search"),
-    (dict(max_length=29), "`max_length` must be in [1, 28]"),
-    (dict(length_margin=-1), "`length_margin` must be at least 0"),
-    (dict(beam_size=0), "`beam_size` must be at least 1"),
+@pytest.mark.parametrize("options, request_, message", [
+    (dict(beam_size=2), dict(n_best=3), "`n_best` (3) must be between 1 and `beam_size` (2)"),
+    (dict(beam_size=4), dict(with_log_probs=True), "`with_log_probs` needs greedy search"),
+    (dict(beam_size=1), dict(with_coverage=True),
+     "`with_coverage` is not given by CTranslate2Translator"),
+    (dict(max_length=29), {}, "`max_length` must be in [1, 28]"),
+    (dict(length_margin=-1), {}, "`length_margin` must be at least 0"),
+    (dict(beam_size=0), {}, "`beam_size` must be at least 1"),
 ])
-def test_impossible_translation_options_are_refused(subwords, tmp_path, options, message):
+def test_impossible_translation_options_are_refused(subwords, tmp_path, options, request_,
+                                                    message):
     out_dir = convert(_random_model(subwords.vocab_size), {"epsilon": 1e-6}, subwords,
                       str(tmp_path / "model"))
     with pytest.raises(ValueError) as error:
-        translate_with_ctranslate2(out_dir, [[5, 6, 7]], **options)
+        CTranslate2Translator(out_dir, **options).translate_ids([[5, 6, 7]], **request_)
     assert message in str(error.value)
 
 
@@ -421,8 +453,36 @@ def test_an_output_that_ends_at_once_is_empty_in_both(subwords, tmp_path, beam_s
     out_dir = convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "model"))
     val, _, _ = data.load_split(MULTI30K, "val")
     sources = subwords.encode(val[:20])
-    ours = Translator(model, beam_size=beam_size).translate_ids(sources)
-    theirs = translate_with_ctranslate2(out_dir, sources, beam_size=beam_size)
+    ours = Translator(model, beam_size=beam_size).translate_ids(sources).outputs
+    theirs = ctranslate2_translations(out_dir, sources, beam_size=beam_size)
     assert ours == [[]] * len(sources)
     assert [hypotheses[0].ids for hypotheses in theirs] == ours
     assert not any(hypotheses[0].truncated for hypotheses in theirs)  # they ended with EOS
+
+
+@pytest.mark.slow
+def test_sampling_repeats_with_its_seed_and_top_k_one_is_greedy(varied, exported, sources,
+                                                                greedy_results):
+    """CTranslate2 has one process-wide random generator: the same seed and batches repeat."""
+    engine = CTranslate2Translator(exported, sampling_topk=5, sampling_topp=0.9)
+    first = engine.translate_ids(sources, n_best=3, seed=4)
+    assert engine.translate_ids(sources, n_best=3, seed=4) == first
+    other = engine.translate_ids(sources, n_best=3, seed=5)
+    decoded = [i for i, source in enumerate(sources) if source]
+    assert sum(first.hypotheses[i] != other.hypotheses[i] for i in decoded) >= 0.5 * len(decoded)
+    assert all(len(first.scores[i]) == 3 and first.scores[i] == sorted(first.scores[i],
+                                                                         reverse=True)
+               for i in decoded)
+    assert sum(len({tuple(h) for h in first.hypotheses[i]}) > 1 for i in decoded) >= \
+        0.8 * len(decoded)
+    # Each sample scored as ours: the model's log-probability over GNMT's penalty.
+    chosen = [(i, k) for i in decoded[:40] for k in range(3) if first.ended[i][k]]
+    outputs = [first.hypotheses[i][k] + [data.EOS_ID] for i, k in chosen]
+    log_probs = _our_log_probs(varied["model"], [sources[i] for i, _ in chosen], outputs)
+    np.testing.assert_allclose([first.scores[i][k] for i, k in chosen],
+                               [lp / ((5 + len(o)) / 6) ** 0.6
+                                for lp, o in zip(log_probs, outputs)],
+                               rtol=1e-4, atol=1e-4)
+    greedy = CTranslate2Translator(exported, sampling_topk=1, beam_size=1).translate_ids(
+        sources, seed=4)
+    assert greedy.outputs == greedy_results["ours"]

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 import sacrebleu
@@ -15,13 +16,15 @@ import tensorflow as tf
 import hparams as hp
 from kyu_transformer import data
 from kyu_transformer.checkpoints import CheckpointError, list_checkpoints, load_model
-from kyu_transformer.decoding import (GreedySearch, Translator, _strip, _top_k_rows, beam_search,
+from kyu_transformer.decoding import (GreedySearch, _top_k_rows, _uniforms, beam_search,
                                       greedy_search, length_penalty, search, sequence_log_probs)
 from kyu_transformer.layers import DecoderBlock
 from kyu_transformer.model import Transformer
+from kyu_transformer.translation import Translator
 from tests.conftest import copy_of_logdir, load_logdir
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT
+from tests.varied_model import clear_greedy_choices
 
 ENVIRONMENT = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
 
@@ -50,6 +53,12 @@ def varied(varied_tiny_logdir, tmp_path_factory):
                         if len(ids) < 30][:96]}
 
 
+def _strip(row):
+    """A decoded row as a list, EOS and what follows removed (padding too)."""
+    row = list(row)
+    return [i for i in (row[:row.index(data.EOS_ID)] if data.EOS_ID in row else row) if i]
+
+
 def _pad(sequences):
     width = max(len(s) for s in sequences)
     return np.array([s + [0] * (width - len(s)) for s in sequences], dtype="int32")
@@ -69,7 +78,8 @@ def mixed_lengths(varied):
 def _limits(translator, sources):
     """Each source's output limit, as `Translator` documents it."""
     maxlen1 = translator.model.maxlen1
-    return [min(translator.max_length, min(len(ids) + 1, maxlen1) + translator.length_margin)
+    margin = translator.settings.length_margin
+    return [min(translator.max_length, min(len(ids) + 1, maxlen1) + margin)
             for ids in sources]
 
 
@@ -242,7 +252,9 @@ def test_finished_sentences_stay_padded(varied, beam_size):
     translator = Translator(varied["model"], beam_size=beam_size)
     source = tf.constant(_pad(varied["sources"][:32]))
     limits = np.array([40, 12, 25, 6] * 8, dtype="int32")
-    ids = translator._search(source, limits).ids[:, 0].numpy()
+    rows = tf.range(32)
+    ids = translator.search_function(1)(source, limits, rows, tf.constant(0, tf.int64))
+    ids = ids.ids[:, 0].numpy()
     assert ids.shape == (32, 40)
     finished = cut = 0
     for row, limit in zip(ids, limits):
@@ -287,10 +299,11 @@ def test_a_translation_does_not_depend_on_its_batch(varied, mixed_lengths, beam_
     """Alone, or in one batch with much shorter and longer sources: the same output."""
     # A small margin makes many outputs stop at their limit, where a limit
     # shared by the batch would show.
-    translator = Translator(varied["model"], beam_size=beam_size, length_margin=1)
-    together = translator.translate_ids(mixed_lengths, batch_size=len(mixed_lengths))
-    cut = translator.truncated_outputs
-    alone = [translator.translate_ids([ids])[0] for ids in mixed_lengths]
+    translator = Translator(varied["model"], beam_size=beam_size, length_margin=1,
+                            batch_size=len(mixed_lengths))
+    found = translator.translate_ids(mixed_lengths)
+    together, cut = found.outputs, found.truncated_outputs
+    alone = [translator.translate_ids([ids]).outputs[0] for ids in mixed_lengths]
     assert [i for i, (a, b) in enumerate(zip(together, alone)) if a != b] == []
     assert len({tuple(output) for output in together}) >= 30  # real, varied outputs
     assert cut >= 10  # and limits were reached
@@ -301,16 +314,20 @@ def test_translator_counts_cut_sources_and_cut_outputs(varied, mixed_lengths, be
     model = varied["model"]
     counts = []
     for margin in (0, 16):
-        translator = Translator(model, beam_size=beam_size, length_margin=margin)
-        outputs = translator.translate_ids(mixed_lengths, batch_size=100)
+        translator = Translator(model, beam_size=beam_size, length_margin=margin,
+                                batch_size=100)
+        found = translator.translate_ids(mixed_lengths)
+        outputs = found.outputs
         limits = _limits(translator, mixed_lengths)
         # An output that ended has at most limit - 1 tokens besides its EOS.
         assert all(len(output) <= limit for output, limit in zip(outputs, limits))
         at_limit = sum(len(output) == limit for output, limit in zip(outputs, limits))
-        assert translator.truncated_outputs == at_limit
-        assert translator.truncated_sources == sum(len(ids) >= model.maxlen1
-                                                   for ids in mixed_lengths) >= 6
-        counts.append(translator.truncated_outputs)
+        assert found.truncated_outputs == at_limit
+        assert found.ended == [[len(output) < limit] if ids else [True] for output, limit, ids
+                               in zip(outputs, limits, mixed_lengths)]
+        assert found.truncated_sources == sum(len(ids) >= model.maxlen1
+                                              for ids in mixed_lengths) >= 6
+        counts.append(found.truncated_outputs)
     assert counts[0] > counts[1]
 
 
@@ -321,7 +338,12 @@ def test_impossible_requests_are_refused(varied):
         beam_search(model, source, 10, beam_size=4, n_best=5)
     with pytest.raises(ValueError, match="`with_coverage` needs greedy search.*beam_size=3"):
         Translator(model, beam_size=3).translate_ids([[5, 6, 7]], with_coverage=True)
-    outputs, coverages = Translator(model).translate_ids([[5, 6, 7], []], with_coverage=True)
+    with pytest.raises(ValueError, match="`with_coverage` needs greedy search.*sampling"):
+        Translator(model, sampling_topk=0).translate_ids([[5, 6, 7]], with_coverage=True)
+    with pytest.raises(ValueError, match="`with_log_probs` is not given by Translator"):
+        Translator(model, beam_size=1).translate_ids([[5, 6, 7]], with_log_probs=True)
+    coverages = Translator(model, beam_size=1).translate_ids([[5, 6, 7], []],
+                                                             with_coverage=True).coverages
     assert coverages[0].shape[1] == 4 and coverages[1] is None  # greedy coverage still works
     with pytest.raises(ValueError, match=rf"`max_length` must be in \[1, {model.maxlen2}\]"):
         Translator(model, max_length=model.maxlen2 + 1)
@@ -393,13 +415,13 @@ def test_eval_translates_files_and_standard_input(varied, tmp_path):
     assert scores["checkpoints"] == list_checkpoints(str(logdir))[-2:]
     # The counts are those of the same translation made here.
     model, _ = load_model(hp.load(str(logdir / "hparams.json")), str(logdir), average_last=2)
-    translator = Translator(model, length_margin=0)
-    translator.translate(sources, varied["subwords"])
-    assert scores["truncated_sources"] == translator.truncated_sources == 1
-    assert scores["truncated_outputs"] == translator.truncated_outputs
+    found = Translator(model, beam_size=1, length_margin=0).translate_ids(
+        varied["subwords"].encode(sources))
+    assert scores["truncated_sources"] == found.truncated_sources == 1
+    assert scores["truncated_outputs"] == found.truncated_outputs
     assert "note: 1 sentences were longer than maxlen1" in result.stdout
-    assert (f"note: {translator.truncated_outputs} translations reached their length limit"
-            in result.stdout) == (translator.truncated_outputs > 0)
+    assert (f"note: {found.truncated_outputs} translations reached their length limit"
+            in result.stdout) == (found.truncated_outputs > 0)
     typed = run("eval.py", "--logdir", logdir, "--src", "-",
                 stdin="Ein Hund rennt.\nEine Frau singt.\n")
     assert typed.returncode == 0, typed.stderr
@@ -500,3 +522,118 @@ def test_a_decoder_block_over_a_wider_memory_decodes_with_its_own_head_width(rng
     for position in range(3):
         outputs, cache = block(inputs[:, position:position + 1], memory, cache=cache)
         np.testing.assert_allclose(outputs[:, 0], whole[:, position], atol=1e-5)
+
+
+# ------------------------------------------------------------------ sampling
+
+
+def test_sampling_near_temperature_zero_is_greedy_search(varied, mixed_lengths):
+    """Top-k 0 at temperature 1e-3: the largest logit is drawn every time, scored as greedy.
+
+    On the sentences whose greedy choices each lead the runner-up by 0.05 in
+    logit (at temperature 1e-3, the runner-up's chance is then below e^-50);
+    a near-tie may go either way when sampling."""
+    model = varied["model"]
+    greedy = Translator(model, beam_size=1).translate_ids(mixed_lengths, n_best=1)
+    cold = Translator(model, sampling_topk=0, sampling_temperature=1e-3).translate_ids(
+        mixed_lengths, n_best=1)
+    clear = clear_greedy_choices(model, mixed_lengths, greedy, margin=0.05)
+    assert len(clear) >= 0.5 * len(mixed_lengths)
+    assert [cold.hypotheses[i] for i in clear] == [greedy.hypotheses[i] for i in clear]
+    assert sum(not greedy.ended[i][0] for i in clear) >= 10  # outputs cut at their limit too
+    np.testing.assert_allclose([cold.scores[i] for i in clear],
+                               [greedy.scores[i] for i in clear], rtol=1e-5, atol=1e-5)
+
+
+def test_samples_follow_their_seed_not_their_batch(varied, mixed_lengths):
+    """A seed repeats its samples, another draws others; batches and neighbours change none.
+
+    Also: `n_best` samples (more than a beam), best first, duplicates kept,
+    each scored as forced decoding scores it."""
+    model = varied["model"]
+    translator = Translator(model, sampling_topk=0, batch_size=128)
+    first = translator.translate_ids(mixed_lengths, n_best=6, seed=11)
+    assert translator.translate_ids(mixed_lengths, n_best=6, seed=11) == first
+    # One sentence a batch: the same random numbers, so the same draws, except
+    # where the batch shape moved a logit's last bits across a draw's boundary
+    # (about one draw in 30,000 here: the outputs are long and their
+    # distributions flat), or the order of two samples scored alike.
+    alone = Translator(model, sampling_topk=0, batch_size=1).translate_ids(
+        mixed_lengths, n_best=6, seed=11)
+    same = [i for i, (a, b) in enumerate(zip(alone.hypotheses, first.hypotheses))
+            if sorted(map(tuple, a)) == sorted(map(tuple, b))]
+    assert len(same) >= 0.98 * len(mixed_lengths)
+    np.testing.assert_allclose([alone.scores[i] for i in same], [first.scores[i] for i in same],
+                               rtol=1e-5, atol=1e-5)
+    assert translator.translate_ids(mixed_lengths[:1], n_best=6, seed=11).hypotheses == \
+        first.hypotheses[:1]
+    other = translator.translate_ids(mixed_lengths, n_best=6, seed=12)
+    differ = sum(a != b for a, b in zip(first.hypotheses, other.hypotheses))
+    assert differ >= 0.9 * len(mixed_lengths)
+    assert all(len(row) == 6 and row == sorted(row, reverse=True) for row in first.scores)
+    assert sum(len({tuple(h) for h in row}) for row in first.hypotheses) > 3 * len(mixed_lengths)
+    ended = [(i, j) for i, row in enumerate(first.ended) for j, end in enumerate(row)
+             if end and mixed_lengths[i]][:200]
+    rescored, _ = translator.score_ids([mixed_lengths[i] for i, _ in ended],
+                                       [first.hypotheses[i][j] for i, j in ended])
+    np.testing.assert_allclose([first.scores[i][j] for i, j in ended],
+                               [result.score for result in rescored], rtol=1e-4, atol=1e-4)
+
+
+def test_each_sentence_and_sample_has_its_own_random_stream():
+    """The numbers drawn for (seed, sentence, sample, step) are the same in any batch, and
+    uniform: a batch's rows are its sentences, in any order, alone or not."""
+    sentences = tf.constant([4, 0, 9, 4000000], tf.int32)
+    together = _uniforms(7, sentences, 3, 5).numpy()  # (4, 3)
+    for row in range(4):
+        alone = _uniforms(7, sentences[row:row + 1], 3, 5).numpy()
+        np.testing.assert_array_equal(alone[0], together[row])
+    np.testing.assert_array_equal(together[0, :2], _uniforms(7, sentences[:1], 2, 5)[0])
+    assert not np.any(together == _uniforms(8, sentences, 3, 5).numpy())  # another seed
+    assert not np.any(together == _uniforms(7, sentences, 3, 6).numpy())  # another step
+    many = _uniforms(1, tf.range(20000), 5, 3).numpy().ravel()
+    assert many.min() >= 0.0 and many.max() < 1.0
+    counts = np.histogram(many, bins=20, range=(0, 1))[0]
+    assert np.all(np.abs(counts - 5000) < 5 * np.sqrt(5000))
+    assert abs(np.corrcoef(many[:-1], many[1:])[0, 1]) < 0.02
+
+
+def _cut_softmax(logits, topk, topp, temperature):
+    """The distribution sampling draws from: softmax(logits / T), cut to top-k then top-p."""
+    probs = np.exp((logits - logits.max()) / temperature)
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    keep = np.zeros(len(probs), bool)
+    keep[order[:topk or len(probs)]] = True
+    kept = np.where(keep, probs, 0.0) / probs[keep].sum()
+    before = np.cumsum(kept[order]) - kept[order]  # mass of the tokens ranked above
+    keep[order[before >= topp]] = False
+    cut = np.where(keep, probs, 0.0)
+    return cut / cut.sum()
+
+
+@pytest.mark.parametrize("topk, topp, temperature",
+                         [(0, 1.0, 1.0), (5, 1.0, 0.7), (0, 0.6, 1.5), (4, 0.8, 1.0)])
+def test_first_tokens_are_drawn_from_the_cut_softmax(topk, topp, temperature):
+    """4,000 first tokens of one source: frequencies within 5 standard deviations of the
+    reference probabilities, and never a token the cuts remove."""
+    keras.utils.set_random_seed(3)
+    model = Transformer(24, d_model=16, d_ff=32, num_blocks=1, num_heads=2, maxlen1=8,
+                        maxlen2=8, dropout_rate=0.0)
+    model.build()
+    source = np.array([[5, 6, 7, data.EOS_ID]], "int32")
+    logits = np.asarray(model({"source": source, "target_in": np.array([[data.BOS_ID]])}),
+                        "float64")[0, 0]
+    expected = _cut_softmax(logits, topk, topp, temperature)
+    assert 3 <= np.count_nonzero(expected) and expected.max() < 0.8  # a real choice
+    rows, samples = 250, 16
+    translator = Translator(model, sampling_topk=topk, sampling_topp=topp,
+                            sampling_temperature=temperature, max_length=1)
+    found = translator.search_function(samples)(
+        tf.constant(np.repeat(source, rows, axis=0)), tf.ones(rows, tf.int32),
+        tf.range(rows), tf.constant(7, tf.int64))
+    counts = np.bincount(found.ids.numpy()[:, :, 0].ravel(), minlength=24)
+    draws = rows * samples
+    assert np.all(counts[expected == 0] == 0)
+    tolerance = 5 * np.sqrt(expected * (1 - expected) / draws) + 1 / draws
+    assert np.all(np.abs(counts / draws - expected) <= tolerance), (counts / draws, expected)

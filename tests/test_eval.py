@@ -13,8 +13,8 @@ import eval as eval_program
 import hparams as hp
 from kyu_transformer import data
 from kyu_transformer.checkpoints import load_model
-from kyu_transformer.decoding import Translator
 from kyu_transformer.model import Transformer
+from kyu_transformer.translation import Translator
 from tests.conftest import copy_of_logdir
 from tests.test_data import MULTI30K, ROOT
 
@@ -59,10 +59,19 @@ def _sources(varied):
 
 @pytest.mark.parametrize("argv, message", [
     (["--beam_size", "4", "--n_best", "5"],
-     "--n_best (5) must be between 1 and --beam_size (4)"),
-    (["--n_best", "0"], "--n_best (0) must be between 1 and --beam_size (4)"),
-    (["--beam_size", "1", "--n_best", "2"],
-     "--n_best (2) must be between 1 and --beam_size (1)"),
+     "--n_best (5) must be at most --beam_size (4): the search keeps only --beam_size"),
+    (["--n_best", "0"], "--n_best must be at least 1, got 0"),
+    (["--beam_size", "1", "--n_best", "2"], "--n_best (2) must be at most --beam_size (1)"),
+    (["--sampling_topk", "10", "--beam_size", "4"],
+     "--sampling_topk 10 samples one token at a time: --beam_size must be 1 with it, got 4"),
+    (["--sampling_topk", "-1"], "--sampling_topk must be at least 0, got -1"),
+    (["--sampling_topk", "0", "--sampling_topp", "0"],
+     "--sampling_topp must be in (0, 1], got 0.0"),
+    (["--sampling_topk", "0", "--sampling_temperature", "0"],
+     "--sampling_temperature must be above 0, got 0.0"),
+    (["--seed", "-3"], "--seed must be at least 0, got -3"),
+    (["--src", "a.de", "--score", "a.en", "--sampling_topk", "5"],
+     "--score and --sampling_topk exclude each other"),
     (["--src", "-", "--n_best", "2"], "--src - translates standard input line by line; "
                                       "--n_best needs a file"),
     (["--src", "a.de", "--score", "a.en", "--n_best", "2"],
@@ -92,8 +101,9 @@ def test_translator_refuses_more_hypotheses_than_its_beam():
     with pytest.raises(ValueError, match=r"`n_best` \(3\) must be between 1 and "
                                          r"`beam_size` \(2\)"):
         Translator(model, beam_size=2).translate_ids([[5, 6]], n_best=3)
-    with pytest.raises(ValueError, match="`with_coverage` and `n_best` exclude each other"):
-        Translator(model).translate_ids([[5, 6]], with_coverage=True, n_best=1)
+    with pytest.raises(ValueError, match="`with_coverage` needs greedy search of one "
+                                         "hypothesis.*beam_size=2.*n_best=2"):
+        Translator(model, beam_size=2).translate_ids([[5, 6]], with_coverage=True, n_best=2)
 
 
 @pytest.mark.slow
@@ -104,13 +114,14 @@ def test_n_best_keeps_the_best_output_its_limits_and_scores(varied, beam_size):
     model, n_best = varied["model"], min(beam_size, 3)
     source_ids = varied["subwords"].encode(_sources(varied))
     # A small margin makes outputs reach their own limits.
-    translator = Translator(model, beam_size=beam_size, length_margin=2)
-    best = translator.translate_ids(source_ids, batch_size=16)
-    cut = translator.truncated_outputs
-    hypotheses, scores = translator.translate_ids(source_ids, batch_size=16, n_best=n_best)
-    assert [outputs[0] for outputs in hypotheses] == best
+    translator = Translator(model, beam_size=beam_size, length_margin=2, batch_size=16)
+    plain = translator.translate_ids(source_ids)
+    best, cut = plain.outputs, plain.truncated_outputs
+    found = translator.translate_ids(source_ids, n_best=n_best)
+    hypotheses, scores = found.hypotheses, found.scores
+    assert [outputs[0] for outputs in hypotheses] == best and plain.scores is None
     # Beam search reaches a limit less often: there, finished hypotheses usually win.
-    assert translator.truncated_outputs == cut >= (5 if beam_size == 1 else 1)
+    assert found.truncated_outputs == cut >= (5 if beam_size == 1 else 1)
     limits = [min(model.maxlen2, min(len(ids) + 1, model.maxlen1) + 2) for ids in source_ids]
     for outputs, limit in zip(hypotheses, limits):
         assert all(len(output) <= limit for output in outputs)
@@ -118,7 +129,7 @@ def test_n_best_keeps_the_best_output_its_limits_and_scores(varied, beam_size):
     assert all(len(row) == n_best for index, row in enumerate(scores) if index != 60)
     ended = [i for i, (output, limit) in enumerate(zip(best, limits))
              if len(output) < limit and source_ids[i]]
-    rescored = translator.score_ids([source_ids[i] for i in ended], [best[i] for i in ended])
+    rescored, _ = translator.score_ids([source_ids[i] for i in ended], [best[i] for i in ended])
     np.testing.assert_allclose([scores[i][0] for i in ended],
                                [result.score for result in rescored], atol=1e-4)
     assert len(ended) >= 10
@@ -151,6 +162,36 @@ def test_eval_writes_the_n_best_hypotheses_sorted_by_score(varied, tmp_path):
     # Real alternatives, not copies (two segmentations may still spell the same text).
     distinct = [len({entry["text"] for entry in row["hypotheses"]}) for row in rows]
     assert distinct.count(3) >= 0.9 * len(rows)
+
+
+@pytest.mark.slow
+def test_eval_samples_with_a_seed_as_the_translator_does(varied, tmp_path):
+    """--sampling_topk with --n_best: that many samples a sentence, best first, as
+    `Translator` draws them; the same --seed repeats them, another draws others."""
+    sources = _sources(varied)
+    source = write_lines(tmp_path / "sample.de", sources)
+    flags = ["--logdir", varied["logdir"], "--src", source, "--sampling_topk", 10,
+             "--sampling_temperature", 0.8, "--n_best", 4, "--batch_size", 16]
+    runs = {name: run("eval.py", *flags, "--seed", seed, "--name", name)
+            for name, seed in (("first", 5), ("again", 5), ("other", 6))}
+    for result in runs.values():
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert "sampling top-k 10, top-p 1.0, temperature 0.8, seed 5" in runs["first"].stdout
+    rows = {name: read_json_lines(varied["logdir"] / "eval" / f"{name}.nbest.jsonl")
+            for name in runs}
+    assert rows["first"] == rows["again"]
+    assert sum(a != b for a, b in zip(rows["first"], rows["other"])) >= 0.8 * len(sources)
+    found = Translator(varied["model"], sampling_topk=10, sampling_temperature=0.8,
+                       batch_size=16).translate_ids(varied["subwords"].encode(sources),
+                                                    n_best=4, seed=5)
+    decode = varied["subwords"].decode
+    assert [[entry["text"] for entry in row["hypotheses"]] for row in rows["first"]] == \
+        [[decode(ids) for ids in row] for row in found.hypotheses]
+    hypotheses = (varied["logdir"] / "eval" / "first.hyp.txt").read_text("utf-8").splitlines()
+    assert hypotheses == [row["hypotheses"][0]["text"] for row in rows["first"]]
+    for row in rows["first"][:60]:
+        scores = [entry["score"] for entry in row["hypotheses"]]
+        assert len(scores) == 4 and scores == sorted(scores, reverse=True)
 
 
 # ------------------------------------------------------------------ --score

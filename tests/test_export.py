@@ -13,11 +13,13 @@ import tensorflow as tf
 import export
 from kyu_transformer import data, decoding, serving
 from kyu_transformer.checkpoints import load_model
-from kyu_transformer.decoding import Translator, length_penalty, sequence_log_probs
+from kyu_transformer.decoding import length_penalty, sequence_log_probs
 from kyu_transformer.precision import set_precision
+from kyu_transformer.translation import Translator
 from tests.conftest import copy_of_logdir, load_logdir
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT
+from tests.varied_model import clear_greedy_choices
 
 # The text signature, and loading a SavedModel that has it, need tensorflow-text's ops.
 needs_tensorflow_text = pytest.mark.skipif(
@@ -27,8 +29,10 @@ ENVIRONMENT = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1
 ALPHA = 0.6
 # Each export of the `exports` fixture: its export.py flags.
 EXPORTS = {
-    "greedy": ("--beam_size", 1),
-    "beam": ("--beam_size", 4, "--n_best", 3),
+    # Sampling near temperature 0 is greedy search: its sample signature must agree.
+    "greedy": ("--beam_size", 1, "--sampling_topk", 0, "--sampling_temperature", 1e-3),
+    # Its sample signature: 3 samples per sentence, top-k 5, top-p 0.9.
+    "beam": ("--beam_size", 4, "--n_best", 3, "--sampling_topk", 5, "--sampling_topp", 0.9),
     "beam_bf16": ("--beam_size", 4, "--mixed_precision", "bf16"),
 }
 
@@ -49,6 +53,9 @@ for key, call in request.items():
     signature = loaded[call["dir"]].signatures[call["signature"]]
     if "ids" in call:
         outputs = signature(ids=tf.constant(call["ids"], tf.int32, shape=call["shape"]))
+    elif "seed" in call:
+        outputs = signature(text=tf.constant(call["text"], tf.string, shape=[len(call["text"])]),
+                            seed=tf.constant(call["seed"], tf.int64))
     else:
         outputs = signature(text=tf.constant(call["text"], tf.string, shape=[len(call["text"])]))
     # Strings as UTF-8 (numpy's own conversion of bytes assumes ASCII).
@@ -121,6 +128,12 @@ def served(varied, exports, tmp_path_factory):
     }
     request = {key: {"dir": exports[name]["dir"], "signature": serving.TEXT_SIGNATURE,
                      "text": text} for key, (name, text) in calls.items()}
+    samples = {"cold": ("greedy", val, 5), "sample": ("beam", val, 1),
+               "sample_again": ("beam", val, 1), "sample_other_seed": ("beam", val, 2),
+               "sample_first": ("beam", val[:1], 1)}
+    for key, (name, text, seed) in samples.items():
+        request[key] = {"dir": exports[name]["dir"], "signature": serving.SAMPLE_SIGNATURE,
+                        "text": text, "seed": seed}
     for name in ("greedy", "beam"):
         request[f"{name}_ids"] = {"dir": exports[name]["dir"], "signature": serving.IDS_SIGNATURE,
                                   "ids": _padded(ids), "shape": [len(ids), len(_padded(ids)[0])]}
@@ -151,6 +164,11 @@ def test_export_refuses_bad_flags_naming_them(capsys):
         (["--format", "ctranslate2", "--n_best", "1"], "--n_best applies to --format saved_model"),
         (["--format", "ctranslate2", "--length_margin", "3", "--batch_size", "8"],
          "--length_margin, --batch_size applies to --format saved_model only"),
+        (["--format", "ctranslate2", "--sampling_topk", "5"],
+         "--sampling_topk applies to --format saved_model only"),
+        (["--sampling_topk", "1"], "--sampling_topk 1 does not sample"),
+        (["--sampling_topp", "1.5"], "--sampling_topp must be in (0, 1], got 1.5"),
+        (["--seed", "3"], "unknown flag --seed"),
         (["--format", "ctranslate2", "--mixed_precision", "bf16"],
          "--mixed_precision (bf16) applies to --format saved_model only"),
     ]
@@ -162,10 +180,17 @@ def test_export_refuses_bad_flags_naming_them(capsys):
 
 def test_the_saved_models_search_flags_have_their_defaults():
     args = export.parse_args(["--logdir", "log", "--out", "out"])
-    assert {flag: getattr(args, flag) for flag in export.SEARCH_DEFAULTS} == \
-        {"beam_size": 4, "alpha": 0.6, "n_best": 1, "length_margin": 16, "batch_size": 128}
+    settings = args.settings
+    assert (settings.beam_size, settings.alpha, settings.n_best, settings.length_margin,
+            settings.batch_size, settings.sampling) == (4, 0.6, 1, 16, 128, False)
+    assert args.sampling is None  # no sample signature unless asked for
+    args = export.parse_args(["--logdir", "log", "--out", "out", "--sampling_topp", "0.5",
+                              "--n_best", "2"])
+    sampling = args.sampling
+    assert (sampling.beam_size, sampling.sampling_topk, sampling.sampling_topp,
+            sampling.n_best) == (1, 0, 0.5, 2)
     args = export.parse_args(["--logdir", "log", "--out", "out", "--format", "ctranslate2"])
-    assert args.beam_size == 4  # what the printed usage suggests
+    assert args.settings.beam_size == 4  # what the printed usage suggests
 
 
 def test_export_refuses_a_file_as_out(tmp_path):
@@ -241,12 +266,15 @@ def test_export_says_what_it_wrote_and_how_to_call_it(varied, exports):
     stdout = exports["beam"]["stdout"]
     assert f"wrote a SavedModel to {exports['beam']['dir']}" in stdout
     assert "beam 4, alpha 0.6, n_best 3, length margin 16" in stdout
-    assert "signatures: ids, serving_default" in stdout
+    assert "signatures: ids, sample, serving_default" in stdout
+    assert "sample: 3 samples per sentence, top-k 5, top-p 0.9, temperature 1.0" in stdout
     assert "tf.saved_model.load(" in stdout and "tensorflow/serving" in stdout
     assert ":predict" in stdout
     with open(os.path.join(exports["beam"]["dir"], export.SETTINGS_FILE)) as handle:
         record = json.load(handle)
     assert record["beam_size"] == 4 and record["n_best"] == 3 and record["maxlen1"] == 48
+    assert record["sample"] == {"sampling_topk": 5, "sampling_topp": 0.9,
+                                "sampling_temperature": 1.0, "n_best": 3}
     assert "float32" in exports["beam"]["stdout"]
     assert "mixed_bfloat16" in exports["beam_bf16"]["stdout"]
 
@@ -318,8 +346,8 @@ def test_the_saved_model_loads_without_kyu_transformer(served):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, beam_size", [("greedy", 1), ("beam", 4)])
 def test_translations_equal_the_translators_line_for_line(varied, served, name, beam_size):
-    expected = Translator(varied["model"], beam_size, ALPHA).translate(varied["val"],
-                                                                        varied["subwords"])
+    expected = Translator(varied["model"], beam_size=beam_size, alpha=ALPHA).translate(
+        varied["val"], varied["subwords"])
     got = served[f"{name}_val"]["translations"]
     assert len(got) == len(expected) == 300
     assert [i for i, (a, b) in enumerate(zip(got, expected)) if a != b] == []
@@ -348,7 +376,8 @@ def test_bfloat16_translations_equal_the_bfloat16_translators(varied, served):
     set_precision("bf16")  # as eval.py --mixed_precision bf16; conftest restores float32
     model, _ = load_model(varied["hparams"], str(varied["logdir"]))
     assert model.compute_dtype == "bfloat16"
-    expected = Translator(model, 4, ALPHA).translate(varied["val"], varied["subwords"])
+    expected = Translator(model, beam_size=4, alpha=ALPHA).translate(varied["val"],
+                                                                     varied["subwords"])
     got = served["bf16_val"]["translations"]
     assert [i for i, (a, b) in enumerate(zip(got, expected)) if a != b] == []
 
@@ -370,11 +399,13 @@ def test_n_best_rows_are_sorted_and_start_with_the_translation(served):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, beam_size, n_best", [("greedy", 1, 1), ("beam", 4, 3)])
 def test_the_ids_signature_equals_translate_ids(varied, served, name, beam_size, n_best):
-    translator = Translator(varied["model"], beam_size, ALPHA)
-    best = translator.translate_ids(served["source_ids"])
+    translator = Translator(varied["model"], beam_size=beam_size, alpha=ALPHA)
+    plain = translator.translate_ids(served["source_ids"])
+    best = plain.outputs
     too_long = [ids for ids in served["source_ids"] if len(ids) + 1 > varied["model"].maxlen1]
-    assert translator.truncated_sources == len(too_long) >= len(varied["long"])
-    hypotheses, scores = translator.translate_ids(served["source_ids"], n_best=n_best)
+    assert plain.truncated_sources == len(too_long) >= len(varied["long"])
+    found = translator.translate_ids(served["source_ids"], n_best=n_best)
+    hypotheses, scores = found.hypotheses, found.scores
     result = served[f"{name}_ids"]
     got = [[_stripped(row) for row in rows] for rows in result["ids"]]
     assert [rows[0] for rows in got] == best
@@ -416,19 +447,53 @@ def test_empty_strings_give_empty_translations(varied, served):
         assert result["n_best"][row] == ["", "", ""]
         assert result["scores"][row] == [0, decoding.NO_HYPOTHESIS_SCORE,
                                          decoding.NO_HYPOTHESIS_SCORE]
-    hypotheses, scores = Translator(varied["model"], 4, ALPHA).translate_ids(
-        [[]], n_best=3)
-    assert (hypotheses, scores) == ([[[]]], [[0.0]])
+    found = Translator(varied["model"], beam_size=4, alpha=ALPHA).translate_ids([[]], n_best=3)
+    assert (found.hypotheses, found.scores) == ([[[]]], [[0.0]])
     assert served["beam_none"] == {"translations": [], "n_best": [], "scores": []}
 
 
 @needs_tensorflow_text
 @pytest.mark.slow
 def test_sources_longer_than_maxlen1_are_cut_as_eval_cuts_them(varied, served):
-    translator = Translator(varied["model"], 4, ALPHA)
+    translator = Translator(varied["model"], beam_size=4, alpha=ALPHA)
     expected = translator.translate(varied["long"], varied["subwords"])
-    assert translator.truncated_sources == len(varied["long"])
+    found = translator.translate_ids(varied["subwords"].encode(varied["long"]))
+    assert found.truncated_sources == len(varied["long"])
     assert served["beam_long"]["translations"] == expected
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+def test_the_sample_signature_near_temperature_zero_is_greedy_search(varied, served):
+    """Where each greedy choice leads the runner-up by 0.05 in logit (a near-tie may go either
+    way when sampling; see test_decoding)."""
+    source_ids = varied["subwords"].encode(varied["val"])
+    greedy = Translator(varied["model"], beam_size=1).translate_ids(source_ids, n_best=1)
+    clear = clear_greedy_choices(varied["model"], source_ids, greedy, margin=0.05)
+    assert len(clear) >= 150
+    cold, plain = served["cold"]["translations"], served["greedy_val"]["translations"]
+    assert [cold[i] for i in clear] == [plain[i] for i in clear]
+    np.testing.assert_allclose([served["cold"]["scores"][i] for i in clear],
+                               [served["greedy_val"]["scores"][i] for i in clear], atol=1e-5)
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+def test_the_sample_signature_draws_as_the_translator_and_by_its_seed(varied, served):
+    """The same samples as `Translator`'s, however the request is batched; a seed repeats."""
+    sample = served["sample"]
+    assert sample == served["sample_again"]
+    differ = sum(a != b for a, b in zip(sample["n_best"], served["sample_other_seed"]["n_best"]))
+    assert differ >= 100  # another seed draws other samples
+    # A sentence alone in its request, or sharing it and its batches: the same samples.
+    assert served["sample_first"]["n_best"][0] == sample["n_best"][0]
+    translator = Translator(varied["model"], sampling_topk=5, sampling_topp=0.9, alpha=ALPHA)
+    found = translator.translate_ids(varied["subwords"].encode(varied["val"]), n_best=3, seed=1)
+    texts = [[varied["subwords"].decode(ids) for ids in row] for row in found.hypotheses]
+    assert texts == sample["n_best"]
+    np.testing.assert_allclose(found.scores, sample["scores"], rtol=1e-5, atol=1e-5)
+    # Real, different samples (a sentence may still draw one output thrice).
+    assert sum(len(set(row)) > 1 for row in texts) >= 0.8 * len(texts)
 
 
 @needs_tensorflow_text

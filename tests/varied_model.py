@@ -106,14 +106,43 @@ def check_varied_outputs(model, sources):
     lists) with the default margin of 16 are mostly distinct, and both ending
     with EOS and reaching the limit are common.
     """
-    from kyu_transformer.decoding import Translator
+    from kyu_transformer.translation import Translator
 
-    translator = Translator(model, beam_size=1)
-    outputs = translator.translate_ids(sources, batch_size=128)
-    distinct = len({tuple(output) for output in outputs})
-    cut = translator.truncated_outputs
+    translations = Translator(model, beam_size=1).translate_ids(sources)
+    distinct = len({tuple(output) for output in translations.outputs})
+    cut = translations.truncated_outputs
     figures = (f"{distinct} distinct outputs, {cut} at their limit, of {len(sources)} "
                "sources")
     assert distinct >= 0.8 * len(sources), f"the set weights give too few outputs: {figures}"
     assert 0.2 * len(sources) <= cut <= 0.8 * len(sources), \
         f"the set weights end too many or too few outputs: {figures}"
+
+
+def clear_greedy_choices(model, source_ids, greedy, margin):
+    """Indices of the decoded sources whose greedy choices each lead the runner-up logit by
+    `margin` (where sampling near temperature 0 must choose as greedy search does).
+
+    Args:
+      model: The `Transformer`.
+      source_ids: Lists of source ids (without EOS).
+      greedy: The `Translations` of greedy search of them.
+    """
+    import numpy as np
+
+    from kyu_transformer.special_ids import BOS_ID, EOS_ID
+    from kyu_transformer.translation import padded
+
+    decoded = [i for i, ids in enumerate(source_ids) if ids]
+    clear = []
+    for first in range(0, len(decoded), 64):
+        rows = decoded[first:first + 64]
+        targets = [greedy.hypotheses[i][0] + ([EOS_ID] if greedy.ended[i][0] else [])
+                   for i in rows]
+        logits = np.asarray(model({
+            "source": padded([(list(source_ids[i]) + [EOS_ID])[:model.maxlen1] for i in rows]),
+            "target_in": padded([[BOS_ID] + target[:-1] for target in targets])}), "float64")
+        top = np.sort(logits, axis=-1)
+        gaps = top[..., -1] - top[..., -2]  # (N, T)
+        clear += [i for i, row, target in zip(rows, gaps, targets)
+                  if row[:len(target)].min() >= margin]
+    return clear

@@ -1,0 +1,399 @@
+"""Translation for every engine: the search settings, and sources in, translations out.
+
+`SearchSettings` is the one definition of how to search (beam, alpha,
+n-best, limits, batches, sampling), of its defaults and checks, and of the
+flags eval.py and export.py take for it (`add_search_arguments`).
+
+The front end is the same for every engine: each source gets EOS and is cut
+to ``maxlen1`` (`encoder_inputs`); each sentence has its own output limit
+(`decoding.output_limit`); sentences are decoded in batches of similar source
+length (`decoding_order`); outputs are cut at EOS, padding removed
+(`strip`). These are TensorFlow ops: the SavedModel (`serving`) runs them in
+its graph, the engines eagerly. An engine, `Translator` (the Keras model) or
+`ctranslate2_export.CTranslate2Translator`, decodes one batch of encoder
+inputs (`_decode`); `Engine.translate_ids` does the rest and returns
+`Translations`, with the counts of what was cut.
+"""
+
+import collections
+import dataclasses
+import functools
+import re
+
+import numpy as np
+import tensorflow as tf
+
+from kyu_transformer.decoding import (
+    _NEG_INF, BeamSearch, GreedySearch, SamplingSearch, length_penalty, output_limit, search,
+    sequence_log_probs)
+from kyu_transformer.special_ids import EOS_ID, PAD_ID
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSettings:
+    """How to search, checked when made (ValueError naming the setting).
+
+    Attributes:
+      beam_size: 1 for greedy search, else beam search (default 4; 1 when sampling).
+      alpha: Length-penalty exponent: beam search's ranking, and every score.
+      n_best: Hypotheses per sentence (at most `beam_size`; with sampling, samples).
+      length_margin: How many tokens an output may have beyond its source's.
+      batch_size: Most sentences decoded together.
+      max_length: Most output tokens of any sentence (default the model's maxlen2).
+      sampling_topk: Sample from the `K` most likely tokens (0: all); 1 is no
+        sampling (greedy or beam search), as in OpenNMT-tf and CTranslate2.
+      sampling_topp: Then from the fewest whose probability reaches `P` (1: no cut).
+      sampling_temperature: Logits are divided by it before sampling.
+      seed: Of sampling's random streams (see `decoding.SamplingSearch`).
+    """
+
+    beam_size: int = None
+    alpha: float = 0.6
+    n_best: int = 1
+    length_margin: int = 16
+    batch_size: int = 128
+    max_length: int = None
+    sampling_topk: int = 1
+    sampling_topp: float = 1.0
+    sampling_temperature: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.beam_size is None:
+            object.__setattr__(self, "beam_size", 1 if self.sampling else 4)
+        least = {"beam_size": 1, "n_best": 1, "length_margin": 0, "batch_size": 1,
+                 "sampling_topk": 0, "seed": 0}
+        for name, value in least.items():
+            if getattr(self, name) < value:
+                raise ValueError(f"`{name}` must be at least {value}, got {getattr(self, name)}")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"`max_length` must be at least 1, got {self.max_length}")
+        if not 0.0 < self.sampling_topp <= 1.0:
+            raise ValueError(f"`sampling_topp` must be in (0, 1], got {self.sampling_topp}")
+        if not self.sampling_temperature > 0.0:
+            raise ValueError("`sampling_temperature` must be above 0, got "
+                             f"{self.sampling_temperature}")
+        if self.sampling and self.beam_size > 1:
+            raise ValueError(f"`sampling_topk` {self.sampling_topk} samples one token at a "
+                             f"time: `beam_size` must be 1 with it, got {self.beam_size}")
+        if not self.sampling and self.n_best > self.beam_size:
+            raise ValueError(f"`n_best` ({self.n_best}) must be at most `beam_size` "
+                             f"({self.beam_size}): the search keeps only `beam_size` hypotheses")
+
+    @property
+    def sampling(self):
+        return self.sampling_topk != 1
+
+    def replace(self, **fields):
+        """These settings with `fields` changed (the beam's default follows sampling's)."""
+        if "sampling_topk" in fields:
+            fields.setdefault("beam_size", None)
+        return dataclasses.replace(self, **fields)
+
+    def strategy(self, n_best, scores=True, seed=0, sentences=None):
+        """The `decoding` strategy of these settings, `n_best` hypotheses per sentence.
+
+        `scores`: whether greedy search scores (the others always do); `seed`
+        and `sentences` (the rows' sentence numbers): sampling's streams.
+        """
+        if self.sampling:
+            return SamplingSearch(self.sampling_topk, self.sampling_topp,
+                                  self.sampling_temperature, n_best, self.alpha, seed, sentences)
+        if self.beam_size == 1:
+            return GreedySearch(self.alpha, scores)
+        return BeamSearch(self.beam_size, self.alpha, n_best)
+
+
+_FLAG_HELP = {
+    "beam_size": "1 for greedy search (default 4; 1 with sampling)",
+    "alpha": "length-penalty exponent of beam search and of every score (default 0.6)",
+    "n_best": "hypotheses per sentence, best first (at most --beam_size; with sampling, "
+              "that many samples; default 1)",
+    "length_margin": "a translation has at most its source's length + M subwords (EOS "
+                     "included, at most maxlen2; default 16)",
+    "batch_size": "most sentences decoded together (default 128)",
+    "sampling_topk": "sample each token from the K most likely (0: from all); 1, the "
+                     "default, does not sample",
+    "sampling_topp": "then from the fewest of them whose probability reaches P (default 1: "
+                     "no cut)",
+    "sampling_temperature": "logits are divided by T before sampling (default 1)",
+    "seed": "of sampling: sentence i draws its sample j from a random stream of "
+            "(seed, i, j) (default 0)",
+}
+SEARCH_FLAGS = tuple(_FLAG_HELP)
+SAMPLING_FLAGS = ("sampling_topk", "sampling_topp", "sampling_temperature", "seed")
+
+
+def add_search_arguments(parser, names=SEARCH_FLAGS, helps=None):
+    """Adds the flags of these `SearchSettings` fields, default None (= the field's default)."""
+    types = {field.name: field.type for field in dataclasses.fields(SearchSettings)}
+    for name in names:
+        parser.add_argument(f"--{name}", type=types[name], default=None,
+                            metavar=name.split("_")[-1][0].upper(),
+                            help=(helps or {}).get(name, _FLAG_HELP[name]))
+
+
+def given_search_flags(args, names=SEARCH_FLAGS):
+    """The search flags given on the command line, as `SearchSettings` fields."""
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def search_settings(parser, **fields):
+    """`SearchSettings(**fields)`, or the parser's one-line error naming the flags."""
+    try:
+        return SearchSettings(**fields)
+    except ValueError as error:
+        parser.error(re.sub(r"`(\w+)`", r"--\1", str(error)))
+
+
+# ------------------------------------------------------------------ front end
+
+def encoder_inputs(ids, maxlen1):
+    """Ragged source ids `(N, None)` (without EOS) as the encoder reads them: EOS added, cut to `maxlen1`."""
+    eos = tf.RaggedTensor.from_tensor(tf.fill([ids.nrows(), 1], tf.constant(EOS_ID, ids.dtype)))
+    return tf.concat([ids, eos], axis=1)[:, :maxlen1]
+
+
+def decoding_order(lengths):
+    """The sentences to decode `(M,)`: the non-empty ones, shortest source first (stable)."""
+    nonempty = tf.cast(tf.where(lengths > 0)[:, 0], tf.int32)
+    return tf.gather(nonempty, tf.argsort(tf.gather(lengths, nonempty), stable=True))
+
+
+def strip(ids):
+    """Rows of `ids` `(R, L)` cut before their first EOS, padding removed (ragged)."""
+    after_end = tf.cumsum(tf.cast(tf.equal(ids, EOS_ID), tf.int32), axis=1) > 0
+    return tf.ragged.boolean_mask(ids, tf.logical_and(tf.logical_not(after_end),
+                                                      tf.not_equal(ids, PAD_ID)))
+
+
+def ragged(sequences):
+    """Lists of ids as a ragged int32 tensor `(N, None)`."""
+    lengths = [len(sequence) for sequence in sequences]
+    flat = np.fromiter((i for sequence in sequences for i in sequence), "int32", sum(lengths))
+    return tf.RaggedTensor.from_row_lengths(flat, np.asarray(lengths, "int64"))
+
+
+def padded(sequences):
+    """Lists of ids as an int32 array `(N, L)` padded with 0."""
+    return ragged(sequences).to_tensor().numpy()
+
+
+class Translations(collections.namedtuple(
+        "Translations", "hypotheses scores ended coverages token_log_probs "
+                        "truncated_sources truncated_outputs")):
+    """What `Engine.translate_ids` gives, in the order of the sources.
+
+    Per sentence: `hypotheses`, its outputs' ids (EOS and padding removed),
+    best first; `scores`, theirs (with `n_best` asked for, else None);
+    `ended`, whether each ended with EOS (else it was cut at its limit);
+    `coverages`, `token_log_probs`: when asked for (None for an empty
+    source), else None. An empty source has one empty hypothesis, scored 0,
+    undecoded. `truncated_sources` counts the sources cut to ``maxlen1``,
+    `truncated_outputs` the best outputs cut at their limit.
+    """
+
+    @property
+    def outputs(self):
+        """Each sentence's best output."""
+        return [hypotheses[0] for hypotheses in self.hypotheses]
+
+
+class Engine:
+    """The front end of every engine; an engine decodes one batch (`_decode`).
+
+    Each sentence's output is limited on its own, whatever shares its batch:
+    at most ``min(max_length, source length + length_margin)`` tokens, EOS
+    included, the source length being the one the encoder reads (EOS
+    included, after cutting to `maxlen1`).
+
+    Args:
+      maxlen1, maxlen2: The model's limits of its source and its output.
+      settings: A `SearchSettings`.
+    """
+
+    coverage = log_probs = False  # what an engine can give besides outputs
+
+    def __init__(self, maxlen1, maxlen2, settings):
+        self.maxlen1, self.settings = maxlen1, settings
+        self.max_length = settings.max_length or maxlen2
+        if not 1 <= self.max_length <= maxlen2:
+            raise ValueError(f"`max_length` must be in [1, {maxlen2}] (the model's maxlen2), "
+                             f"got {self.max_length}")
+
+    def translate_ids(self, source_ids, n_best=None, with_coverage=False, with_log_probs=False,
+                      seed=None):
+        """`Translations` of lists of subword ids (without EOS).
+
+        Sentences are decoded in batches of similar length; which sentences
+        share a batch does not change any output.
+
+        Args:
+          source_ids: Lists of subword ids, without EOS.
+          n_best: Hypotheses per sentence, with their scores (default the
+            settings' `n_best`, unscored).
+          with_coverage: Also give each output's cross-attention `(L, S)`.
+          with_log_probs: Also give each output's per-token log-probabilities.
+          seed: Sampling's seed (default the settings').
+        """
+        n = n_best or self.settings.n_best
+        self._check_request(n, with_coverage, with_log_probs)
+        count = len(source_ids)
+        found = {"hypotheses": [[[]] for _ in source_ids], "scores": [[0.0] for _ in source_ids],
+                 "ended": [[True] for _ in source_ids], "coverages": [None] * count,
+                 "token_log_probs": [[] if with_log_probs else None for _ in source_ids]}
+        ids = ragged(source_ids)
+        lengths = ids.row_lengths().numpy()
+        inputs = encoder_inputs(ids, self.maxlen1)
+        limits = output_limit(lengths, self.maxlen1, self.max_length,
+                              self.settings.length_margin).astype("int32")
+        order = decoding_order(tf.constant(lengths)).numpy()
+        seed = self.settings.seed if seed is None else int(seed)
+        for first in range(0, len(order), self.settings.batch_size):
+            rows = order[first:first + self.settings.batch_size]
+            batch = self._decode(tf.gather(inputs, rows), limits[rows], rows, n,
+                                 n_best is not None, with_coverage, with_log_probs, seed)
+            self._keep(found, rows, batch)
+        return Translations(
+            found["hypotheses"], found["scores"] if n_best else None,
+            found["ended"], found["coverages"] if with_coverage else None,
+            found["token_log_probs"] if with_log_probs else None,
+            int(np.sum(lengths + 1 > self.maxlen1)),
+            sum(not found["ended"][i][0] for i in order))
+
+    @staticmethod
+    def _keep(found, rows, batch):
+        """Puts a batch's `_decode` results into `found`, at its sentences' `rows`."""
+        ids = batch["ids"]  # (n, K, L)
+        outputs = strip(tf.reshape(ids, (-1, ids.shape[-1]))).to_list()
+        ended = np.any(ids == EOS_ID, axis=2)
+        k = ids.shape[1]
+        for row, index in enumerate(rows):
+            scores = batch["scores"][row] if batch["scores"] is not None else np.zeros(k)
+            # Rows scored as impossible (fewer real hypotheses than asked) are left out.
+            kept = [0] + [j for j in range(1, k) if scores[j] > _NEG_INF / 2]
+            found["hypotheses"][index] = [outputs[row * k + j] for j in kept]
+            found["scores"][index] = [float(scores[j]) for j in kept]
+            found["ended"][index] = [bool(ended[row, j]) for j in kept]
+            for name in ("coverages", "token_log_probs"):
+                if batch.get(name) is not None:
+                    found[name][index] = batch[name][row]
+
+    def _check_request(self, n_best, with_coverage, with_log_probs):
+        """Raises ValueError naming a `translate_ids` argument this engine cannot honour."""
+        settings = self.settings
+        if n_best < 1 or (not settings.sampling and n_best > settings.beam_size):
+            raise ValueError(f"`n_best` ({n_best}) must be between 1 and `beam_size` "
+                             f"({settings.beam_size}): the search keeps only `beam_size` "
+                             "hypotheses")
+        for asked, can, name in ((with_coverage, self.coverage, "with_coverage"),
+                                 (with_log_probs, self.log_probs, "with_log_probs")):
+            if asked and not can:
+                raise ValueError(f"`{name}` is not given by {type(self).__name__}")
+            if asked and (settings.beam_size > 1 or settings.sampling or n_best > 1):
+                raise ValueError(f"`{name}` needs greedy search of one hypothesis, but this "
+                                 f"{type(self).__name__} has beam_size={settings.beam_size}"
+                                 f"{', sampling' if settings.sampling else ''} and n_best="
+                                 f"{n_best}: it is recorded for the greedy output only")
+
+    def translate(self, sentences, subwords):
+        """Detokenized best translations of raw `sentences` (empty in, empty out)."""
+        translations = self.translate_ids(subwords.encode(sentences))
+        return [subwords.decode(ids) for ids in translations.outputs]
+
+
+class ScoredOutput(collections.namedtuple("ScoredOutput", "log_prob tokens score truncated")):
+    """An output's log-probability, its length in tokens and its score (see `Translator`).
+
+    `tokens` counts EOS; `truncated` says the output was cut to the
+    Translator's `max_length` (then without EOS).
+    """
+
+
+class Translator(Engine):
+    """Batched translation of subword ids or text with a trained `Transformer`.
+
+    Args:
+      model: The `Transformer`.
+      settings: A `SearchSettings` (default its defaults), with `fields`
+        replaced (``Translator(model, beam_size=1)``).
+      jit_compile: Compile the search with XLA.
+
+    A hypothesis' score is the one beam search ranks by: its log-probability,
+    EOS included, divided by GNMT's length penalty of its length (EOS
+    included) with `alpha` (`decoding.length_penalty`).
+    """
+
+    coverage = True
+
+    def __init__(self, model, settings=None, jit_compile=False, **fields):
+        settings = (settings or SearchSettings()).replace(**fields)
+        super().__init__(model.maxlen1, model.maxlen2, settings)
+        self.model = model
+        # One trace serves every batch: source shape and limits are dynamic (a
+        # retrace per batch shape would cost more than decoding). The search
+        # writes its control flow as `ops.while_loop` / `ops.cond`, so there is
+        # nothing for AutoGraph to convert, and without it tracing (the first
+        # call's main cost) does not rewrite every function the search calls.
+        self._compiled = functools.partial(tf.function, jit_compile=jit_compile,
+                                           autograph=False)
+        self._searches = {}
+        self._log_probs = self._compiled(
+            lambda source, outputs: sequence_log_probs(self.model, source, outputs),
+            input_signature=[tf.TensorSpec((None, None), tf.int32)] * 2)
+
+    def search_function(self, n_best, scores=True):
+        """The compiled search of `n_best` hypotheses: ``(source (N, S), limits (N,),
+        sentences (N,), seed) -> Hypotheses``; the SavedModel calls it too.
+
+        Beam search is traced for all `beam_size` hypotheses (`n_best` slices them).
+        """
+        n_best = n_best if self.settings.sampling else max(n_best, self.settings.beam_size)
+        key = (n_best, scores or self.settings.beam_size > 1)
+        if key not in self._searches:
+            def run(source, limits, sentences, seed):
+                strategy = self.settings.strategy(n_best, key[1], seed, sentences)
+                return search(self.model, source, limits, strategy)
+
+            self._searches[key] = self._compiled(run, input_signature=[
+                tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((None,), tf.int32),
+                tf.TensorSpec((None,), tf.int32), tf.TensorSpec((), tf.int64)])
+        return self._searches[key]
+
+    def _decode(self, inputs, limits, sentences, n_best, scored, with_coverage, with_log_probs,
+                seed):
+        found = self.search_function(n_best, scored)(
+            inputs.to_tensor(), tf.constant(limits), tf.constant(sentences, tf.int32),
+            tf.constant(seed, tf.int64))
+        return {"ids": found.ids.numpy()[:, :n_best],
+                "scores": found.scores.numpy()[:, :n_best] if found.scores is not None else None,
+                "coverages": found.coverage.numpy() if with_coverage else None}
+
+    def score_ids(self, source_ids, target_ids):
+        """The model's scores of given outputs (forced decoding), in the order given.
+
+        A source is read as for translation (EOS added, cut to `maxlen1`); a
+        target gets EOS and is cut to `max_length` tokens if longer, EOS then
+        left out, as beam search scores a hypothesis cut at its limit.
+
+        Returns:
+          ``(scored, truncated_sources)``: a `ScoredOutput` per sentence, and
+          how many sources were cut.
+        """
+        if len(source_ids) != len(target_ids):
+            raise ValueError(f"{len(source_ids)} sources but {len(target_ids)} targets")
+        targets = [(list(ids) + [EOS_ID])[:self.max_length] for ids in target_ids]
+        sources = encoder_inputs(ragged(source_ids), self.maxlen1)
+        # Sorted by length, so a batch pads little.
+        log_probs = np.zeros(len(targets))
+        order = sorted(range(len(targets)), key=lambda i: len(targets[i]))
+        for first in range(0, len(order), self.settings.batch_size):
+            rows = order[first:first + self.settings.batch_size]
+            source = tf.gather(sources, rows).to_tensor()
+            log_probs[rows] = self._log_probs(source, padded([targets[i] for i in rows])).numpy()
+        lengths = np.array([len(ids) for ids in targets])
+        scores = log_probs / np.asarray(length_penalty(lengths, self.settings.alpha), "float64")
+        cut = [len(ids) + 1 > self.max_length for ids in target_ids]
+        scored = [ScoredOutput(*values) for values in
+                  zip(log_probs.tolist(), lengths.tolist(), scores.tolist(), cut)]
+        return scored, sum(len(ids) + 1 > self.maxlen1 for ids in source_ids)
