@@ -205,6 +205,7 @@ def load_ctranslate2(args):
                              "came from")
     try:
         translator = CTranslate2Translator(model_dir, args.settings)
+        translator.load()
     except ImportError:
         raise data.DataError('--ctranslate2 needs the ctranslate2 package: pip install -e '
                              '".[serve]" (or pip install ctranslate2)') from None

@@ -35,9 +35,6 @@ FORMATS = ("saved_model", "ctranslate2")
 # Our record of what was exported, where TensorFlow Serving looks for extra files.
 SETTINGS_FILE = os.path.join("assets.extra", "export.json")
 EXAMPLE = "Zwei Hunde spielen im Schnee."
-# The sample signature draws from the whole distribution unless told otherwise
-# (eval.py's default of 1 means "do not sample", which a sample signature cannot).
-SAMPLE_TOPK = 0
 
 
 def parse_args(argv):
@@ -51,9 +48,10 @@ def parse_args(argv):
     add_search_arguments(parser, [flag for flag in SEARCH_FLAGS if flag != "seed"], helps={
         "batch_size": "most sentences the SavedModel decodes together (a request of any size "
                       "is decoded in batches of this size; default 128)",
-        "sampling_topk": "add the sample signature (text and seed in), which draws each "
-                         f"token from the K most likely (default {SAMPLE_TOPK}: from all; "
-                         "any sampling flag adds it)"})
+        "n_best": "hypotheses per sentence, best first, of every signature (at most "
+                  "--beam_size; of the sample signature, samples)",
+        "sampling_topk": "add the sample signature (text and seed in), which draws each token "
+                         "from the K most likely (0: from all)"})
     parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
                         help="precision of decoding (default no: float32, since the serving "
                              "machine is not known; auto chooses for this machine)")
@@ -80,16 +78,15 @@ def check_args(parser, args):
                      "--beam_size ... --alpha ...)")
     searching = {flag: value for flag, value in given.items() if flag not in SAMPLING_FLAGS}
     args.settings = search_settings(parser, **searching)
-    # The sample signature, where sampling flags are given: the same settings,
-    # sampling (its seed comes with each request).
+    # The sample signature, with --sampling_topk: the same settings, sampling (its
+    # seed comes with each request).
     sampling = {flag: value for flag, value in given.items() if flag in SAMPLING_FLAGS}
     args.sampling = None
+    if sampling.get("sampling_topk") == 1:
+        parser.error("--sampling_topk 1 does not sample: give 0 (all tokens) or K > 1 for "
+                     "the sample signature")
     if sampling:
-        if sampling.get("sampling_topk") == 1:
-            parser.error("--sampling_topk 1 does not sample: give 0 (all tokens) or K > 1 "
-                         "for the sample signature")
-        args.sampling = search_settings(parser, **{"sampling_topk": SAMPLE_TOPK, **searching,
-                                                   "beam_size": 1, **sampling})
+        args.sampling = search_settings(parser, **{**searching, "beam_size": 1, **sampling})
     check_checkpoint_arguments(parser, args)
     if args.mixed_precision and args.format == "ctranslate2":
         parser.error(f"--mixed_precision ({args.mixed_precision}) applies to --format "
@@ -228,10 +225,7 @@ def write_saved_model(args, model, subwords, checkpoints, precision, target):
               "beam_size": settings.beam_size, "alpha": settings.alpha,
               "n_best": settings.n_best, "length_margin": settings.length_margin,
               "batch_size": settings.batch_size,
-              "sample": sampling and {"sampling_topk": sampling.sampling_topk,
-                                      "sampling_topp": sampling.sampling_topp,
-                                      "sampling_temperature": sampling.sampling_temperature,
-                                      "n_best": sampling.n_best},
+              "sample": sample_record(sampling, signatures),
               "maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
               "subword_model": serving.asset_name(subwords.path)}
     os.makedirs(os.path.dirname(os.path.join(target, SETTINGS_FILE)), exist_ok=True)
@@ -239,6 +233,14 @@ def write_saved_model(args, model, subwords, checkpoints, precision, target):
         json.dump(record, handle, indent=2)
         handle.write("\n")
     return signatures
+
+
+def sample_record(sampling, signatures):
+    """What export.json records of the sample signature (None without one)."""
+    if serving.SAMPLE_SIGNATURE not in signatures:
+        return None
+    return {"sampling_topk": sampling.sampling_topk, "sampling_topp": sampling.sampling_topp,
+            "sampling_temperature": sampling.sampling_temperature, "n_best": sampling.n_best}
 
 
 def write_ctranslate2(args, hparams, model, subwords, target):
@@ -298,11 +300,12 @@ def print_ctranslate2_usage(out, args, checkpoints):
     print(f"wrote a CTranslate2 model to {out}: checkpoint {describe(checkpoints)}, weights "
           f"{args.quantization or 'float32'}")
     print("translate and score a split or a file with it (search settings given here):")
-    print(f"  python eval.py --logdir {args.logdir} --ctranslate2 {out} --beam_size 4 "
-          "--alpha 0.6")
+    print(f"  python eval.py --logdir {args.logdir} --ctranslate2 {out} --beam_size "
+          f"{args.settings.beam_size} --alpha {args.settings.alpha}")
     print("or from Python, as eval.py decodes (EOS appended, the same length limits):")
     print("  from kyu_transformer.ctranslate2_export import CTranslate2Translator")
-    print(f"  CTranslate2Translator({out!r}, beam_size=4).translate_ids(source_ids).outputs")
+    print(f"  CTranslate2Translator({out!r}, beam_size={args.settings.beam_size})"
+          ".translate_ids(source_ids).outputs")
     print("  (source_ids: lists of subword ids without EOS, from the subword model in the "
           "directory)")
 

@@ -202,7 +202,7 @@ def main():
     methods = {
         "ours greedy, cache": lambda s: greedy_search(model, s, length)[0],
         "ours greedy, recompute": lambda s: recompute_greedy_search(model, s, length),
-        "ours beam 4, cache": lambda s: beam_search(model, s, length, beam_size=4)[0],
+        "ours beam 4, cache": lambda s: beam_search(model, s, length, 4, 0.6)[0],
     }
     if args.skip_recompute:
         del methods["ours greedy, recompute"]

@@ -83,8 +83,6 @@ def saved_model(directory, sources, args):
 
 
 def ctranslate2_model(directory, hparams, subwords, sources, args):
-    import ctranslate2
-
     from kyu_transformer.ctranslate2_export import CTranslate2Translator
 
     state = {}
@@ -93,9 +91,7 @@ def ctranslate2_model(directory, hparams, subwords, sources, args):
         if "engine" not in state:  # the first call loads the model
             state["engine"] = CTranslate2Translator(
                 directory, beam_size=args.beam_size, alpha=args.alpha,
-                batch_size=args.batch_size,
-                translator=ctranslate2.Translator(directory, device="cpu",
-                                                  intra_threads=args.threads))
+                batch_size=args.batch_size, translator_options={"intra_threads": args.threads})
         return state["engine"].translate(sources, subwords)
 
     return timed(translate, args.repeats)

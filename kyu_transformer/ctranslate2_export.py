@@ -401,7 +401,7 @@ class CTranslate2Translator(Engine):
       are. CTranslate2's random generators are its worker threads' own,
       seeded from ``set_random_seed`` when a thread first draws: so for each
       `translate_ids` that samples, the seed is set and the model loaded anew
-      (fresh workers, as the given `translator`'s device and weight type).
+      (fresh workers, with the same `translator_options`).
       The same seed and the same batches then reproduce the samples (which
       are sorted here by score), but they depend on the batches;
     - greedy search and sampling: ``length_penalty=0``, so that CTranslate2's
@@ -427,34 +427,41 @@ class CTranslate2Translator(Engine):
     Args:
       model_dir: A directory written by `convert`.
       settings: A `SearchSettings` (default its defaults), with `fields` replaced.
-      translator: A ``ctranslate2.Translator`` of `model_dir` already loaded;
-        default one loaded here (CPU, the model's own weight type).
+      translator_options: Keyword arguments of ``ctranslate2.Translator`` (such
+        as ``intra_threads``); default the CPU and the model's own weight type.
+        The model is loaded at the first translation.
     """
 
     log_probs = True
 
-    def __init__(self, model_dir, settings=None, translator=None, **fields):
-        ctranslate2 = _import_ctranslate2()
+    def __init__(self, model_dir, settings=None, translator_options=None, **fields):
+        self._ctranslate2 = _import_ctranslate2()
         ours = read_settings(model_dir)
         super().__init__(ours["maxlen1"], ours["maxlen2"],
                          (settings or SearchSettings()).replace(**fields))
         self.model_dir, self.quantization = model_dir, ours.get("quantization")
-        self._ctranslate2 = ctranslate2
-        self._translator = translator or ctranslate2.Translator(model_dir, device="cpu")
+        self.translator_options = {"device": "cpu", **(translator_options or {})}
+        self.translator = None
         self._pieces = read_vocabulary(model_dir)
         self._ids_of = {piece: i for i, piece in enumerate(self._pieces)}
 
-    def translate_ids(self, source_ids, seed=None, **options):
+    def load(self):
+        """The ``ctranslate2.Translator`` of the model (loaded at the first call)."""
+        if self.translator is None:
+            self.translator = self._ctranslate2.Translator(self.model_dir,
+                                                           **self.translator_options)
+        return self.translator
+
+    def translate_ids(self, source_ids, n_best=None, with_coverage=False, with_log_probs=False,
+                      seed=None):
         """`Engine.translate_ids`; sources may also be lists of pieces (strings: those
         outside the vocabulary read as ``<unk>``, as CTranslate2 reads them)."""
         source_ids = [[self._ids_of.get(i, UNK_ID) if isinstance(i, str) else i for i in ids]
                       for ids in source_ids]
         if self.settings.sampling:  # fresh workers, whose generators take the seed
             self._ctranslate2.set_random_seed(self.settings.seed if seed is None else seed)
-            self._translator = self._ctranslate2.Translator(
-                self.model_dir, device=self._translator.device,
-                compute_type=self._translator.compute_type)
-        return super().translate_ids(source_ids, seed=seed, **options)
+            self.translator = None
+        return super().translate_ids(source_ids, n_best, with_coverage, with_log_probs, seed)
 
     def _decode(self, inputs, limits, sentences, n_best, scored, with_coverage, with_log_probs,
                 seed):
@@ -470,7 +477,7 @@ class CTranslate2Translator(Engine):
         results = [None] * len(sources)
         for limit in sorted(set(limits.tolist())):
             group = [row for row, own in enumerate(limits) if own == limit]
-            outputs = self._translator.translate_batch(
+            outputs = self.load().translate_batch(
                 [sources[row] for row in group], max_decoding_length=int(limit), **options)
             for row, output in zip(group, outputs):
                 results[row] = [self._hypothesis(output, k, with_log_probs)
@@ -499,5 +506,5 @@ class CTranslate2Translator(Engine):
                 hypotheses = sorted(hypotheses, key=lambda hypothesis: -hypothesis[1])
             for k, (output, score, _) in enumerate(hypotheses):
                 ids[row, k, :len(output)], scores[row, k] = output, score
-        log_probs = [hypotheses[0][2] for hypotheses in results]
+        log_probs = [hypotheses[0][2] if hypotheses else None for hypotheses in results]
         return {"ids": ids, "scores": scores, "token_log_probs": log_probs}

@@ -1,11 +1,12 @@
-"""Greedy and beam search over batches, with a key/value cache.
+"""Greedy search, beam search and sampling over batches, with a key/value cache.
 
 The encoder runs once per batch; the decoder runs one position per step
 (`Transformer.decode_step`), reading the keys/values of earlier positions from
 the cache instead of recomputing the prefix. One loop, `search` (a
-`keras.ops.while_loop`, compiled as a whole by `Translator` and the SavedModel
-with `tf.function`), serves both searches, `GreedySearch` and `BeamSearch`
-being what a step picks; it stops as soon as every sentence is finished.
+`keras.ops.while_loop`, compiled as a whole by `translation.Translator` and the
+SavedModel with `tf.function`), serves every search: `GreedySearch`,
+`BeamSearch` and `SamplingSearch` are what a step picks; it stops as soon as
+every sentence is finished.
 
 Each sentence has its own output limit (EOS included), whatever shares its
 batch. Outputs are id arrays `(N, K, L)` (`Hypotheses`), `L` the largest limit:
@@ -26,9 +27,6 @@ _NEG_INF = -1.0e9  # score of impossible hypotheses (finite: no NaN in sums)
 # must be given (the SavedModel's `n_best` columns; `Translator` leaves such
 # hypotheses out). An empty source has one hypothesis, the empty one, scored 0.
 NO_HYPOTHESIS_SCORE = _NEG_INF
-# Sentences decoded together by default (eval.py's and export.py's default too):
-# the same batches everywhere, so that every path decodes the same arithmetic.
-DEFAULT_BATCH_SIZE = 128
 
 
 def length_penalty(length, alpha):
@@ -213,7 +211,7 @@ def search(model, source, max_length, strategy):
     Each step, the decoder reads the hypotheses' newest tokens (with the
     key/value cache of the earlier positions), and `strategy` picks what the
     hypotheses become: `GreedySearch` the most likely token, `BeamSearch` the
-    best extensions of its beam. The loop stops when every sentence is done,
+    best extensions of its beam, `SamplingSearch` a drawn token. The loop stops when every sentence is done,
     at the latest at its own limit.
 
     Args:
@@ -221,7 +219,7 @@ def search(model, source, max_length, strategy):
       source: Source ids `(N, S)` (with EOS, padded with 0).
       max_length: Most output tokens per sentence, EOS included (at least 1):
         a Python int for all, or an int tensor `(N,)` with each sentence's own.
-      strategy: A `GreedySearch` or a `BeamSearch`.
+      strategy: A `GreedySearch`, `BeamSearch` or `SamplingSearch`.
 
     Returns:
       `Hypotheses`.
@@ -270,7 +268,7 @@ class GreedySearch:
       scores: Whether to score the outputs.
     """
 
-    def __init__(self, alpha=0.6, scores=True):
+    def __init__(self, alpha, scores=True):
         self.alpha, self.scores = float(alpha), bool(scores)
 
     def start(self, batch, bound, width, source_length):
@@ -335,7 +333,7 @@ class BeamSearch:
       n_best: How many hypotheses to return per sentence (at most `K`).
     """
 
-    def __init__(self, beam_size=4, alpha=0.6, n_best=1):
+    def __init__(self, beam_size, alpha, n_best=1):
         if n_best > beam_size:
             raise ValueError(f"`n_best` ({n_best}) must be at most `beam_size` ({beam_size}): "
                              "the search keeps only `beam_size` hypotheses")
@@ -393,7 +391,8 @@ class SamplingSearch:
     Each step, a hypothesis' logits are divided by `temperature`, cut to the
     `topk` most likely tokens (0: the whole vocabulary), then to the fewest
     whose renormalized probability reaches `topp` (1: no cut), and one token is
-    drawn from what is left. Hypothesis `j` of the sentence numbered `i` draws
+    drawn from what is left; padding and BOS are never drawn (they are no
+    output tokens: a drawn PAD would leave a hole in the output). Hypothesis `j` of the sentence numbered `i` draws
     from a random stream of ``(seed, i, j)`` alone (`_uniforms`), so what it
     draws does not depend on the batch the sentence is in. The `n` hypotheses
     keep their own cache slots (the beam layout, never reordered; see
@@ -410,8 +409,7 @@ class SamplingSearch:
         ``i`` of its random streams.
     """
 
-    def __init__(self, topk=0, topp=1.0, temperature=1.0, n=1, alpha=0.6, seed=0,
-                 sentences=None):
+    def __init__(self, topk, topp, temperature, n, alpha, seed, sentences):
         self.topk, self.topp, self.temperature = int(topk), float(topp), float(temperature)
         self.n, self.alpha, self.seed, self.sentences = int(n), float(alpha), seed, sentences
 
@@ -433,7 +431,7 @@ class SamplingSearch:
     def advance(self, step, logits, coverage, self_mask, state):
         logits = ops.cast(logits, "float32")  # (N, n, V)
         uniforms = _uniforms(self.seed, self.sentences, self.n, step)  # (N, n)
-        chosen = _draw(logits / self.temperature, self.topk, self.topp, uniforms)
+        chosen = _draw(logits, self.temperature, self.topk, self.topp, uniforms)
         finished = state["finished"]
         chosen = ops.where(finished, PAD_ID, chosen)  # finished hypotheses stay padded
         best = ops.max(logits, axis=-1, keepdims=True)
@@ -458,18 +456,24 @@ class SamplingSearch:
         return Hypotheses(_gather_beams(state["ids"], order), _gather_beams(scores, order), None)
 
 
-def _draw(logits, topk, topp, uniforms):
+def _draw(logits, temperature, topk, topp, uniforms):
     """One token per row of `logits` `(N, n, V)`, drawn with `uniforms` `(N, n)` in [0, 1).
 
-    The `topk` largest logits are kept (all for 0), then the fewest of them
-    whose probability (renormalized over the kept ones) reaches `topp`; the
-    token is the first whose cumulative probability exceeds the uniform draw.
+    PAD and BOS are left out; the logits are divided by `temperature`, the
+    `topk` largest kept (all for 0), then the fewest of them whose probability
+    (renormalized over the kept ones) reaches `topp`; the token is the first
+    whose cumulative probability exceeds the uniform draw.
     """
     vocab = logits.shape[-1]
+    ids = ops.arange(vocab)
+    never = ops.logical_or(ops.equal(ids, PAD_ID), ops.equal(ids, BOS_ID))  # (V,)
+    logits = ops.where(never, _NEG_INF, logits)
+    # Shifted before the division: a small temperature cannot overflow.
+    logits = (logits - ops.max(logits, axis=-1, keepdims=True)) / temperature
     if topk == 0 and topp >= 1.0:
         values, tokens = logits, None  # no cut: no sorting either
     else:
-        values, tokens = ops.top_k(logits, topk or vocab)  # (N, n, k), largest first
+        values, tokens = ops.top_k(logits, min(topk or vocab, vocab))  # (N, n, k), largest
     probs = ops.softmax(values, axis=-1)
     if topp < 1.0:
         # A token stays if the tokens before it fall short of `topp` (the first always stays).
@@ -516,11 +520,11 @@ def greedy_search(model, source, max_length):
     Ids end with EOS then 0 (or fill the sentence's limit without EOS, then 0);
     coverage is the last block's cross-attention averaged over heads.
     """
-    found = search(model, source, max_length, GreedySearch(scores=False))
+    found = search(model, source, max_length, GreedySearch(alpha=0.0, scores=False))
     return found.ids[:, 0], found.coverage
 
 
-def beam_search(model, source, max_length, beam_size=4, alpha=0.6, n_best=1):
+def beam_search(model, source, max_length, beam_size, alpha, n_best=1):
     """`search` with `BeamSearch`: ``(ids (N, n_best, L), scores (N, n_best))``, best first."""
     found = search(model, source, max_length, BeamSearch(beam_size, alpha, n_best))
     return found.ids, found.scores

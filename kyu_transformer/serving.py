@@ -14,7 +14,7 @@ the same settings compiles (`Translator.search_function`). Its signatures:
 - ``ids`` (TensorFlow's own ops only): ``ids``, int32 subword ids `(N, S)`
   padded with 0, without EOS, to ``ids`` `(N, K, L)` (EOS removed, padded
   with 0) and ``scores`` `(N, K)`;
-- ``sample`` (tensorflow-text, where export.py was given sampling settings):
+- ``sample`` (tensorflow-text, where export.py was given ``--sampling_topk``):
   ``text`` and ``seed`` (int64 scalar) in, outputs as ``serving_default``'s:
   `K` samples per sentence, best first; sentence `i` of the request draws
   from random streams of ``(seed, i, j)``, so a request and its seed give

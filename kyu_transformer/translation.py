@@ -29,6 +29,9 @@ from kyu_transformer.decoding import (
 from kyu_transformer.special_ids import EOS_ID, PAD_ID
 
 
+SEED_LIMIT = 2**32 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchSettings:
     """How to search, checked when made (ValueError naming the setting).
@@ -44,7 +47,8 @@ class SearchSettings:
         sampling (greedy or beam search), as in OpenNMT-tf and CTranslate2.
       sampling_topp: Then from the fewest whose probability reaches `P` (1: no cut).
       sampling_temperature: Logits are divided by it before sampling.
-      seed: Of sampling's random streams (see `decoding.SamplingSearch`).
+      seed: Of sampling's random streams (see `decoding.SamplingSearch`), in
+        [0, 2**32 - 1) (CTranslate2's seeds are 32-bit, its last value "none").
     """
 
     beam_size: int = None
@@ -66,6 +70,8 @@ class SearchSettings:
         for name, value in least.items():
             if getattr(self, name) < value:
                 raise ValueError(f"`{name}` must be at least {value}, got {getattr(self, name)}")
+        if self.seed >= SEED_LIMIT:
+            raise ValueError(f"`seed` must be below {SEED_LIMIT}, got {self.seed}")
         if self.max_length is not None and self.max_length < 1:
             raise ValueError(f"`max_length` must be at least 1, got {self.max_length}")
         if not 0.0 < self.sampling_topp <= 1.0:
@@ -104,33 +110,36 @@ class SearchSettings:
         return BeamSearch(self.beam_size, self.alpha, n_best)
 
 
-_FLAG_HELP = {
-    "beam_size": "1 for greedy search (default 4; 1 with sampling)",
-    "alpha": "length-penalty exponent of beam search and of every score (default 0.6)",
-    "n_best": "hypotheses per sentence, best first (at most --beam_size; with sampling, "
-              "that many samples; default 1)",
-    "length_margin": "a translation has at most its source's length + M subwords (EOS "
-                     "included, at most maxlen2; default 16)",
-    "batch_size": "most sentences decoded together (default 128)",
-    "sampling_topk": "sample each token from the K most likely (0: from all); 1, the "
-                     "default, does not sample",
-    "sampling_topp": "then from the fewest of them whose probability reaches P (default 1: "
-                     "no cut)",
-    "sampling_temperature": "logits are divided by T before sampling (default 1)",
-    "seed": "of sampling: sentence i draws its sample j from a random stream of "
-            "(seed, i, j) (default 0)",
+# Each search flag: its value's letter and its help (the default is added from the field).
+_FLAGS = {
+    "beam_size": ("K", "1 for greedy search (1 with sampling)"),
+    "alpha": ("A", "length-penalty exponent of beam search and of every score"),
+    "n_best": ("K", "hypotheses per sentence, best first (at most --beam_size; with sampling, "
+                    "that many samples)"),
+    "length_margin": ("M", "a translation has at most its source's length + M subwords (EOS "
+                           "included, at most maxlen2)"),
+    "batch_size": ("N", "most sentences decoded together"),
+    "sampling_topk": ("K", "sample each token from the K most likely (0: from all); 1 does "
+                           "not sample"),
+    "sampling_topp": ("P", "then from the fewest of them whose probability reaches P (1: no "
+                           "cut)"),
+    "sampling_temperature": ("T", "logits are divided by T before sampling"),
+    "seed": ("S", "of sampling: sentence i draws its sample j from a random stream of "
+                  "(S, i, j)"),
 }
-SEARCH_FLAGS = tuple(_FLAG_HELP)
+SEARCH_FLAGS = tuple(_FLAGS)
 SAMPLING_FLAGS = ("sampling_topk", "sampling_topp", "sampling_temperature", "seed")
+DEFAULTS = SearchSettings()
 
 
 def add_search_arguments(parser, names=SEARCH_FLAGS, helps=None):
     """Adds the flags of these `SearchSettings` fields, default None (= the field's default)."""
     types = {field.name: field.type for field in dataclasses.fields(SearchSettings)}
     for name in names:
-        parser.add_argument(f"--{name}", type=types[name], default=None,
-                            metavar=name.split("_")[-1][0].upper(),
-                            help=(helps or {}).get(name, _FLAG_HELP[name]))
+        letter, text = _FLAGS[name]
+        text = (helps or {}).get(name, text)
+        parser.add_argument(f"--{name}", type=types[name], default=None, metavar=letter,
+                            help=f"{text} (default {getattr(DEFAULTS, name)})")
 
 
 def given_search_flags(args, names=SEARCH_FLAGS):
@@ -139,7 +148,15 @@ def given_search_flags(args, names=SEARCH_FLAGS):
 
 
 def search_settings(parser, **fields):
-    """`SearchSettings(**fields)`, or the parser's one-line error naming the flags."""
+    """`SearchSettings(**fields)`, or the parser's one-line error naming the flags.
+
+    The sampling flags other than ``--sampling_topk`` need it (top-k 1 does not sample).
+    """
+    if fields.get("sampling_topk", 1) == 1:
+        for name in SAMPLING_FLAGS[1:]:
+            if name in fields:
+                parser.error(f"--{name} applies to sampling: give --sampling_topk K (0 for "
+                             "all tokens, 1 does not sample)")
     try:
         return SearchSettings(**fields)
     except ValueError as error:
@@ -237,7 +254,7 @@ class Engine:
           seed: Sampling's seed (default the settings').
         """
         n = n_best or self.settings.n_best
-        self._check_request(n, with_coverage, with_log_probs)
+        self._check_request(n, with_coverage, with_log_probs, seed)
         count = len(source_ids)
         found = {"hypotheses": [[[]] for _ in source_ids], "scores": [[0.0] for _ in source_ids],
                  "ended": [[True] for _ in source_ids], "coverages": [None] * count,
@@ -279,13 +296,10 @@ class Engine:
                 if batch.get(name) is not None:
                     found[name][index] = batch[name][row]
 
-    def _check_request(self, n_best, with_coverage, with_log_probs):
+    def _check_request(self, n_best, with_coverage, with_log_probs, seed):
         """Raises ValueError naming a `translate_ids` argument this engine cannot honour."""
         settings = self.settings
-        if n_best < 1 or (not settings.sampling and n_best > settings.beam_size):
-            raise ValueError(f"`n_best` ({n_best}) must be between 1 and `beam_size` "
-                             f"({settings.beam_size}): the search keeps only `beam_size` "
-                             "hypotheses")
+        settings.replace(n_best=n_best, seed=settings.seed if seed is None else seed)
         for asked, can, name in ((with_coverage, self.coverage, "with_coverage"),
                                  (with_log_probs, self.log_probs, "with_log_probs")):
             if asked and not can:
@@ -349,7 +363,8 @@ class Translator(Engine):
         Beam search is traced for all `beam_size` hypotheses (`n_best` slices them).
         """
         n_best = n_best if self.settings.sampling else max(n_best, self.settings.beam_size)
-        key = (n_best, scores or self.settings.beam_size > 1)
+        # Only greedy search can leave scores out.
+        key = (n_best, scores or self.settings.beam_size > 1 or self.settings.sampling)
         if key not in self._searches:
             def run(source, limits, sentences, seed):
                 strategy = self.settings.strategy(n_best, key[1], seed, sentences)

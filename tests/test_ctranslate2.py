@@ -58,9 +58,9 @@ def _hypotheses(translations, alpha=0.6):
     return results
 
 
-def ctranslate2_translations(model_dir, sources, n_best=None, translator=None, **settings):
+def ctranslate2_translations(model_dir, sources, n_best=None, **settings):
     """Per source, CTranslate2's `Hypothesis` list (with log-probabilities when greedy)."""
-    engine = CTranslate2Translator(model_dir, translator=translator, **settings)
+    engine = CTranslate2Translator(model_dir, **settings)
     greedy = engine.settings.beam_size == 1 and not engine.settings.sampling
     return _hypotheses(engine.translate_ids(sources, n_best=n_best or 1,
                                             with_log_probs=greedy and not n_best),
@@ -268,7 +268,7 @@ def test_quantized_models_write_and_translate(trained, tmp_path, quantization):
     assert os.path.getsize(os.path.join(out_dir, "model.bin")) < \
         0.5 * os.path.getsize(os.path.join(trained["exported"], "model.bin"))
     sources = trained["sources"]
-    theirs = ctranslate2_translations(out_dir, sources, translator=translator, beam_size=1)
+    theirs = ctranslate2_translations(out_dir, sources, beam_size=1)
     same = sum(hypotheses[0].ids == output
                for hypotheses, output in zip(theirs, trained["ours"]))
     assert same >= 0.5 * len(sources)  # rounded weights change some outputs, not most
@@ -413,7 +413,8 @@ def test_a_non_empty_directory_is_refused_an_empty_one_filled(subwords, tmp_path
 
 
 @pytest.mark.parametrize("options, request_, message", [
-    (dict(beam_size=2), dict(n_best=3), "`n_best` (3) must be between 1 and `beam_size` (2)"),
+    (dict(beam_size=2), dict(n_best=3), "`n_best` (3) must be at most `beam_size` (2)"),
+    (dict(sampling_topk=0), dict(seed=2**32 - 1), "`seed` must be below 4294967295"),
     (dict(beam_size=4), dict(with_log_probs=True), "`with_log_probs` needs greedy search"),
     (dict(beam_size=1), dict(with_coverage=True),
      "`with_coverage` is not given by CTranslate2Translator"),
@@ -463,7 +464,8 @@ def test_an_output_that_ends_at_once_is_empty_in_both(subwords, tmp_path, beam_s
 @pytest.mark.slow
 def test_sampling_repeats_with_its_seed_and_top_k_one_is_greedy(varied, exported, sources,
                                                                 greedy_results):
-    """CTranslate2 has one process-wide random generator: the same seed and batches repeat."""
+    """CTranslate2's generators are its worker threads': a seed set before a fresh load,
+    with the same batches, repeats the samples."""
     engine = CTranslate2Translator(exported, sampling_topk=5, sampling_topp=0.9)
     first = engine.translate_ids(sources, n_best=3, seed=4)
     assert engine.translate_ids(sources, n_best=3, seed=4) == first

@@ -275,13 +275,15 @@ def test_each_sentence_stops_at_its_own_limit(varied):
     source = tf.constant(_pad(varied["sources"][:24]))
     limits = np.array([3, 9, 40] * 8, dtype="int32")
     greedy, _ = greedy_search(model, source, tf.constant(limits))
-    beam, scores = beam_search(model, source, tf.constant(limits), beam_size=3, n_best=2)
+    beam, scores = beam_search(model, source, tf.constant(limits), beam_size=3, alpha=0.6,
+                               n_best=2)
     assert greedy.shape == (24, 40) and beam.shape == (24, 2, 40)
     for limit in (3, 9, 40):
         rows = limits == limit
         alike, _ = greedy_search(model, source, limit)
         np.testing.assert_array_equal(np.asarray(greedy)[rows], _widen(alike, 40)[rows])
-        alike, alike_scores = beam_search(model, source, limit, beam_size=3, n_best=2)
+        alike, alike_scores = beam_search(model, source, limit, beam_size=3, alpha=0.6,
+                                          n_best=2)
         np.testing.assert_array_equal(np.asarray(beam)[rows], _widen(alike, 40)[rows])
         np.testing.assert_allclose(np.asarray(scores)[rows], np.asarray(alike_scores)[rows],
                                    atol=1e-5)
@@ -335,7 +337,7 @@ def test_impossible_requests_are_refused(varied):
     model = varied["model"]
     source = tf.constant(_pad(varied["sources"][:2]))
     with pytest.raises(ValueError, match=r"`n_best` \(5\) must be at most `beam_size` \(4\)"):
-        beam_search(model, source, 10, beam_size=4, n_best=5)
+        beam_search(model, source, 10, beam_size=4, alpha=0.6, n_best=5)
     with pytest.raises(ValueError, match="`with_coverage` needs greedy search.*beam_size=3"):
         Translator(model, beam_size=3).translate_ids([[5, 6, 7]], with_coverage=True)
     with pytest.raises(ValueError, match="`with_coverage` needs greedy search.*sampling"):
@@ -599,7 +601,10 @@ def test_each_sentence_and_sample_has_its_own_random_stream():
 
 
 def _cut_softmax(logits, topk, topp, temperature):
-    """The distribution sampling draws from: softmax(logits / T), cut to top-k then top-p."""
+    """The distribution sampling draws from: softmax(logits / T) without PAD and BOS (no
+    output tokens), cut to top-k then top-p."""
+    logits = logits.copy()
+    logits[[data.PAD_ID, data.BOS_ID]] = -np.inf
     probs = np.exp((logits - logits.max()) / temperature)
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
@@ -616,7 +621,7 @@ def _cut_softmax(logits, topk, topp, temperature):
                          [(0, 1.0, 1.0), (5, 1.0, 0.7), (0, 0.6, 1.5), (4, 0.8, 1.0)])
 def test_first_tokens_are_drawn_from_the_cut_softmax(topk, topp, temperature):
     """4,000 first tokens of one source: frequencies within 5 standard deviations of the
-    reference probabilities, and never a token the cuts remove."""
+    reference probabilities, and never a token the cuts remove, nor PAD or BOS."""
     keras.utils.set_random_seed(3)
     model = Transformer(24, d_model=16, d_ff=32, num_blocks=1, num_heads=2, maxlen1=8,
                         maxlen2=8, dropout_rate=0.0)
@@ -634,6 +639,6 @@ def test_first_tokens_are_drawn_from_the_cut_softmax(topk, topp, temperature):
         tf.range(rows), tf.constant(7, tf.int64))
     counts = np.bincount(found.ids.numpy()[:, :, 0].ravel(), minlength=24)
     draws = rows * samples
-    assert np.all(counts[expected == 0] == 0)
+    assert np.all(counts[expected == 0] == 0) and counts[data.PAD_ID] == counts[data.BOS_ID] == 0
     tolerance = 5 * np.sqrt(expected * (1 - expected) / draws) + 1 / draws
     assert np.all(np.abs(counts / draws - expected) <= tolerance), (counts / draws, expected)

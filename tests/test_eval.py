@@ -69,7 +69,11 @@ def _sources(varied):
      "--sampling_topp must be in (0, 1], got 0.0"),
     (["--sampling_topk", "0", "--sampling_temperature", "0"],
      "--sampling_temperature must be above 0, got 0.0"),
-    (["--seed", "-3"], "--seed must be at least 0, got -3"),
+    (["--sampling_topk", "0", "--seed", "-3"], "--seed must be at least 0, got -3"),
+    (["--sampling_topk", "0", "--seed", str(2**32 - 1)], "--seed must be below 4294967295"),
+    (["--sampling_temperature", "0.5"], "--sampling_temperature applies to sampling: give "
+                                        "--sampling_topk K"),
+    (["--sampling_topk", "1", "--seed", "3"], "--seed applies to sampling"),
     (["--src", "a.de", "--score", "a.en", "--sampling_topk", "5"],
      "--score and --sampling_topk exclude each other"),
     (["--src", "-", "--n_best", "2"], "--src - translates standard input line by line; "
@@ -98,7 +102,7 @@ def test_clashing_flags_are_refused_before_anything_is_loaded(capsys, argv, mess
 def test_translator_refuses_more_hypotheses_than_its_beam():
     model = Transformer(60, d_model=16, d_ff=32, num_blocks=1, num_heads=2, maxlen1=12,
                         maxlen2=12)
-    with pytest.raises(ValueError, match=r"`n_best` \(3\) must be between 1 and "
+    with pytest.raises(ValueError, match=r"`n_best` \(3\) must be at most "
                                          r"`beam_size` \(2\)"):
         Translator(model, beam_size=2).translate_ids([[5, 6]], n_best=3)
     with pytest.raises(ValueError, match="`with_coverage` needs greedy search of one "

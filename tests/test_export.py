@@ -130,7 +130,9 @@ def served(varied, exports, tmp_path_factory):
                      "text": text} for key, (name, text) in calls.items()}
     samples = {"cold": ("greedy", val, 5), "sample": ("beam", val, 1),
                "sample_again": ("beam", val, 1), "sample_other_seed": ("beam", val, 2),
-               "sample_first": ("beam", val[:1], 1)}
+               "sample_first": ("beam", val[:1], 1),
+               # The first 100 sentences at their places, other neighbours, other batches.
+               "sample_neighbours": ("beam", val[:100] + long + val[150:], 1)}
     for key, (name, text, seed) in samples.items():
         request[key] = {"dir": exports[name]["dir"], "signature": serving.SAMPLE_SIGNATURE,
                         "text": text, "seed": seed}
@@ -167,7 +169,9 @@ def test_export_refuses_bad_flags_naming_them(capsys):
         (["--format", "ctranslate2", "--sampling_topk", "5"],
          "--sampling_topk applies to --format saved_model only"),
         (["--sampling_topk", "1"], "--sampling_topk 1 does not sample"),
-        (["--sampling_topp", "1.5"], "--sampling_topp must be in (0, 1], got 1.5"),
+        (["--sampling_topk", "0", "--sampling_topp", "1.5"],
+         "--sampling_topp must be in (0, 1], got 1.5"),
+        (["--sampling_topp", "0.5"], "--sampling_topp applies to sampling: give --sampling_topk"),
         (["--seed", "3"], "unknown flag --seed"),
         (["--format", "ctranslate2", "--mixed_precision", "bf16"],
          "--mixed_precision (bf16) applies to --format saved_model only"),
@@ -184,8 +188,8 @@ def test_the_saved_models_search_flags_have_their_defaults():
     assert (settings.beam_size, settings.alpha, settings.n_best, settings.length_margin,
             settings.batch_size, settings.sampling) == (4, 0.6, 1, 16, 128, False)
     assert args.sampling is None  # no sample signature unless asked for
-    args = export.parse_args(["--logdir", "log", "--out", "out", "--sampling_topp", "0.5",
-                              "--n_best", "2"])
+    args = export.parse_args(["--logdir", "log", "--out", "out", "--sampling_topk", "0",
+                              "--sampling_topp", "0.5", "--n_best", "2"])
     sampling = args.sampling
     assert (sampling.beam_size, sampling.sampling_topk, sampling.sampling_topp,
             sampling.n_best) == (1, 0, 0.5, 2)
@@ -485,8 +489,11 @@ def test_the_sample_signature_draws_as_the_translator_and_by_its_seed(varied, se
     assert sample == served["sample_again"]
     differ = sum(a != b for a, b in zip(sample["n_best"], served["sample_other_seed"]["n_best"]))
     assert differ >= 100  # another seed draws other samples
-    # A sentence alone in its request, or sharing it and its batches: the same samples.
+    # A sentence alone in its request, or sharing it and its batches: the same samples
+    # (but where the batch shape moved a logit's last bits across a draw's boundary).
     assert served["sample_first"]["n_best"][0] == sample["n_best"][0]
+    neighbours = served["sample_neighbours"]["n_best"][:100]
+    assert sum(a == b for a, b in zip(neighbours, sample["n_best"][:100])) >= 98
     translator = Translator(varied["model"], sampling_topk=5, sampling_topp=0.9, alpha=ALPHA)
     found = translator.translate_ids(varied["subwords"].encode(varied["val"]), n_best=3, seed=1)
     texts = [[varied["subwords"].decode(ids) for ids in row] for row in found.hypotheses]
