@@ -476,12 +476,13 @@ def residual_connection(inputs, sublayer, norm, dropout, norm_position, training
     return (norm(outputs) if norm_position == "post" else outputs, *extras)
 
 
-def attention_mask(query_mask, key_mask, num_queries, num_keys, causal):
+def attention_mask(query_mask, key_mask, causal_shape=None):
     """Boolean mask broadcastable to `(N, h, T_q, T_k)`, or None (all see all).
 
     The one place masks are combined: keys `(N, T_k)` (the same for every
     query) or `(N, T_q, T_k)` (keys per query), queries `(N, T_q)` (a hidden
-    query sees no key), and causality (query ``i`` sees keys ``j <= i``).
+    query sees no key), and causality (query ``i`` sees keys ``j <= i``) when
+    `causal_shape` gives ``(T_q, T_k)``.
     """
     mask = None
     if key_mask is not None:
@@ -491,8 +492,8 @@ def attention_mask(query_mask, key_mask, num_queries, num_keys, causal):
     if query_mask is not None:
         rows = ops.cast(query_mask, "bool")[:, None, :, None]  # (N, 1, T_q, 1)
         mask = rows if mask is None else ops.logical_and(mask, rows)
-    if causal:
-        future = causal_mask(num_queries, num_keys)[None, None]  # (1, 1, T_q, T_k)
+    if causal_shape is not None:
+        future = causal_mask(*causal_shape)[None, None]  # (1, 1, T_q, T_k)
         mask = future if mask is None else ops.logical_and(mask, future)
     return mask
 
@@ -669,8 +670,10 @@ class MultiHeadAttention(keras.layers.Layer):
         def attend(normalized):  # the sub-layer: (N, T_q, C_q), (N, h, T_q, T_k), cache
             q, k, v, grown = self._heads(normalized, None if self_attention else keys, values,
                                          cache)
-            mask = attention_mask(query_mask, key_mask, ops.shape(q)[2], ops.shape(k)[2],
-                                  causal=self.causality and cache is None)
+            # Shapes read only for causality: every read is a node of the decoding loop.
+            causal = self.causality and cache is None
+            mask = attention_mask(query_mask, key_mask,
+                                  (ops.shape(q)[2], ops.shape(k)[2]) if causal else None)
             return (*self._attend_heads(q, k, v, mask), grown)
 
         outputs, weights, cache = residual_connection(

@@ -360,9 +360,8 @@ class Translator(Engine):
         """The compiled search of `n_best` hypotheses: ``(source (N, S), limits (N,),
         sentences (N,), seed) -> Hypotheses``; the SavedModel calls it too.
 
-        Beam search is traced for all `beam_size` hypotheses (`n_best` slices them).
+        Traced once for each `n_best` asked for (a beam writes out only those).
         """
-        n_best = n_best if self.settings.sampling else max(n_best, self.settings.beam_size)
         # Only greedy search can leave scores out.
         key = (n_best, scores or self.settings.beam_size > 1 or self.settings.sampling)
         if key not in self._searches:
