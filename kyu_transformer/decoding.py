@@ -211,8 +211,8 @@ def search(model, source, max_length, strategy):
     Each step, the decoder reads the hypotheses' newest tokens (with the
     key/value cache of the earlier positions), and `strategy` picks what the
     hypotheses become: `GreedySearch` the most likely token, `BeamSearch` the
-    best extensions of its beam, `SamplingSearch` a drawn token. The loop stops when every sentence is done,
-    at the latest at its own limit.
+    best extensions of its beam, `SamplingSearch` a drawn token. The loop
+    stops when every sentence is done, at the latest at its own limit.
 
     Args:
       model: A `Transformer`.
@@ -392,9 +392,10 @@ class SamplingSearch:
     `topk` most likely tokens (0: the whole vocabulary), then to the fewest
     whose renormalized probability reaches `topp` (1: no cut), and one token is
     drawn from what is left; padding and BOS are never drawn (they are no
-    output tokens: a drawn PAD would leave a hole in the output). Hypothesis `j` of the sentence numbered `i` draws
-    from a random stream of ``(seed, i, j)`` alone (`_uniforms`), so what it
-    draws does not depend on the batch the sentence is in. The `n` hypotheses
+    output tokens: a drawn PAD would leave a hole in the output). Hypothesis
+    `j` of the sentence numbered `i` draws from a random stream of
+    ``(seed, i, j)`` alone (`_uniforms`), so what it draws does not depend on
+    the batch the sentence is in. The `n` hypotheses
     keep their own cache slots (the beam layout, never reordered; see
     `own_history`). A hypothesis is scored as beam search scores (the model's
     log-probability over GNMT's length penalty); they come best first,
@@ -497,7 +498,7 @@ def _mix(hash_):
 
 
 def _uniforms(seed, sentences, n, step):
-    """Uniform numbers in [0, 1) `(N, n)`: element ``(r, j)`` from ``(seed, sentences[r], j, step)``.
+    """Uniforms in [0, 1) `(N, n)`: element ``(r, j)`` from ``(seed, sentences[r], j, step)``.
 
     A counter-based generator (a hash of the four, as Philox is a cipher of
     key and counter): each number depends on those alone, so a sentence

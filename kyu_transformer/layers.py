@@ -607,8 +607,8 @@ class MultiHeadAttention(keras.layers.Layer):
         if num_heads < 1:
             raise ValueError(f"`num_heads` must be positive, got {num_heads}.")
         if num_units is not None and num_units % num_heads:
-            raise ValueError(
-                f"`num_units` ({num_units}) must be divisible by `num_heads` ({num_heads}).")
+            raise ValueError(f"`num_units` ({num_units}) must be divisible by `num_heads` "
+                             f"({num_heads}).")
         self.num_heads = int(num_heads)
         self.num_units = None if num_units is None else int(num_units)
         self.dropout_rate = float(dropout_rate)
@@ -632,9 +632,8 @@ class MultiHeadAttention(keras.layers.Layer):
         query_width = queries_shape[-1]
         units = self.num_units or query_width
         if units % self.num_heads:
-            raise ValueError(
-                f"The attention width ({units}) must be divisible by `num_heads` "
-                f"({self.num_heads}).")
+            raise ValueError(f"The attention width ({units}) must be divisible by `num_heads` "
+                             f"({self.num_heads}).")
         if units != query_width and not self.output_projection:
             raise ValueError(
                 f"`num_units` ({units}) differs from the queries' width ({query_width}): "
@@ -670,8 +669,7 @@ class MultiHeadAttention(keras.layers.Layer):
         def attend(normalized):  # the sub-layer: (N, T_q, C_q), (N, h, T_q, T_k), cache
             q, k, v, grown = self._heads(normalized, None if self_attention else keys, values,
                                          cache)
-            # Shapes read only for causality: every read is a node of the decoding loop.
-            causal = self.causality and cache is None
+            causal = self.causality and cache is None  # shapes read only then (loop nodes)
             mask = attention_mask(query_mask, key_mask,
                                   (ops.shape(q)[2], ops.shape(k)[2]) if causal else None)
             return (*self._attend_heads(q, k, v, mask), grown)

@@ -166,7 +166,8 @@ def search_settings(parser, **fields):
 # ------------------------------------------------------------------ front end
 
 def encoder_inputs(ids, maxlen1):
-    """Ragged source ids `(N, None)` (without EOS) as the encoder reads them: EOS added, cut to `maxlen1`."""
+    """Ragged source ids `(N, None)`, without EOS, as the encoder reads them: EOS added,
+    cut to `maxlen1`."""
     eos = tf.RaggedTensor.from_tensor(tf.fill([ids.nrows(), 1], tf.constant(EOS_ID, ids.dtype)))
     return tf.concat([ids, eos], axis=1)[:, :maxlen1]
 
