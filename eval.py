@@ -314,7 +314,8 @@ def main(argv=None):
     if args.plot_attention:
         model = translator.model
         # Coverage is recorded by greedy search.
-        greedy = Translator(model, args.settings.replace(beam_size=1, sampling_topk=1, n_best=1))
+        greedy = Translator(model, beam_size=1, length_margin=args.settings.length_margin,
+                            batch_size=args.settings.batch_size)
         for path in plot_attention(model, greedy, subwords, sources, args.plot_attention,
                                    out_dir, name):
             print(f"attention: {path}")

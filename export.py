@@ -47,7 +47,7 @@ def parse_args(argv):
     # translates), so --format ctranslate2 refuses them rather than ignoring them.
     add_search_arguments(parser, [flag for flag in SEARCH_FLAGS if flag != "seed"], helps={
         "batch_size": "most sentences the SavedModel decodes together (a request of any size "
-                      "is decoded in batches of this size; default 128)",
+                      "is decoded in batches of this size)",
         "n_best": "hypotheses per sentence, best first, of every signature (at most "
                   "--beam_size; of the sample signature, samples)",
         "sampling_topk": "add the sample signature (text and seed in), which draws each token "

@@ -25,10 +25,10 @@ table then loses its EOS, as in our Translator; CTranslate2's own cut
 (``max_input_length``) would keep the EOS and drop one more piece instead, so
 with ``add_source_eos`` no long sentence could translate as ours does.
 
-`CTranslate2Translator` translates with it through `Translator`'s front end
-and methods, and can give per-token log-probabilities. ctranslate2 is an
-optional dependency (``pip install -e ".[serve]"``), imported only when a function
-here needs it.
+`CTranslate2Translator` translates with it through the front end `Translator`
+has too (`translation.Engine`) and its methods, and can give per-token
+log-probabilities. ctranslate2 is an optional dependency (``pip install -e
+".[serve]"``), imported only when a function here needs it.
 """
 
 import json
@@ -387,8 +387,8 @@ def _log_softmax(logits):
 class CTranslate2Translator(Engine):
     """A model directory written by `convert`, behind `Translator`'s methods.
 
-    The front end is `Engine`'s (the same source cut, per-sentence limits,
-    batches, stripping and counts as `Translator`). ``translate_batch`` takes
+    The front end is `translation.Engine`'s, as `Translator`'s (the same
+    source cut, per-sentence limits, batches, stripping and counts). ``translate_batch`` takes
     one limit a call, so each batch is decoded in groups of equal limit
     (which sentences share a call changes no output). The settings map to
     its options as follows:
@@ -459,7 +459,8 @@ class CTranslate2Translator(Engine):
         source_ids = [[self._ids_of.get(i, UNK_ID) if isinstance(i, str) else i for i in ids]
                       for ids in source_ids]
         if self.settings.sampling:  # fresh workers, whose generators take the seed
-            self._ctranslate2.set_random_seed(self.settings.seed if seed is None else seed)
+            checked = self.settings.replace(seed=self.settings.seed if seed is None else seed)
+            self._ctranslate2.set_random_seed(checked.seed)
             self.translator = None
         return super().translate_ids(source_ids, n_best, with_coverage, with_log_probs, seed)
 
@@ -502,6 +503,8 @@ class CTranslate2Translator(Engine):
         ids = np.zeros((len(results), n_best, width), "int32")
         scores = np.full((len(results), n_best), NO_HYPOTHESIS_SCORE)
         for row, hypotheses in enumerate(results):
+            if not hypotheses:  # none given: an empty output that ended, no score
+                ids[row, 0, 0] = EOS_ID
             if self.settings.sampling:
                 hypotheses = sorted(hypotheses, key=lambda hypothesis: -hypothesis[1])
             for k, (output, score, _) in enumerate(hypotheses):

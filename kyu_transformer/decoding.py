@@ -469,8 +469,10 @@ def _draw(logits, temperature, topk, topp, uniforms):
     ids = ops.arange(vocab)
     never = ops.logical_or(ops.equal(ids, PAD_ID), ops.equal(ids, BOS_ID))  # (V,)
     logits = ops.where(never, _NEG_INF, logits)
-    # Shifted before the division: a small temperature cannot overflow.
+    # Shifted by the largest drawable logit before the division: a small temperature
+    # cannot overflow; masked again after it: a large one cannot bring them back.
     logits = (logits - ops.max(logits, axis=-1, keepdims=True)) / temperature
+    logits = ops.where(never, float("-inf"), logits)
     if topk == 0 and topp >= 1.0:
         values, tokens = logits, None  # no cut: no sorting either
     else:

@@ -44,7 +44,8 @@ import tensorflow as tf
 
 from kyu_transformer.decoding import NO_HYPOTHESIS_SCORE, output_limit
 from kyu_transformer.special_ids import BOS_ID, PAD_ID
-from kyu_transformer.translation import Translator, decoding_order, encoder_inputs, strip
+from kyu_transformer.translation import (SEED_LIMIT, Translator, decoding_order, encoder_inputs,
+                                         strip)
 
 TEXT_SIGNATURE = "serving_default"
 IDS_SIGNATURE = "ids"
@@ -192,6 +193,12 @@ def _text_function(tokenizer, decoder, seeded=False):
     k = decoder.settings.n_best
 
     def translate_text(text, seed=None):
+        if seed is not None:  # as `SearchSettings` bounds a seed
+            checks = [tf.debugging.assert_non_negative(seed, message="seed must be at least 0"),
+                      tf.debugging.assert_less(seed, tf.constant(SEED_LIMIT, tf.int64),
+                                               message=f"seed must be below {SEED_LIMIT}")]
+            with tf.control_dependencies(checks):
+                seed = tf.identity(seed)
         ids = tokenizer.tokenize(normalize_text(text))
         hypotheses, scores = decoder.decode(ids, seed)
         # `data.Subwords.decode` skips BOS as well as padding.

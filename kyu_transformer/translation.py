@@ -30,6 +30,7 @@ from kyu_transformer.special_ids import EOS_ID, PAD_ID
 
 
 SEED_LIMIT = 2**32 - 1
+_TINY = float(np.finfo(np.float32).tiny)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +77,13 @@ class SearchSettings:
             raise ValueError(f"`max_length` must be at least 1, got {self.max_length}")
         if not 0.0 < self.sampling_topp <= 1.0:
             raise ValueError(f"`sampling_topp` must be in (0, 1], got {self.sampling_topp}")
-        if not self.sampling_temperature > 0.0:
-            raise ValueError("`sampling_temperature` must be above 0, got "
-                             f"{self.sampling_temperature}")
+        if not self.sampling_temperature >= _TINY:
+            raise ValueError(f"`sampling_temperature` must be at least {_TINY:.2g} (float32's "
+                             f"smallest normal number), got {self.sampling_temperature}")
+        for name in ("sampling_topp", "sampling_temperature"):
+            if not self.sampling and getattr(self, name) != 1.0:
+                raise ValueError(f"`{name}` applies to sampling: give `sampling_topk` K (0 for "
+                                 "all tokens, 1 does not sample)")
         if self.sampling and self.beam_size > 1:
             raise ValueError(f"`sampling_topk` {self.sampling_topk} samples one token at a "
                              f"time: `beam_size` must be 1 with it, got {self.beam_size}")
@@ -150,13 +155,12 @@ def given_search_flags(args, names=SEARCH_FLAGS):
 def search_settings(parser, **fields):
     """`SearchSettings(**fields)`, or the parser's one-line error naming the flags.
 
-    The sampling flags other than ``--sampling_topk`` need it (top-k 1 does not sample).
+    A ``--seed`` without sampling is refused too (`SearchSettings` cannot tell
+    it from its default).
     """
-    if fields.get("sampling_topk", 1) == 1:
-        for name in SAMPLING_FLAGS[1:]:
-            if name in fields:
-                parser.error(f"--{name} applies to sampling: give --sampling_topk K (0 for "
-                             "all tokens, 1 does not sample)")
+    if fields.get("sampling_topk", 1) == 1 and "seed" in fields:
+        parser.error("--seed applies to sampling: give --sampling_topk K (0 for all tokens, 1 "
+                     "does not sample)")
     try:
         return SearchSettings(**fields)
     except ValueError as error:

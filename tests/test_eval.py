@@ -68,7 +68,8 @@ def _sources(varied):
     (["--sampling_topk", "0", "--sampling_topp", "0"],
      "--sampling_topp must be in (0, 1], got 0.0"),
     (["--sampling_topk", "0", "--sampling_temperature", "0"],
-     "--sampling_temperature must be above 0, got 0.0"),
+     "--sampling_temperature must be at least 1.2e-38 (float32's smallest normal number)"),
+    (["--sampling_topp", "0.9"], "--sampling_topp applies to sampling: give --sampling_topk K"),
     (["--sampling_topk", "0", "--seed", "-3"], "--seed must be at least 0, got -3"),
     (["--sampling_topk", "0", "--seed", str(2**32 - 1)], "--seed must be below 4294967295"),
     (["--sampling_temperature", "0.5"], "--sampling_temperature applies to sampling: give "
