@@ -280,8 +280,12 @@ class Engine:
             found["hypotheses"], found["scores"] if n_best else None,
             found["ended"], found["coverages"] if with_coverage else None,
             found["token_log_probs"] if with_log_probs else None,
-            int(np.sum(lengths + 1 > self.maxlen1)),
+            self._cut_sources(lengths),
             sum(not found["ended"][i][0] for i in order))
+
+    def _cut_sources(self, lengths):
+        """How many sources of these lengths (without EOS) `encoder_inputs` cuts."""
+        return int(np.sum(np.asarray(lengths) + 1 > self.maxlen1))
 
     @staticmethod
     def _keep(found, rows, batch):
@@ -415,4 +419,4 @@ class Translator(Engine):
         cut = [len(ids) + 1 > self.max_length for ids in target_ids]
         scored = [ScoredOutput(*values) for values in
                   zip(log_probs.tolist(), lengths.tolist(), scores.tolist(), cut)]
-        return scored, sum(len(ids) + 1 > self.maxlen1 for ids in source_ids)
+        return scored, self._cut_sources([len(ids) for ids in source_ids])
