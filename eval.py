@@ -26,7 +26,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import data  # noqa: E402
+from kyu_transformer import data, filenames  # noqa: E402
 from kyu_transformer.checkpoints import (  # noqa: E402
     CheckpointError, add_checkpoint_arguments, check_checkpoint_arguments, describe, load_model)
 from kyu_transformer.translation import (  # noqa: E402
@@ -168,7 +168,8 @@ def plot_attention(model, translator, subwords, sources, count, out_dir, name):
         axes.set_xlabel("source")
         axes.set_ylabel("output")
         figure.tight_layout()
-        path = os.path.join(out_dir, f"{name}.attention.{index + 1}.png")
+        plot = filenames.ATTENTION_PLOT.format(index + 1)
+        path = filenames.evaluation_file(out_dir, name, plot)
         try:
             with replaced_atomically(path) as temporary:
                 figure.savefig(temporary, dpi=80)
@@ -191,14 +192,13 @@ def print_truncation_notes(translations, translator):
 
 def load_ctranslate2(args):
     """``(translator, facts)`` of --ctranslate2 DIR, checked against the logdir's subwords."""
-    from kyu_transformer.ctranslate2_export import (SUBWORDS_FILE, CTranslate2Translator,
-                                                    ExportError)
+    from kyu_transformer.ctranslate2_export import CTranslate2Translator, ExportError
 
     model_dir = args.ctranslate2
     if not os.path.isdir(model_dir):
         raise data.DataError(f"--ctranslate2 {model_dir}: no such directory")
-    copied = os.path.join(model_dir, SUBWORDS_FILE)  # the converter copies it there
-    ours = os.path.join(args.logdir, data.Subwords.FILE_NAME)
+    copied = os.path.join(model_dir, filenames.SUBWORDS)  # the converter copies it there
+    ours = os.path.join(args.logdir, filenames.SUBWORDS)
     if os.path.isfile(copied) and not filecmp.cmp(copied, ours, shallow=False):
         raise data.DataError(f"{model_dir} was converted with another subword model than "
                              f"{ours}: convert this logdir's model, or give the logdir it "
@@ -265,7 +265,7 @@ def score_translations(translator, subwords, sources, source_file, args):
 def write_scores(rows, truncated_sources, translator, out_dir, name):
     """Writes <name>.scores.jsonl and says what the scores are."""
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}.scores.jsonl")
+    path = filenames.evaluation_file(out_dir, name, filenames.SCORES)
     write_json_lines(path, rows)
     tokens = sum(row["tokens"] for row in rows)
     log_prob = sum(row["log_prob"] for row in rows)
@@ -292,14 +292,14 @@ def main(argv=None):
     started = time.time()
     args = parse_args(argv)
     try:
-        hparams = hp.load(os.path.join(args.logdir, "hparams.json"))
-        subwords = data.Subwords(os.path.join(args.logdir, data.Subwords.FILE_NAME))
+        hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
+        subwords = data.Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
         translator, facts = load_translator(args, hparams)
         if args.src == "-":
             translate_stdin(translator, subwords)
             return 0
         name, sources, references, source_file = load_inputs(args, hparams)
-        out_dir = os.path.join(args.logdir, "eval")
+        out_dir = os.path.join(args.logdir, filenames.EVAL)
         if args.score:
             rows, truncated = score_translations(translator, subwords, sources, source_file,
                                                  args)
@@ -326,7 +326,7 @@ def main(argv=None):
                       truncated_outputs=translations.truncated_outputs,
                       num_sentences=len(sources), seconds=round(time.time() - started, 2),
                       decode_seconds=round(decode_seconds, 2))
-        write_result(result, os.path.join(out_dir, f"{name}.json"))
+        write_result(result, filenames.evaluation_file(out_dir, name, filenames.RESULT))
     return 0
 
 
@@ -343,14 +343,14 @@ def write_translations(translator, facts, subwords, sources, args, out_dir, name
     decode_started = time.time()
     translations, hypotheses, n_best_rows = translate(translator, subwords, sources, args)
     decode_seconds = time.time() - decode_started
-    hypothesis_path = os.path.join(out_dir, f"{name}.hyp.txt")
+    hypothesis_path = filenames.evaluation_file(out_dir, name, filenames.HYPOTHESES)
     write_lines(hypothesis_path, hypotheses)
     print(f"{len(sources)} sentences translated in {decode_seconds:.1f} s "
           f"({len(sources) / max(decode_seconds, 1e-9):.0f} sentences/s), "
           f"{describe_search(args.settings)}, {describe_engine(facts)}")
     print(f"translations: {hypothesis_path}")
     if n_best_rows is not None:
-        n_best_path = os.path.join(out_dir, f"{name}.nbest.jsonl")
+        n_best_path = filenames.evaluation_file(out_dir, name, filenames.N_BEST)
         write_json_lines(n_best_path, n_best_rows)
         print(f"the {args.n_best} best hypotheses and their scores: {n_best_path}")
     return translations, hypotheses, decode_seconds

@@ -22,7 +22,7 @@ import tempfile
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import ctranslate2_export, data, serving  # noqa: E402
+from kyu_transformer import ctranslate2_export, data, filenames, serving  # noqa: E402
 from kyu_transformer.checkpoints import (  # noqa: E402
     CheckpointError, add_checkpoint_arguments, check_checkpoint_arguments, describe, load_model)
 from kyu_transformer.translation import (  # noqa: E402
@@ -32,8 +32,6 @@ from kyu_transformer.precision import (  # noqa: E402
     PRECISION_POLICIES, resolve_precision, set_precision)
 
 FORMATS = ("saved_model", "ctranslate2")
-# Our record of what was exported, where TensorFlow Serving looks for extra files.
-SETTINGS_FILE = os.path.join("assets.extra", "export.json")
 EXAMPLE = "Zwei Hunde spielen im Schnee."
 
 
@@ -98,7 +96,8 @@ def check_args(parser, args):
 
 
 # Files that only an earlier export holds: --overwrite replaces nothing else.
-EXPORT_MARKERS = (("saved_model.pb", SETTINGS_FILE), ("model.bin", "kyu_transformer.json"))
+EXPORT_MARKERS = ((filenames.SAVED_MODEL_GRAPH, filenames.SAVED_MODEL_SETTINGS),
+                  (filenames.CTRANSLATE2_MODEL, filenames.CTRANSLATE2_SETTINGS))
 
 
 def is_export(directory):
@@ -130,8 +129,8 @@ def check_out(out, overwrite, logdir):
         return
     if not is_export(out):
         raise SystemExit(f"error: --out {out} is a non-empty directory that holds no earlier "
-                         "export; --overwrite replaces only an export (saved_model.pb and "
-                         f"{SETTINGS_FILE}, or model.bin and kyu_transformer.json)")
+                         "export; --overwrite replaces only an export ("
+                         + ", or ".join(" and ".join(marker) for marker in EXPORT_MARKERS) + ")")
     if not overwrite:
         raise SystemExit(f"error: --out {out} already exists and is not empty; pass --overwrite "
                          "to replace it (the old one stays until the new export is complete)")
@@ -193,8 +192,8 @@ def load(args):
       policy is set to `precision` (--mixed_precision, float32 by default).
     """
     try:
-        hparams = hp.load(os.path.join(args.logdir, "hparams.json"))
-        subwords = data.Subwords(os.path.join(args.logdir, data.Subwords.FILE_NAME))
+        hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
+        subwords = data.Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
         precision = resolve_precision(args.mixed_precision or "no", hparams)
         set_precision(precision)
         model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
@@ -204,7 +203,7 @@ def load(args):
 
 
 def write_saved_model(args, model, subwords, checkpoints, precision, target):
-    """Writes the SavedModel, with a record of its settings (`SETTINGS_FILE`).
+    """Writes the SavedModel, with a record of its settings (`filenames.SAVED_MODEL_SETTINGS`).
 
     Args:
       args: The parsed flags (the search settings).
@@ -228,8 +227,9 @@ def write_saved_model(args, model, subwords, checkpoints, precision, target):
               "sample": sample_record(sampling, signatures),
               "maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
               "subword_model": serving.asset_name(subwords.path)}
-    os.makedirs(os.path.dirname(os.path.join(target, SETTINGS_FILE)), exist_ok=True)
-    with open(os.path.join(target, SETTINGS_FILE), "w", encoding="utf-8") as handle:
+    path = os.path.join(target, filenames.SAVED_MODEL_SETTINGS)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
         json.dump(record, handle, indent=2)
         handle.write("\n")
     return signatures

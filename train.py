@@ -22,12 +22,12 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import data  # noqa: E402
+from kyu_transformer import data, filenames  # noqa: E402
 from kyu_transformer.corpus import Corpus  # noqa: E402
 from kyu_transformer.checkpoints import CheckpointError, list_checkpoints  # noqa: E402
 from kyu_transformer.evaluation import ValidationBleu  # noqa: E402
 from kyu_transformer.files import as_out_of_space, is_out_of_space  # noqa: E402
-from kyu_transformer.logdir_lock import LOCK_FILE, LogdirBusy, LogdirLock  # noqa: E402
+from kyu_transformer.logdir_lock import LogdirBusy, LogdirLock  # noqa: E402
 from kyu_transformer.precision import AUTO, resolve_precision  # noqa: E402
 from kyu_transformer.distribution import STRATEGIES, is_chief, make_strategy  # noqa: E402
 from kyu_transformer.resumption import copy_aside  # noqa: E402
@@ -75,11 +75,11 @@ def settle_logdir(hparams, overwrite):
     refused; with `overwrite` it is moved aside (nothing is deleted).
     """
     logdir = hparams["logdir"]
-    if overwrite and set(os.listdir(logdir)) - {LOCK_FILE}:
-        print(f"--overwrite: moved the old logdir to {copy_aside(logdir, keep=(LOCK_FILE,))}")
+    if overwrite and set(os.listdir(logdir)) - {filenames.LOCK}:
+        print(f"--overwrite: moved the old logdir to {copy_aside(logdir, keep=(filenames.LOCK,))}")
         return hparams
-    saved_path = os.path.join(logdir, "hparams.json")
-    corpus_path = os.path.join(logdir, "corpus.json")
+    saved_path = os.path.join(logdir, filenames.HPARAMS)
+    corpus_path = os.path.join(logdir, filenames.CORPUS)
     problems = []
     saved = hp.load(saved_path) if os.path.isfile(saved_path) else None
     if saved is not None:
@@ -111,7 +111,8 @@ def corpus_fingerprint(hparams):
 
 def record_run(hparams):
     """Writes `hparams.json` and `corpus.json` (the training files' digests) the first time."""
-    for name, value in (("hparams.json", hparams), ("corpus.json", corpus_fingerprint(hparams))):
+    records = ((filenames.HPARAMS, hparams), (filenames.CORPUS, corpus_fingerprint(hparams)))
+    for name, value in records:
         path = os.path.join(hparams["logdir"], name)
         if not os.path.isfile(path):
             hp.save(value, path)
@@ -128,7 +129,7 @@ def prepare_data_dir(data_dir):
 def subword_dir(logdir, chief):
     """Where the subword model is read or trained: the logdir, except on a worker that
     cannot see one there yet (it trains the same model, deterministically, apart)."""
-    if chief or os.path.isfile(os.path.join(logdir, data.Subwords.FILE_NAME)):
+    if chief or os.path.isfile(os.path.join(logdir, filenames.SUBWORDS)):
         return logdir
     private = tempfile.mkdtemp(prefix="worker-subwords-")
     atexit.register(shutil.rmtree, private, ignore_errors=True)  # also when the run fails

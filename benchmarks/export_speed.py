@@ -148,11 +148,11 @@ def measure(args):
     import sacrebleu
 
     import hparams as hp
-    from kyu_transformer import data
+    from kyu_transformer import data, filenames
 
     name, exports = args.measure.split(":", 1)
     hparams = hp.load(os.path.join(args.logdir, "hparams.json"))
-    subwords = data.Subwords(os.path.join(args.logdir, data.Subwords.FILE_NAME))
+    subwords = data.Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
     sources, references = load_split(args)
     if name == "ours (Translator)":
         first, steady, hypotheses = ours(args.logdir, hparams, subwords, sources, args)

@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 import tensorflow as tf
 
+from kyu_transformer import filenames
 from kyu_transformer.model import Transformer
 
 BEST = "best"
@@ -79,7 +80,7 @@ def check_checkpoint_arguments(parser, args):
 
 
 def checkpoint_dir(logdir):
-    return os.path.join(logdir, "checkpoints")
+    return os.path.join(logdir, filenames.CHECKPOINTS)
 
 
 def list_checkpoints(logdir):
@@ -99,7 +100,7 @@ def listed_checkpoints(directory):
 def resolve(logdir, ckpt):
     """The checkpoint named by `ckpt`: a path, or "best" (the logdir's best weights)."""
     if ckpt == BEST:
-        path = os.path.join(logdir, "best.weights.h5")
+        path = os.path.join(logdir, filenames.BEST_WEIGHTS)
         if not os.path.isfile(path):
             raise CheckpointError(f"{logdir}: no best checkpoint (best.weights.h5); it is "
                                   "written when training scores validation BLEU")

@@ -1,34 +1,17 @@
 """A trained `Transformer` as a CTranslate2 model, and translation with it.
 
-`convert` fills CTranslate2's own Transformer specification
-(`ctranslate2.specs.TransformerSpec`) with the model's weights and writes a
-model directory that `ctranslate2.Translator` loads. What the specification
-does not assume by itself is set from the model:
+`convert` fills CTranslate2's `TransformerSpec` with the model's weights. What the spec does not
+assume is set from the model: the position tables themselves (CTranslate2's built-in sinusoid is
+the concatenated layout from position 1; ours is interleaved from 0; ``maxlen1``/``maxlen2`` rows
+bound the inputs as they bound ours), the embedding scale and zero padding row, post- or pre-norm,
+the layer-norm epsilon, the tied output layer, and the subword model's one vocabulary.
 
-- the positional encodings: CTranslate2's built-in sinusoid is the
-  concatenated (tensor2tensor) layout counted from position 1, ours is
-  interleaved and counted from 0 by default; the model's own tables are
-  written instead (``maxlen1`` rows for the encoder, ``maxlen2`` for the
-  decoder: they bound the source and the output as they bound ours, and
-  CTranslate2 refuses a longer input rather than reading past them);
-- the embedding scale ``sqrt(d_model)`` and the zero padding row;
-- post- or pre-norm (with the final normalization of each pre-norm stack);
-- the layer-norm epsilon (CTranslate2's own default is 1e-5, hparams' 1e-6);
-- the tied output layer (the target table) and the one vocabulary of the
-  subword model, pieces in id order, with its own names for the unknown,
-  start and end tokens (``<unk>``, ``<s>``, ``</s>``).
+The source's EOS is appended by the front end (`translation.encoder_inputs`:
+``(pieces + ["</s>"])[:maxlen1]``, so a long source loses its EOS as in `Translator`), not by
+CTranslate2 (``add_source_eos`` false), whose own cut would keep it and drop a piece instead.
 
-The source's EOS is not added by CTranslate2 (``add_source_eos`` is false):
-the front end (`translation.encoder_inputs`) appends ``</s>`` and cuts to
-``maxlen1`` as for our model, ``(pieces + ["</s>"])[:maxlen1]``. A source longer than the encoder's
-table then loses its EOS, as in our Translator; CTranslate2's own cut
-(``max_input_length``) would keep the EOS and drop one more piece instead, so
-with ``add_source_eos`` no long sentence could translate as ours does.
-
-`CTranslate2Translator` translates with it through the front end `Translator`
-has too (`translation.Engine`) and its methods, and can give per-token
-log-probabilities. ctranslate2 is an optional dependency (``pip install -e
-".[serve]"``), imported only when a function here needs it.
+`CTranslate2Translator` translates through the front end `Translator` has (`translation.Engine`).
+ctranslate2 is optional (``pip install -e ".[serve]"``), imported only when needed.
 """
 
 import json
@@ -40,6 +23,7 @@ import keras
 import numpy as np
 
 # Named apart: `length_penalty` is also CTranslate2's own option in this module.
+from kyu_transformer import filenames
 from kyu_transformer.decoding import NO_HYPOTHESIS_SCORE
 from kyu_transformer.decoding import length_penalty as gnmt_penalty
 from kyu_transformer.layers import ScaledDotProductAttention, sinusoid_table
@@ -51,10 +35,6 @@ QUANTIZATIONS = ("float32", "int8", "int8_float32")
 # Feed-forward activations by Keras name, and CTranslate2's name of each
 # (`ctranslate2.specs.Activation`; Keras' gelu is the exact, erf one).
 ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "silu": "SWISH", "swish": "SWISH"}
-# Our settings that CTranslate2's config.json has no place for.
-SETTINGS_FILE = "kyu_transformer.json"
-# The subword model, copied beside the weights: the directory is all a user needs.
-SUBWORDS_FILE = "subwords.model"
 
 
 class ExportError(ValueError):
@@ -86,8 +66,7 @@ def unsupported_settings(model, hparams=None):
 
     Args:
       model: A `Transformer` (built here if it is not yet).
-      hparams: Optional dict of hyperparameters; its ``epsilon`` must be the
-        model's.
+      hparams: Optional dict of hyperparameters; its ``epsilon`` must be the model's.
 
     Returns:
       A list of messages, each naming the setting (empty: it can be converted).
@@ -99,31 +78,10 @@ def unsupported_settings(model, hparams=None):
     if not np.isclose(epsilon, model.epsilon, rtol=1e-6, atol=0):
         problems.append(f"`epsilon` is {epsilon} in hparams but {model.epsilon} in the model")
     for block in model.encoder_blocks + model.decoder_blocks:
-        attentions = [block.self_attention]
-        if hasattr(block, "cross_attention"):
-            attentions.append(block.cross_attention)
-        for attention in attentions:
-            where = f"{block.name}/{attention.name}"
-            activation = _activation_name(attention.projection_activation)
-            if activation != "linear":
-                problems.append(
-                    f"{where}: `projection_activation={activation!r}`: CTranslate2's attention "
-                    "projections are linear")
-            widths = {dense.units for dense in (attention.query_dense, attention.key_dense,
-                                                attention.value_dense)}
-            if widths != {model.d_model}:
-                problems.append(
-                    f"{where}: `num_units` (query/key/value widths {sorted(widths)}, not "
-                    f"d_model={model.d_model}): CTranslate2 splits d_model into the heads")
-            if not attention.output_projection:
-                problems.append(f"{where}: `output_projection=False`: CTranslate2's attention "
-                                "always ends with an output projection")
-            operator = attention.attention
-            if type(operator) is not ScaledDotProductAttention or operator.temperature:
-                problems.append(
-                    f"{where}: `attention={type(operator).__name__}"
-                    f"(temperature={getattr(operator, 'temperature', None)})`: CTranslate2 "
-                    "computes softmax(Q K^T / sqrt(d_k)) V only")
+        for attention in (block.self_attention, getattr(block, "cross_attention", None)):
+            if attention is not None:
+                problems += _attention_problems(f"{block.name}/{attention.name}", attention,
+                                                model.d_model)
         activation = _activation_name(block.feed_forward.activation)
         if activation not in ACTIVATIONS:
             problems.append(
@@ -142,6 +100,29 @@ def unsupported_settings(model, hparams=None):
         if embedding.vocab_size != model.vocab_size or embedding.num_units != model.d_model:
             problems.append(f"{name}: `num_units={embedding.num_units}` / `vocab_size="
                             f"{embedding.vocab_size}` differ from the model's")
+    return problems
+
+
+def _attention_problems(where, attention, d_model):
+    """What of one `MultiHeadAttention` (named `where`) CTranslate2 cannot represent."""
+    problems = []
+    activation = _activation_name(attention.projection_activation)
+    if activation != "linear":
+        problems.append(f"{where}: `projection_activation={activation!r}`: CTranslate2's "
+                        "attention projections are linear")
+    widths = {dense.units for dense in (attention.query_dense, attention.key_dense,
+                                        attention.value_dense)}
+    if widths != {d_model}:
+        problems.append(f"{where}: `num_units` (query/key/value widths {sorted(widths)}, not "
+                        f"d_model={d_model}): CTranslate2 splits d_model into the heads")
+    if not attention.output_projection:
+        problems.append(f"{where}: `output_projection=False`: CTranslate2's attention always "
+                        "ends with an output projection")
+    operator = attention.attention
+    if type(operator) is not ScaledDotProductAttention or operator.temperature:
+        problems.append(f"{where}: `attention={type(operator).__name__}"
+                        f"(temperature={getattr(operator, 'temperature', None)})`: CTranslate2 "
+                        "computes softmax(Q K^T / sqrt(d_k)) V only")
     return problems
 
 
@@ -254,7 +235,25 @@ def build_spec(model, hparams, subwords):
     spec = transformer_spec.TransformerSpec.from_config(
         model.num_blocks, model.num_heads, pre_norm=model.norm_position == "pre",
         activation=getattr(common_spec.Activation, ACTIVATIONS[activation]))
+    _set_weights(spec, model)
+    config = spec.config
+    config.layer_norm_epsilon = float(hparams.get("epsilon", model.epsilon))
+    config.unk_token = pieces[UNK_ID]
+    config.bos_token = pieces[BOS_ID]
+    config.eos_token = pieces[EOS_ID]
+    config.decoder_start_token = pieces[BOS_ID]
+    # EOS is appended to the source by whoever cuts it (see the module's
+    # docstring): CTranslate2's own cut would keep it where ours drops it.
+    config.add_source_bos = False
+    config.add_source_eos = False
+    spec.register_source_vocabulary(pieces)
+    spec.register_target_vocabulary(pieces)
+    spec.validate()
+    return spec
 
+
+def _set_weights(spec, model):
+    """Fills the encoder and decoder of `spec` with the weights of `model`."""
     encoder, decoder = spec.encoder, spec.decoder
     _set_inputs(encoder, model.source_embedding, model.source_positions, model.d_model)
     for layer_spec, block in zip(encoder.layer, model.encoder_blocks):
@@ -271,21 +270,6 @@ def build_spec(model, hparams, subwords):
     if model.norm_position == "pre":
         _set_layer_norm(encoder.layer_norm, model.encoder_norm)
         _set_layer_norm(decoder.layer_norm, model.decoder_norm)
-
-    config = spec.config
-    config.layer_norm_epsilon = float(hparams.get("epsilon", model.epsilon))
-    config.unk_token = pieces[UNK_ID]
-    config.bos_token = pieces[BOS_ID]
-    config.eos_token = pieces[EOS_ID]
-    config.decoder_start_token = pieces[BOS_ID]
-    # EOS is appended to the source by whoever cuts it (see the module's
-    # docstring): CTranslate2's own cut would keep it where ours drops it.
-    config.add_source_bos = False
-    config.add_source_eos = False
-    spec.register_source_vocabulary(pieces)
-    spec.register_target_vocabulary(pieces)
-    spec.validate()
-    return spec
 
 
 def _vocabulary(subwords):
@@ -307,36 +291,33 @@ def check_quantization(quantization):
 
 
 def convert(model, hparams, subwords, out_dir, quantization="float32"):
-    """Writes `model` as a CTranslate2 model directory.
+    """Writes `model` as a CTranslate2 model directory, complete or absent.
 
-    The directory holds CTranslate2's ``model.bin``, ``config.json`` and
-    ``shared_vocabulary.json``, plus the subword model (`SUBWORDS_FILE`) and
-    our settings that CTranslate2 does not keep (`SETTINGS_FILE`: ``maxlen1``,
-    ``maxlen2``). It is written beside `out_dir` and renamed into place, so
-    `out_dir` is either complete or absent.
+    CTranslate2's ``model.bin``, ``config.json`` and ``shared_vocabulary.json``, the subword
+    model (`filenames.SUBWORDS`: the directory is all a user needs) and what CTranslate2 does not
+    keep (`filenames.CTRANSLATE2_SETTINGS`: ``maxlen1``, ``maxlen2``, ...), written beside
+    `out_dir` and renamed into place.
 
     Args:
-      model: A built `Transformer` with its trained weights (any compute
-        dtype: the float32 variables are written).
+      model: A built `Transformer` with its trained weights (its float32 variables are written).
       hparams: The dict of hparams.json (``epsilon`` is read from it).
       subwords: The `data.Subwords` the model was trained with.
       out_dir: The directory to write; must not exist or be empty.
-      quantization: CTranslate2's weight type: ``float32``, ``int8`` or
-        ``int8_float32``.
+      quantization: CTranslate2's weight type, one of `QUANTIZATIONS`.
 
     Returns:
       `out_dir`.
 
     Raises:
-      ExportError: a setting CTranslate2 cannot represent, an unknown
-        `quantization`, or a non-empty `out_dir`.
+      ExportError: a setting CTranslate2 cannot represent, an unknown `quantization`, or a
+        non-empty `out_dir`.
     """
     check_quantization(quantization)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ExportError(f"{out_dir}: already exists and is not an empty directory")
     spec = build_spec(model, hparams, subwords)
     spec.optimize(quantization=quantization)
-    spec.register_file(subwords.path, SUBWORDS_FILE)
+    spec.register_file(subwords.path, filenames.SUBWORDS)
 
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -349,7 +330,8 @@ def convert(model, hparams, subwords, out_dir, quantization="float32"):
         settings = {"maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
                     "norm_position": model.norm_position, "epsilon": spec.config.layer_norm_epsilon,
                     "quantization": quantization}
-        with open(os.path.join(staging, SETTINGS_FILE), "w", encoding="utf-8") as handle:
+        path = os.path.join(staging, filenames.CTRANSLATE2_SETTINGS)
+        with open(path, "w", encoding="utf-8") as handle:
             json.dump(settings, handle, indent=2, sort_keys=True)
             handle.write("\n")
         if os.path.isdir(out_dir):
@@ -363,10 +345,10 @@ def convert(model, hparams, subwords, out_dir, quantization="float32"):
 # ------------------------------------------------------------- translating
 
 def read_settings(model_dir):
-    """Our settings written beside a converted model (`SETTINGS_FILE`), as a dict."""
-    path = os.path.join(model_dir, SETTINGS_FILE)
+    """Our settings written beside a converted model, as a dict."""
+    path = os.path.join(model_dir, filenames.CTRANSLATE2_SETTINGS)
     if not os.path.isfile(path):
-        raise ExportError(f"{model_dir}: no {SETTINGS_FILE}; was it written by "
+        raise ExportError(f"{model_dir}: no {filenames.CTRANSLATE2_SETTINGS}; was it written by "
                           "kyu_transformer.ctranslate2_export.convert?")
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)
@@ -374,7 +356,8 @@ def read_settings(model_dir):
 
 def read_vocabulary(model_dir):
     """The pieces of a converted model's shared vocabulary, in id order."""
-    with open(os.path.join(model_dir, "shared_vocabulary.json"), encoding="utf-8") as handle:
+    path = os.path.join(model_dir, filenames.CTRANSLATE2_VOCABULARY)
+    with open(path, encoding="utf-8") as handle:
         return json.load(handle)
 
 
@@ -387,49 +370,32 @@ def _log_softmax(logits):
 class CTranslate2Translator(Engine):
     """A model directory written by `convert`, behind `Translator`'s methods.
 
-    The front end is `translation.Engine`'s, as `Translator`'s (the same
-    source cut, per-sentence limits, batches, stripping and counts). ``translate_batch`` takes
-    one limit a call, so each batch is decoded in groups of equal limit
-    (which sentences share a call changes no output). The settings map to
-    its options as follows:
+    The front end is `translation.Engine`'s. ``translate_batch`` takes one limit a call, so each
+    batch is decoded in groups of equal limit (which changes no output). Settings map to options:
 
-    - the limit to ``max_decoding_length`` (CTranslate2 counts EOS in it too),
-      ``min_decoding_length=0`` (CTranslate2 would otherwise never end an
-      output before one token), ``max_input_length=0`` (cut by the front end);
-    - `beam_size`, `n_best` (``num_hypotheses``) and the sampling settings
-      (``sampling_topk``, ``sampling_topp``, ``sampling_temperature``) as they
-      are. CTranslate2's random generators are its worker threads' own,
-      seeded from ``set_random_seed`` when a thread first draws: so for each
-      `translate_ids` that samples, the seed is set and the model loaded anew
-      (fresh workers, with the same `translator_options`).
-      The same seed and the same batches then reproduce the samples (which
-      are sorted here by score), but they depend on the batches;
-    - greedy search and sampling: ``length_penalty=0``, so that CTranslate2's
-      score is the plain log-probability, EOS included;
-    - beam search: ``length_penalty=alpha`` with ``return_end_token=True``.
-      CTranslate2 ranks finished hypotheses by ``log p / length ** alpha``
-      where we divide by GNMT's ``((5 + length) / 6) ** alpha``; both count
-      EOS in the length, and both orders agree between hypotheses of equal
-      length, but CTranslate2's favours longer ones more. The stop rules
-      differ too: CTranslate2 takes a hypothesis as finished only when EOS is
-      among the `beam_size` best of its ``2 * beam_size`` candidates (ours:
-      among all of them), and ends a sentence once `beam_size` hypotheses
-      have finished, where ours ends it when no live hypothesis can beat the
-      worst finished one even at the sentence's limit. At the limit both
-      finish every live hypothesis without EOS. Beam outputs may therefore
-      differ from ours, and come in CTranslate2's order (scored as ours, so
-      their scores need not fall); greedy ones do not differ.
+    - the limit to ``max_decoding_length`` (EOS counted), ``min_decoding_length=0`` (else no
+      output ends before one token), ``max_input_length=0`` (the front end cuts);
+    - `beam_size`, `n_best` (``num_hypotheses``) and the sampling settings as they are.
+      CTranslate2's random generators belong to its worker threads, seeded by
+      ``set_random_seed`` at their first draw: each sampling `translate_ids` sets the seed and
+      loads the model anew. The same seed and batches reproduce the samples (sorted here by
+      score); other batches do not;
+    - greedy search and sampling: ``length_penalty=0`` (the score is the log-probability);
+    - beam search: ``length_penalty=alpha``, ``return_end_token=True``. CTranslate2 ranks by
+      ``log p / length ** alpha`` where we divide by GNMT's ``((5 + length) / 6) ** alpha``,
+      finishes a hypothesis only when EOS is among the `beam_size` best of ``2 * beam_size``
+      candidates (ours: among all) and ends a sentence once `beam_size` have finished (ours:
+      when no live one can beat the worst finished). Beam outputs may thus differ from ours and
+      come in CTranslate2's order (scored as ours); greedy ones do not differ.
 
-    Per-token log-probabilities (`translate_ids` ``with_log_probs``, greedy
-    search only) come from the logits CTranslate2 returns with
-    ``return_logits_vocab``, which its beam search does not fill reliably.
+    Per-token log-probabilities (`with_log_probs`, greedy only) come from the logits of
+    ``return_logits_vocab``, which CTranslate2's beam search does not fill reliably.
 
     Args:
       model_dir: A directory written by `convert`.
       settings: A `SearchSettings` (default its defaults), with `fields` replaced.
-      translator_options: Keyword arguments of ``ctranslate2.Translator`` (such
-        as ``intra_threads``); default the CPU and the model's own weight type.
-        The model is loaded at the first translation.
+      translator_options: Keyword arguments of ``ctranslate2.Translator`` (such as
+        ``intra_threads``); default the CPU. The model is loaded at the first translation.
     """
 
     log_probs = True

@@ -26,6 +26,7 @@ import numpy as np
 import sentencepiece
 import tensorflow as tf
 
+from kyu_transformer import filenames
 from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
@@ -229,8 +230,6 @@ class Subwords:
     never retrained over.
     """
 
-    FILE_NAME = "subwords.model"
-
     def __init__(self, model_path):
         if not os.path.isfile(model_path):
             raise DataError(f"{model_path}: no subword model")
@@ -243,13 +242,13 @@ class Subwords:
 
     @classmethod
     def train_or_load(cls, directory, sentences, vocab_size, model_type="unigram"):
-        path = os.path.join(directory, cls.FILE_NAME)
+        path = os.path.join(directory, filenames.SUBWORDS)
         if os.path.isfile(path):
             return cls(path)
         os.makedirs(directory, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".subwords-", dir=directory)
         try:
-            prefix = os.path.join(staging, "subwords")
+            prefix = os.path.join(staging, filenames.SUBWORDS_PREFIX)
             sentencepiece.SentencePieceTrainer.train(
                 sentence_iterator=iter(sentences), model_prefix=prefix, vocab_size=vocab_size,
                 model_type=model_type, character_coverage=1.0, hard_vocab_limit=False,

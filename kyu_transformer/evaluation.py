@@ -5,6 +5,7 @@ import os
 
 import sacrebleu
 
+from kyu_transformer import filenames
 from kyu_transformer.translation import Translator
 from kyu_transformer.files import replaced_atomically, write_text
 
@@ -53,12 +54,12 @@ class ValidationBleu:
         hypotheses = self.translator.translate(self.sources, self.subwords)
         result = score(hypotheses, self.references)
         logs.update(kind="eval", bleu=result["bleu"], chrf=result["chrf"])
-        best_path = os.path.join(trainer.logdir, "best.json")
+        best_path = os.path.join(trainer.logdir, filenames.BEST_RECORD)
         best = _read_json(best_path)
         print(f"epoch {epoch}: validation BLEU {result['bleu']:.2f} chrF {result['chrf']:.2f} "
               f"({len(hypotheses)} sentences, greedy)", flush=True)
         if best is None or result["bleu"] > best["bleu"]:
-            weights = os.path.join(trainer.logdir, "best.weights.h5")
+            weights = os.path.join(trainer.logdir, filenames.BEST_WEIGHTS)
             with replaced_atomically(weights) as temporary:
                 trainer.model.save_weights(temporary)
             _write_json(best_path, {"bleu": result["bleu"], "chrf": result["chrf"],

@@ -13,7 +13,7 @@ import fcntl
 import os
 import socket
 
-LOCK_FILE = ".lock"
+from kyu_transformer.filenames import LOCK
 
 
 class LogdirBusy(RuntimeError):
@@ -32,7 +32,7 @@ class LogdirLock:
 
     def __init__(self, logdir):
         self.logdir = logdir
-        self.path = os.path.join(logdir, LOCK_FILE)
+        self.path = os.path.join(logdir, LOCK)
         self._handle = None
 
     def acquire(self):

@@ -8,6 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from kyu_transformer import filenames  # noqa: E402
 from kyu_transformer.files import replaced_atomically  # noqa: E402
 
 
@@ -50,14 +51,13 @@ def plot_series(records, key, path, title, ylabel):
 
 
 def plot_training(logdir):
-    """Draws `loss.png`, `lr.png` (and `bleu.png` when BLEU was scored) in `logdir`."""
-    records = read_history(os.path.join(logdir, "history.jsonl"))
+    """Draws the `filenames.PLOTS` of `logdir` (BLEU's only when BLEU was scored)."""
+    records = read_history(os.path.join(logdir, filenames.HISTORY))
     train = [r for r in records if r.get("kind", "train") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
-    drawn = [
-        plot_series(train, "loss", os.path.join(logdir, "loss.png"), "training loss",
-                    "label-smoothed cross-entropy"),
-        plot_series(train, "lr", os.path.join(logdir, "lr.png"), "learning rate", "lr"),
-        plot_series(evals, "bleu", os.path.join(logdir, "bleu.png"), "validation BLEU", "BLEU"),
-    ]
+    plots = (("loss", train, "training loss", "label-smoothed cross-entropy"),
+             ("lr", train, "learning rate", "lr"),
+             ("bleu", evals, "validation BLEU", "BLEU"))
+    drawn = [plot_series(series, key, os.path.join(logdir, filenames.PLOTS[key]), title, ylabel)
+             for key, series, title, ylabel in plots]
     return [path for path in drawn if path]

@@ -19,6 +19,7 @@ import time
 
 import tensorflow as tf
 
+from kyu_transformer import filenames
 from kyu_transformer.checkpoints import (
     UnreadableCheckpoint, listed_checkpoints, model_weights, unreadable)
 from kyu_transformer.files import as_out_of_space, is_out_of_space, write_text
@@ -59,7 +60,8 @@ class RunCheckpoints:
             # them a resumed run would draw the masks of step 1 again.
             random_states=random_states(model), train_seconds=self.train_seconds)
         self.manager = tf.train.CheckpointManager(
-            self.checkpoint, writable_dir(directory, chief), max_to_keep=max_to_keep)
+            self.checkpoint, writable_dir(directory, chief), max_to_keep=max_to_keep,
+            checkpoint_name=filenames.CHECKPOINT_PREFIX)
 
     def restore(self):
         """Restores the latest readable checkpoint, if any; returns its path or None.
@@ -88,8 +90,9 @@ class RunCheckpoints:
             print(f"note: {bad_path} cannot be read ({reason}); moved to "
                   f"{set_aside(bad_path)}; resuming from {path}", flush=True)
         if bad and self.chief:  # the manager's list still holds what was moved: read it again
-            self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory,
-                                                      max_to_keep=self.max_to_keep)
+            self.manager = tf.train.CheckpointManager(
+                self.checkpoint, self.directory, max_to_keep=self.max_to_keep,
+                checkpoint_name=filenames.CHECKPOINT_PREFIX)
         self._restore(path)
         return path
 
@@ -122,17 +125,21 @@ class RunCheckpoints:
             if is_out_of_space(error):
                 latest = listed_checkpoints(self.manager.directory)
                 raise as_out_of_space(
-                    error, os.path.join(self.manager.directory, f"ckpt-{step}"),
+                    error, self._prefix(step),
                     needed=checkpoint_bytes(latest[-1]) if latest else None) from None
             raise
         return path if self.chief else None
 
+    def _prefix(self, step):
+        return os.path.join(self.manager.directory, f"{filenames.CHECKPOINT_PREFIX}-{step}")
+
     def _remove_partial(self, step):
         """Removes what a failed save of checkpoint `step` left (its temporary folder, files)."""
-        prefix = os.path.join(self.manager.directory, f"ckpt-{step}")
+        prefix = self._prefix(step)
         shutil.rmtree(prefix + "_temp", ignore_errors=True)
         # TensorFlow writes the index through a temporary file of its own.
-        partial = glob.glob(os.path.join(glob.escape(self.manager.directory), "checkpoint.tmp*"))
+        index = os.path.join(glob.escape(self.manager.directory), filenames.CHECKPOINT_INDEX)
+        partial = glob.glob(index + ".tmp*")
         if prefix not in listed_checkpoints(self.manager.directory):
             partial += glob.glob(glob.escape(prefix) + ".*")
         for name in partial:
@@ -177,7 +184,7 @@ def set_aside(path):
     old checkpoints cannot reach them there.
     """
     directory, name = os.path.split(path)
-    target = os.path.join(directory, "corrupt", f"{name}.{time.strftime('%Y%m%d-%H%M%S')}")
+    target = os.path.join(directory, filenames.CORRUPT, f"{name}.{time.strftime('%Y%m%d-%H%M%S')}")
     number, unique = 1, target
     while os.path.exists(unique):
         number += 1
@@ -201,7 +208,7 @@ def drop_from_index(directory, path):
     stamps = list(state.all_model_checkpoint_timestamps)
     kept = [(os.path.basename(listed), stamps[number] if stamps else None)
             for number, listed in enumerate(state.all_model_checkpoint_paths) if listed != path]
-    index = os.path.join(directory, "checkpoint")
+    index = os.path.join(directory, filenames.CHECKPOINT_INDEX)
     if not kept:
         os.remove(index)
         return

@@ -24,6 +24,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from kyu_transformer import filenames
+from kyu_transformer.checkpoints import checkpoint_dir
 from kyu_transformer.distribution import distribute_batches, is_chief
 from kyu_transformer.files import replaced_atomically
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
@@ -93,7 +95,7 @@ class Trainer:
                                          hparams["lr"])
             self.optimizer = make_optimizer(hparams, self.schedule)
             self.optimizer.build(self.model.trainable_variables)
-        self.checkpoint_dir = os.path.join(self.logdir, "checkpoints")
+        self.checkpoint_dir = checkpoint_dir(self.logdir)
         self.checkpoints = RunCheckpoints(self.strategy, self.model, self.optimizer,
                                           self.checkpoint_dir, hparams["keep_checkpoints"],
                                           self.chief)
@@ -135,7 +137,7 @@ class Trainer:
         """Writes the model to `<logdir>/model.keras` (replaced atomically)."""
         if not self.chief:
             return None
-        path = os.path.join(self.logdir, "model.keras")
+        path = os.path.join(self.logdir, filenames.MODEL)
         with replaced_atomically(path) as temporary:
             self.model.save(temporary)
         return path

@@ -8,6 +8,7 @@ import time
 import keras
 import tensorflow as tf
 
+from kyu_transformer import filenames
 from kyu_transformer.files import as_out_of_space, drop_torn_last_line, is_out_of_space
 
 
@@ -21,7 +22,7 @@ class TrainingLog:
 
     def __init__(self, logdir, chief):
         self.logdir, self.chief = logdir, chief
-        self.path = os.path.join(logdir, "history.jsonl")
+        self.path = os.path.join(logdir, filenames.HISTORY)
         self.writer = None
 
     def open(self):
@@ -30,8 +31,9 @@ class TrainingLog:
             os.makedirs(self.logdir, exist_ok=True)
             # A line cut by a crash or a full disk would swallow the next record.
             drop_torn_last_line(self.path)
-        self.writer = (tf.summary.create_file_writer(os.path.join(self.logdir, "train"))
-                       if self.chief else tf.summary.create_noop_writer())
+        events = os.path.join(self.logdir, filenames.TENSORBOARD)
+        self.writer = (tf.summary.create_file_writer(events) if self.chief
+                       else tf.summary.create_noop_writer())
 
     def write(self, record):
         if not self.chief:

@@ -136,12 +136,12 @@ def varied_tiny_logdir(tmp_path_factory):
 def load_logdir(logdir):
     """``(hparams, model, subwords)`` of a logdir, as eval.py loads them."""
     import hparams as hp
-    from kyu_transformer import data
+    from kyu_transformer import data, filenames
     from kyu_transformer.checkpoints import load_model
 
     hparams = hp.load(str(logdir / "hparams.json"))
     model, _ = load_model(hparams, str(logdir))
-    return hparams, model, data.Subwords(str(logdir / data.Subwords.FILE_NAME))
+    return hparams, model, data.Subwords(str(logdir / filenames.SUBWORDS))
 
 
 def copy_of_logdir(logdir, tmp_path_factory, name):

@@ -11,9 +11,9 @@ import pytest
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
-from kyu_transformer import data  # noqa: E402
+from kyu_transformer import data, filenames  # noqa: E402
 from kyu_transformer.ctranslate2_export import (  # noqa: E402
-    QUANTIZATIONS, SETTINGS_FILE, SUBWORDS_FILE, CTranslate2Translator, ExportError, convert)
+    QUANTIZATIONS, CTranslate2Translator, ExportError, convert)
 from kyu_transformer.decoding import output_limit, sequence_log_probs  # noqa: E402
 from kyu_transformer.translation import Translator  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
@@ -303,7 +303,8 @@ def test_model_directory_holds_what_a_user_needs(subwords, tmp_path):
     model = _random_model(subwords.vocab_size)
     out_dir = convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "model"))
     assert sorted(os.listdir(out_dir)) == sorted(
-        ["model.bin", "config.json", "shared_vocabulary.json", SUBWORDS_FILE, SETTINGS_FILE])
+        ["model.bin", "config.json", "shared_vocabulary.json", filenames.SUBWORDS,
+         filenames.CTRANSLATE2_SETTINGS])
     with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as handle:
         config = json.load(handle)
     assert (config["unk_token"], config["bos_token"], config["eos_token"],
@@ -314,9 +315,9 @@ def test_model_directory_holds_what_a_user_needs(subwords, tmp_path):
         pieces = json.load(handle)
     assert pieces == [subwords.processor.id_to_piece(i) for i in range(subwords.vocab_size)]
     assert pieces[:4] == ["<pad>", "<unk>", "<s>", "</s>"]
-    with open(os.path.join(out_dir, SETTINGS_FILE), encoding="utf-8") as handle:
+    with open(os.path.join(out_dir, filenames.CTRANSLATE2_SETTINGS), encoding="utf-8") as handle:
         assert json.load(handle)["maxlen1"] == model.maxlen1
-    with open(os.path.join(out_dir, SUBWORDS_FILE), "rb") as copy, \
+    with open(os.path.join(out_dir, filenames.SUBWORDS), "rb") as copy, \
             open(subwords.path, "rb") as original:
         assert copy.read() == original.read()
     assert [name for name in os.listdir(tmp_path) if name != "model"] == []  # no staging left

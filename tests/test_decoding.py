@@ -14,7 +14,7 @@ import sacrebleu
 import tensorflow as tf
 
 import hparams as hp
-from kyu_transformer import data
+from kyu_transformer import data, filenames
 from kyu_transformer.checkpoints import CheckpointError, list_checkpoints, load_model
 from kyu_transformer.decoding import (GreedySearch, _top_k_rows, _uniforms, beam_search,
                                       greedy_search, length_penalty, search, sequence_log_probs)
@@ -433,7 +433,7 @@ def test_eval_translates_files_and_standard_input(varied, tmp_path):
 def test_eval_errors_are_clear(varied, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(varied["logdir"], broken)
-    (broken / data.Subwords.FILE_NAME).unlink()
+    (broken / filenames.SUBWORDS).unlink()
     result = run("eval.py", "--logdir", broken)
     assert result.returncode != 0 and "subwords.model: no subword model" in result.stderr
     empty = tmp_path / "empty"

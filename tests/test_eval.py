@@ -11,7 +11,7 @@ import pytest
 
 import eval as eval_program
 import hparams as hp
-from kyu_transformer import data
+from kyu_transformer import data, filenames
 from kyu_transformer.checkpoints import load_model
 from kyu_transformer.model import Transformer
 from kyu_transformer.translation import Translator
@@ -44,7 +44,7 @@ def varied(varied_tiny_logdir, tmp_path_factory):
     model, _ = load_model(hparams, str(logdir))
     sources, references, _ = data.load_split(MULTI30K, "val")
     return {"logdir": logdir, "model": model, "hparams": hparams,
-            "subwords": data.Subwords(str(logdir / data.Subwords.FILE_NAME)),
+            "subwords": data.Subwords(str(logdir / filenames.SUBWORDS)),
             "sources": sources, "references": references}
 
 
@@ -294,11 +294,11 @@ def test_eval_with_ctranslate2_writes_the_keras_greedy_translations(varied, tmp_
 @pytest.mark.slow
 def test_eval_refuses_a_ctranslate2_model_of_other_subwords(varied, tmp_path):
     pytest.importorskip("ctranslate2")
-    from kyu_transformer.ctranslate2_export import SUBWORDS_FILE, convert
+    from kyu_transformer.ctranslate2_export import convert
 
     model_dir = convert(varied["model"], varied["hparams"], varied["subwords"],
                         str(tmp_path / "ct2"))
-    with open(os.path.join(model_dir, SUBWORDS_FILE), "ab") as handle:
+    with open(os.path.join(model_dir, filenames.SUBWORDS), "ab") as handle:
         handle.write(b"another model")
     result = run("eval.py", "--logdir", varied["logdir"], "--ctranslate2", model_dir)
     assert result.returncode != 0

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import export
-from kyu_transformer import data, decoding, serving
+from kyu_transformer import data, decoding, filenames, serving
 from kyu_transformer.checkpoints import load_model
 from kyu_transformer.decoding import length_penalty, sequence_log_probs
 from kyu_transformer.precision import set_precision
@@ -274,7 +274,7 @@ def test_export_says_what_it_wrote_and_how_to_call_it(varied, exports):
     assert "sample: 3 samples per sentence, top-k 5, top-p 0.9, temperature 1.0" in stdout
     assert "tf.saved_model.load(" in stdout and "tensorflow/serving" in stdout
     assert ":predict" in stdout
-    with open(os.path.join(exports["beam"]["dir"], export.SETTINGS_FILE)) as handle:
+    with open(os.path.join(exports["beam"]["dir"], filenames.SAVED_MODEL_SETTINGS)) as handle:
         record = json.load(handle)
     assert record["beam_size"] == 4 and record["n_best"] == 3 and record["maxlen1"] == 48
     assert record["sample"] == {"sampling_topk": 5, "sampling_topp": 0.9,
@@ -286,13 +286,13 @@ def test_export_says_what_it_wrote_and_how_to_call_it(varied, exports):
 @needs_tensorflow_text
 @pytest.mark.slow
 def test_the_subword_model_is_an_asset_of_the_saved_model(varied, exports):
-    asset = os.path.join(exports["beam"]["dir"], "assets", data.Subwords.FILE_NAME)
+    asset = os.path.join(exports["beam"]["dir"], "assets", filenames.SUBWORDS)
     with open(asset, "rb") as copy, open(varied["subwords"].path, "rb") as original:
         assert copy.read() == original.read()
     serving.import_tensorflow_text()  # registers the SentencePiece ops the graph holds
     loaded = tf.saved_model.load(exports["beam"]["dir"])
     assert os.path.basename(loaded.subword_model.asset_path.numpy().decode()) == \
-        data.Subwords.FILE_NAME
+        filenames.SUBWORDS
 
 
 @needs_tensorflow_text

@@ -1,0 +1,45 @@
+"""Every file and folder name the programs write (and the libraries' names they look for).
+
+A training logdir (train.py) holds `HPARAMS`, `CORPUS`, `SUBWORDS`, `CHECKPOINTS/`, `BEST_WEIGHTS`
+with `BEST_RECORD`, `HISTORY`, `TENSORBOARD/`, `MODEL`, the `PLOTS` and `LOCK`; eval.py writes into
+`EVAL/` the files `evaluation_file` names; export.py writes a SavedModel with `SAVED_MODEL_SETTINGS`
+or a CTranslate2 model with `CTRANSLATE2_SETTINGS` and `SUBWORDS`.
+"""
+
+import os
+
+HPARAMS = "hparams.json"  # the run's hyperparameters, read by eval.py and export.py
+CORPUS = "corpus.json"  # digests of the training files, checked when a run resumes
+SUBWORDS = "subwords.model"  # the sentencepiece model
+SUBWORDS_PREFIX = "subwords"  # sentencepiece's model_prefix while it trains
+CHECKPOINTS = "checkpoints"  # the rolling checkpoints
+CHECKPOINT_PREFIX = "ckpt"  # TensorFlow's CheckpointManager names them ckpt-<step>
+CHECKPOINT_INDEX = "checkpoint"  # ... and lists them in this file
+CORRUPT = "corrupt"  # inside CHECKPOINTS: unreadable checkpoints moved aside
+BEST_WEIGHTS = "best.weights.h5"  # the weights of the best validation BLEU
+BEST_RECORD = "best.json"  # which step and BLEU they are
+HISTORY = "history.jsonl"  # one record per logged step and evaluation
+TENSORBOARD = "train"  # TensorBoard's event files
+MODEL = "model.keras"  # the trained model, saved by Keras
+PLOTS = {"loss": "loss.png", "lr": "lr.png", "bleu": "bleu.png"}
+LOCK = ".lock"  # held while a run writes the logdir
+EVAL = "eval"  # eval.py's outputs
+
+# eval.py's files for an evaluation <name> (`evaluation_file`).
+HYPOTHESES = "hyp.txt"
+RESULT = "json"  # BLEU and the settings of the run
+N_BEST = "nbest.jsonl"
+SCORES = "scores.jsonl"  # eval.py --score
+ATTENTION_PLOT = "attention.{}.png"  # --plot_attention, one per sentence
+
+# Exports (export.py). SavedModel and CTranslate2 write the graph and model files themselves.
+SAVED_MODEL_GRAPH = "saved_model.pb"
+SAVED_MODEL_SETTINGS = os.path.join("assets.extra", "export.json")
+CTRANSLATE2_MODEL = "model.bin"
+CTRANSLATE2_VOCABULARY = "shared_vocabulary.json"
+CTRANSLATE2_SETTINGS = "kyu_transformer.json"  # what CTranslate2 does not keep (maxlen1, ...)
+
+
+def evaluation_file(out_dir, name, kind):
+    """``<out_dir>/<name>.<kind>``; `kind` one of the names above, e.g. `HYPOTHESES`."""
+    return os.path.join(out_dir, f"{name}.{kind}")
