@@ -1,8 +1,7 @@
 """Which tf.distribute strategy a run uses, which process leads, and how batches reach replicas.
 
-Every replica count sees the same global batches: each global batch is cut
-into one contiguous slice per replica, so a run on two devices computes the
-same loss as a run on one.
+Each global batch is cut into contiguous slices, one per replica, so any replica count
+computes the same loss.
 """
 
 import os
@@ -13,11 +12,8 @@ STRATEGIES = ("auto", "default", "mirrored", "multi_worker")
 
 
 def make_strategy(name="auto"):
-    """The tf.distribute strategy called `name`.
-
-    ``auto``: `MirroredStrategy` when more than one GPU is visible, else the
-    default strategy. ``multi_worker`` reads the cluster from ``TF_CONFIG``.
-    """
+    """The tf.distribute strategy called `name` (``auto``: mirrored if more than one GPU is
+    visible, else the default; ``multi_worker`` reads the cluster from ``TF_CONFIG``)."""
     if name not in STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
     if name == "auto":
@@ -44,11 +40,8 @@ def is_chief(strategy):
 
 
 def replica_slices(dataset, num_replicas, first_replica, local_replicas):
-    """Each global batch -> the slices of `local_replicas` replicas, in order.
-
-    Replica ``r`` of ``R`` takes rows ``[n*r//R, n*(r+1)//R)`` of a batch of
-    ``n`` rows (possibly none: a replica with an empty slice adds 0 tokens).
-    """
+    """Each global batch -> the slices of `local_replicas` replicas from `first_replica`:
+    replica ``r`` of ``R`` takes rows ``[n*r//R, n*(r+1)//R)`` of ``n`` (possibly none)."""
     if num_replicas == 1:
         return dataset
 

@@ -2,11 +2,8 @@
 
 import keras
 from keras import ops
-# `Loss.__call__` reads the mask of `call`'s output with `get_keras_mask`. A
-# JAX value traced by `jit` (as `fit` runs the loss) refuses a plain attribute:
-# Keras' setter then keeps the mask in the table that `get_keras_mask` reads.
-# Keras 3.15 exports it from `keras.src.backend` only; the public path is used
-# when a Keras version provides it.
+# `Loss.__call__` reads `call`'s output mask with `get_keras_mask`; a JAX tracer refuses a
+# plain attribute, so Keras' setter is used (public only in newer Keras versions).
 set_keras_mask = getattr(keras.backend, "set_keras_mask", None)
 if set_keras_mask is None:
     from keras.src.backend import set_keras_mask
@@ -16,55 +13,32 @@ from kyu_transformer.layers import _check_rate
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class LabelSmoothedCrossEntropy(keras.losses.Loss):
-    """Cross-entropy against ``label_smoothing(one_hot(labels), epsilon)``.
+    """Cross-entropy against ``label_smoothing(one_hot(labels), epsilon)``, in float32.
 
-    Averaged over the non-padding tokens only. The smoothed one-hot tensor is
-    never built: with ``log p = logits - logsumexp(logits)``,
+    The smoothed one-hot tensor is never built: with ``log p = logits - logsumexp(logits)``,
     ``-sum_v q_v log p_v = logsumexp - (1 - eps) * logit_y - eps * mean_v logit_v``.
-    Computed in float32 whatever the compute dtype of the logits.
 
-    `call` returns the per-token losses `(N, T)` with the Keras mask
-    ``labels != pad_id`` attached, and Keras reduces them: with the default
-    ``reduction="sum_over_batch_size"`` Keras divides the sum by the number of
-    unmasked tokens, which makes the loss the mean over non-padding tokens.
-    When the logits carry a Keras mask of their own (e.g. from an `Embedding`
-    upstream), Keras combines the two, and a token counts only where both keep
-    it. Under a `tf.distribute` strategy Keras also divides each replica's
-    mean by the number of replicas and sums the gradients, so `model.fit`
-    minimizes (and reports) the mean of the replicas' means: the same as on one
-    device when the replicas hold equal numbers of tokens, not otherwise. As
-    with Keras' own losses, a direct call inside a strategy's scope is divided
-    by the number of replicas too. The project's `Trainer` normalizes by the
-    token count of the whole global batch instead, from `token_losses`.
+    `call` masks the per-token losses at padding for Keras to reduce; under a strategy Keras
+    averages the replicas' means, where the `Trainer` divides by the global token count.
 
     Args:
       epsilon: Smoothing rate.
       pad_id: Label id that is padding (ignored in the mean).
       from_logits: If False, `y_pred` holds probabilities.
-      reduction: Keras' reduction of the masked per-token losses:
-        ``"sum_over_batch_size"`` (default) or ``"mean"``, the mean over
-        non-padding tokens; ``"sum"``, their sum;
-        ``"mean_with_sample_weight"``, the sum divided by the sample weights
-        summed over non-padding tokens (without weights, their count);
-        ``"none"`` or None, the `(N, T)` losses, 0 at padding.
+      reduction: Keras' reduction of the masked per-token losses; the default is the mean
+        over non-padding tokens, ``"none"`` gives the `(N, T)` losses (0 at padding).
       name: Name of the loss.
-      fast_paths: If True (the default), the gradient with respect to the
-        logits is the stated one of `_stated_gradient_cross_entropy`; if
-        False, automatic differentiation through the same formula.
+      fast_paths: If True (default), `_stated_gradient_cross_entropy`'s stated gradient.
       **kwargs: Other `keras.losses.Loss` arguments (`dtype`).
 
     Call arguments:
       y_true: Integer labels `(N, T)`.
       y_pred: Logits (or probabilities) `(N, T, V)`.
-      sample_weight: Optional weights, `(N, 1)` per sequence or `(N, T)` per
-        token, multiplied into the masked per-token losses as Keras does; the
+      sample_weight: Optional `(N, 1)` or `(N, T)` weights, applied as Keras does; the
         default reduction still divides by the number of non-padding tokens.
 
     Returns:
-      With the default reduction, the scalar mean loss per non-padding token
-      (0 if there is none); otherwise as `reduction` says.
-      `token_losses` gives the `(N, T)` per-token losses (0 at padding), for
-      callers that normalize across replicas themselves.
+      The reduced loss (by default the mean per non-padding token, 0 if none).
     """
 
     def __init__(self, epsilon=0.1, pad_id=0, from_logits=True,
@@ -72,10 +46,8 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
                  fast_paths=True, **kwargs):
         super().__init__(name=name, reduction=reduction, **kwargs)
         _check_rate("epsilon", epsilon)
-        self.epsilon = float(epsilon)
-        self.pad_id = int(pad_id)
-        self.from_logits = bool(from_logits)
-        self.fast_paths = bool(fast_paths)
+        self.epsilon, self.pad_id = float(epsilon), int(pad_id)
+        self.from_logits, self.fast_paths = bool(from_logits), bool(fast_paths)
 
     def token_losses(self, y_true, y_pred):
         """Per-token losses `(N, T)` in float32, 0 at padding positions."""
@@ -93,48 +65,33 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
 
     def call(self, y_true, y_pred):
         losses = self.token_losses(y_true, y_pred)  # (N, T)
-        # Keras turns this mask into weights (and ANDs it with any mask of the
-        # logits), divides by the kept tokens and scales for distribution.
-        # Reducing here would hide the token count from Keras: it would neither
-        # divide the mean by the number of replicas nor apply a mask of the
-        # logits before reducing (it would multiply the reduced value by it).
+        # Reducing here would hide the token count from Keras: it would neither scale for
+        # distribution nor apply a mask of the logits before reducing.
         set_keras_mask(losses, ops.not_equal(ops.cast(y_true, "int32"), self.pad_id))
         return losses
 
     def get_config(self):
-        config = super().get_config()  # name, reduction; configs without it get the default
-        # Configs saved without `fast_paths` load with the default, True.
+        config = super().get_config()  # name, reduction
         config.update(epsilon=self.epsilon, pad_id=self.pad_id, from_logits=self.from_logits,
                       fast_paths=self.fast_paths)
         return config
 
 
 def _smoothed_cross_entropy(logits, labels, epsilon):
-    """Per-token smoothed cross-entropy `(N, T)` of logits `(N, T, V)`, in float32.
-
-    ``logsumexp(logits) - (1 - eps) * logit_y - eps * mean_v logit_v``,
-    differentiated automatically.
-    """
+    """Per-token smoothed cross-entropy `(N, T)` of logits `(N, T, V)`, in float32."""
     full = ops.cast(logits, "float32")  # (N, T, V)
     label_logits = ops.take_along_axis(full, labels[..., None], axis=-1)[..., 0]  # (N, T)
     return (ops.logsumexp(full, axis=-1) - (1.0 - epsilon) * label_logits
             - epsilon * ops.mean(full, axis=-1))
 
 
-# ----------------------------------------------------- fast path: stated gradient
-
-
 def _stated_gradient_cross_entropy(logits, labels, epsilon):
-    """`_smoothed_cross_entropy`, with its gradient with respect to the logits written out.
+    """`_smoothed_cross_entropy` with the stated gradient (fast path).
 
-    The gradient is ``softmax(logits) - (1 - eps) * one_hot(label) - eps / V``
-    (times the upstream gradient). Left to automatic differentiation, the
-    label-logit gather back-propagates through a scatter over the whole
-    `(N, T, V)` tensor. Here the gradient reuses the forward pass's
-    exponentials, and the one-hot term is a comparison of each class index
-    with the label inside the same expression: compiled with XLA (as the
-    trainer and Keras' `fit` compile the loss), the gradient is one fused
-    pass over the logits.
+    ``softmax(logits) - (1 - eps) * one_hot(label) - eps / V`` times the upstream gradient:
+    it reuses the forward exponentials, and the one-hot is a comparison inside the same
+    expression, so XLA fuses it into one pass over the logits (autodiff would scatter the
+    label gather's gradient over the whole `(N, T, V)` tensor).
     """
     vocab = logits.shape[-1]
 

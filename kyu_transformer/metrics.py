@@ -6,13 +6,8 @@ from keras import ops
 def masked_accuracy_counts(labels, logits, pad_id=0):
     """``(correct, count)``: top-1 hits and number of non-padding tokens, float32.
 
-    A token is a hit when its label's logit is the largest of its row; a label
-    tied for the largest counts as a hit (as ``tf.math.in_top_k`` with
-    ``k=1``), where an argmax would pick the first of the tied classes. The
-    comparison is made on the float32 logits, the values the loss reduces:
-    compiled together with the loss (`train_step.loss_terms_function`), XLA
-    computes the row maxima once for both, where an argmax would be one more
-    reduction over the `(N, T, V)` logits.
+    A hit: the label's logit is the row's largest, ties included (as ``tf.math.in_top_k``).
+    Comparing float32 logits lets XLA share the row maxima with the loss, not so an argmax.
     """
     keep = ops.not_equal(labels, pad_id)  # (N, T)
     full = ops.cast(logits, "float32")  # (N, T, V)

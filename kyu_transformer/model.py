@@ -1,9 +1,5 @@
-"""The encoder-decoder Transformer, made of the package's layers.
-
-The model knows sizes, not corpora: it is built from plain keyword arguments
-(or a dict of them, e.g. the resolved hyperparameters) and maps token ids to
-logits. Id 0 is padding everywhere.
-"""
+"""The encoder-decoder Transformer: built from sizes (keyword arguments or an hparams dict),
+it maps token ids to logits. Id 0 is padding everywhere."""
 
 import keras
 from keras import ops
@@ -31,24 +27,19 @@ class Transformer(keras.Model):
       num_heads: Attention heads.
       maxlen1: Longest source sequence (positional table size of the encoder).
       maxlen2: Longest target sequence.
-      dropout_rate: Dropout after the embeddings, on attention weights and on
-        every sub-layer output.
-      norm_position: ``"post"`` (the original) or ``"pre"`` (adds a final
-        normalization after each stack).
+      dropout_rate: Dropout after the embeddings, on attention weights and sub-layer outputs.
+      norm_position: ``"post"`` (the original) or ``"pre"`` (adds a final norm to each stack).
       sinusoid: Fixed sinusoid (True) or learned (False) positions.
-      share_embeddings: One embedding table for source, target and output
-        logits (True), or a source table apart from the target/output one.
+      share_embeddings: One table for source, target and output logits (True), or a
+        separate source table.
       epsilon: Epsilon of every normalization.
 
-    Its normalizations and dropouts run the CPU fast paths of
-    `kyu_transformer.fast_paths` when that switch is on as the model is made
-    (the default; `from_hparams` sets it from the ``fast_paths`` hparam), else
-    Keras' own ``LayerNormalization`` and ``Dropout`` (the plain path, for any
-    device). Same function either way.
+    Norms and dropouts take `kyu_transformer.fast_paths` if that switch is on when the
+    model is made, else Keras' own layers; the function is the same.
 
     Call arguments:
-      inputs: dict with ``"source"`` ids `(N, S)` and ``"target_in"`` ids
-        `(N, T)` (the target shifted right, starting with BOS).
+      inputs: dict with ``"source"`` ids `(N, S)` and ``"target_in"`` ids `(N, T)` (the
+        target shifted right, starting with BOS).
       training: Whether dropout is active.
 
     Returns:
@@ -80,12 +71,10 @@ class Transformer(keras.Model):
                                                    name="target_positions")
         self.source_dropout = Dropout(dropout_rate)
         self.target_dropout = Dropout(dropout_rate)
-        block_args = dict(num_heads=num_heads, d_ff=d_ff, dropout_rate=dropout_rate,
-                          norm_position=norm_position, epsilon=epsilon)
-        self.encoder_blocks = [EncoderBlock(**block_args, name=f"encoder_{i}")
-                               for i in range(num_blocks)]
-        self.decoder_blocks = [DecoderBlock(**block_args, name=f"decoder_{i}")
-                               for i in range(num_blocks)]
+        args = dict(num_heads=num_heads, d_ff=d_ff, dropout_rate=dropout_rate,
+                    norm_position=norm_position, epsilon=epsilon)
+        self.encoder_blocks = [EncoderBlock(**args, name=f"encoder_{i}") for i in range(num_blocks)]
+        self.decoder_blocks = [DecoderBlock(**args, name=f"decoder_{i}") for i in range(num_blocks)]
         # Pre-norm stacks leave their last residual sum unnormalized.
         if norm_position == "pre":
             self.encoder_norm = Normalize(epsilon, name="encoder_norm")
@@ -93,8 +82,7 @@ class Transformer(keras.Model):
 
     @classmethod
     def from_hparams(cls, hparams, **kwargs):
-        """The model of a dict holding (at least) `MODEL_ARGUMENTS`, made under its
-        ``fast_paths`` setting (on when the dict has none)."""
+        """The model of a dict with `MODEL_ARGUMENTS`, under its ``fast_paths`` (default on)."""
         with fast.enabled_as(hparams.get("fast_paths", True)):
             return cls(**{key: hparams[key] for key in MODEL_ARGUMENTS if key in hparams},
                        **kwargs)
@@ -105,15 +93,12 @@ class Transformer(keras.Model):
         self.call({"source": dummy, "target_in": dummy})
 
     def _embed(self, ids, embedding, positions, dropout, training, table=None):
-        x = embedding(ids, table=table)  # (N, L, C)
-        x = x + positions(ids)
+        x = embedding(ids, table=table) + positions(ids)  # (N, L, C)
         return dropout(x, training=training)
 
     def encode(self, source, training=None, table=None):
-        """Source ids `(N, S)` -> ``(memory (N, S, C), source_mask (N, S))``.
-
-        `table`: the source embedding's `table()`, if already made.
-        """
+        """Source ids `(N, S)` -> ``(memory (N, S, C), source_mask (N, S))``; `table`: the
+        source embedding's `table()`, if already made."""
         source_mask = ops.not_equal(source, 0)  # (N, S)
         x = self._embed(source, self.source_embedding, self.source_positions,
                         self.source_dropout, training, table)
@@ -125,12 +110,8 @@ class Transformer(keras.Model):
 
     def decode(self, target_in, memory, source_mask, training=None,
                return_attention_scores=False, table=None):
-        """Target ids `(N, T)` and the encoder's output -> logits `(N, T, V)`.
-
-        With `return_attention_scores`, also the last decoder block's
-        cross-attention averaged over heads `(N, T, S)`. `table`: the target
-        embedding's `table()`, if already made.
-        """
+        """Target ids `(N, T)` and the encoder's output -> logits `(N, T, V)`, plus with
+        `return_attention_scores` the last block's head-averaged cross-attention `(N, T, S)`."""
         if table is None:
             table = self.target_embedding.table()  # (V, C), for the inputs and the logits
         target_mask = ops.not_equal(target_in, 0)  # (N, T)
@@ -143,47 +124,30 @@ class Transformer(keras.Model):
         if self.norm_position == "pre":
             x = self.decoder_norm(x)
         logits = self.target_embedding.attend(x, table=table)  # (N, T, V)
-        if return_attention_scores:
-            return logits, coverage
-        return logits
-
-    # ------------------------------------------------ incremental decoding
+        return (logits, coverage) if return_attention_scores else logits
 
     def init_cache(self, memory, source_mask):
-        """The decoding state before the first output position.
-
-        Returns a dict: ``blocks``: per decoder block, its cache
-        (`DecoderBlock.init_cache`: the self-attention's keys and values so
-        far, none yet, and the memory's, projected once); ``memory`` `(N, S, C)`
-        and ``source_mask`` `(N, S)`; ``target_table``: the target embedding
-        table in the compute dtype (cast once, not every step).
-        """
+        """The decoding state before the first position: ``blocks`` (per block its
+        `DecoderBlock.init_cache`), ``memory``, ``source_mask`` and ``target_table`` (the
+        target table in the compute dtype, cast once, not every step)."""
         if not self.built:
             self.build()
-        return {
-            "blocks": [block.init_cache(memory) for block in self.decoder_blocks],
-            "memory": memory,
-            "source_mask": source_mask,
-            "target_table": self.target_embedding.table(),  # (V, C)
-        }
+        return {"blocks": [block.init_cache(memory) for block in self.decoder_blocks],
+                "memory": memory, "source_mask": source_mask,
+                "target_table": self.target_embedding.table()}  # (V, C)
 
     def decode_step(self, token_ids, position, cache, self_mask=None):
-        """Logits of the next token after `token_ids` at `position`.
-
-        The decoder blocks' own `call`, with their caches.
+        """Logits of the next token after `token_ids` at `position`, with the blocks' caches.
 
         Args:
           token_ids: `(N,)`, or `(N, K)` for `K` hypotheses per sentence.
           position: The index of `token_ids` in their sequences.
           cache: From `init_cache` or the previous step.
-          self_mask: Boolean `(N, K, T + K)`, the self-attention cache slots
-            each hypothesis sees (`DecoderBlock`'s `self_attention_mask`);
-            needed for `K` > 1.
+          self_mask: Boolean `(N, K, T + K)`, the cache slots each hypothesis sees; for `K` > 1.
 
         Returns:
-          ``(logits, cache, coverage)``: logits `(N, V)` (or `(N, K, V)`), the
-          cache grown by this position, and the last block's cross-attention
-          averaged over heads `(N, S)` (or `(N, K, S)`).
+          ``(logits (N, [K,] V), the grown cache, coverage (N, [K,] S))``, the coverage being
+          the last block's cross-attention averaged over heads.
         """
         single = len(token_ids.shape) == 1
         if single:
@@ -213,6 +177,4 @@ class Transformer(keras.Model):
                            table=table)
 
     def get_config(self):
-        config = super().get_config()
-        config.update({key: getattr(self, key) for key in MODEL_ARGUMENTS})
-        return config
+        return {**super().get_config(), **{key: getattr(self, key) for key in MODEL_ARGUMENTS}}

@@ -1,34 +1,26 @@
 """Adam, and the fast path of its update: one fused TensorFlow kernel per variable.
 
-Keras' Adam updates a variable with about ten element-wise operations (the
-moments, their corrections, the square root, the division), each a pass
-over the variable's memory when XLA does not fuse them. TensorFlow's
-``ResourceApplyAdam`` kernel does the same update in one pass. The formula is
-Keras' (and the paper's with the "epsilon hat" of its section 2):
+Keras' Adam makes about ten element-wise passes per variable; ``ResourceApplyAdam`` makes
+one, with Keras' formula (the paper's with the "epsilon hat" of its section 2):
 
     m = beta_1 * m + (1 - beta_1) * g
     v = beta_2 * v + (1 - beta_2) * g**2
     variable -= lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) * m / (sqrt(v) + epsilon)
 
-so checkpoints, schedules, loss scaling and distribution strategies work as
-with Keras' Adam. With another backend, or AMSGrad, Keras' own update runs.
-`make_adam` picks the fused `Adam` or `keras.optimizers.Adam` by the
-``fast_paths`` switch.
+so checkpoints, schedules, loss scaling and strategies work as with Keras' Adam, whose own
+update runs with another backend or AMSGrad.
 """
+
+import functools
 
 import keras
 import tensorflow as tf
 
 
 def make_adam(learning_rate, fast_paths=True, **kwargs):
-    """Adam with `learning_rate` and Keras' Adam arguments (`beta_1`, `epsilon`, ...).
-
-    The fused `Adam` when `fast_paths` is True, else `keras.optimizers.Adam`:
-    the same arguments, state and update, so either restores the other's
-    checkpoints.
-    """
-    optimizer_class = Adam if fast_paths else keras.optimizers.Adam
-    return optimizer_class(learning_rate, **kwargs)
+    """The fused `Adam` if `fast_paths`, else `keras.optimizers.Adam` (either restores the
+    other's checkpoints), with `learning_rate` and Keras' Adam arguments (`beta_1`, ...)."""
+    return (Adam if fast_paths else keras.optimizers.Adam)(learning_rate, **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -39,13 +31,9 @@ class Adam(keras.optimizers.Adam):
         if self.amsgrad or keras.backend.backend() != "tensorflow":
             return super().update_step(gradient, variable, learning_rate)
         index = self._get_variable_index(variable)
-        dtype = variable.dtype
         if isinstance(gradient, tf.IndexedSlices):  # e.g. an embedding used by lookups only
             gradient = tf.convert_to_tensor(gradient)
-
-        def constant(value):
-            return tf.cast(value, dtype)
-
+        constant = functools.partial(tf.cast, dtype=variable.dtype)
         step = constant(self.iterations + 1)
         tf.raw_ops.ResourceApplyAdam(
             var=_handle(variable), m=_handle(self._momentums[index]),
@@ -58,8 +46,7 @@ class Adam(keras.optimizers.Adam):
 
 
 def _handle(variable):
-    """The resource handle of a Keras or TensorFlow variable (inside a strategy's
-    update, a distributed variable gives the handle of the current device's copy)."""
+    """The resource handle of a Keras or TensorFlow variable (a distributed one's local copy)."""
     if isinstance(variable, keras.Variable):
         variable = variable.value
     return variable.handle

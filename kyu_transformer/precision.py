@@ -1,16 +1,9 @@
 """Numeric precision of a run: the global Keras dtype policy, and `auto`'s choice of it.
 
-``mixed_precision="auto"`` chooses for the machine at hand. On a GPU:
-bfloat16 where the device computes it natively (compute capability 8.0 and
-up), else float16 with loss scaling. On a CPU, bfloat16 pays only where the
-processor multiplies it fast (AMX, or AVX512-BF16 units as on recent AMD
-cores; elsewhere its matrix products can run at half the float32 speed), so
-the choice is measured: matrix products of the model's own shapes are timed
-in float32 and bfloat16 (the fastest of a few repeats, a fraction of a second),
-and bfloat16 is taken only where it is at least `BFLOAT16_MARGIN` times faster.
-A model whose products are too small for that (under `MIN_PROBE_FLOPS` in all:
-the cost of launching each op, not the arithmetic, sets their time, and
-bfloat16 adds casts) stays in float32 without a measurement.
+``auto`` on a GPU: bfloat16 from compute capability 8.0, else float16 with loss scaling.
+On a CPU bfloat16 pays only with fast units (AMX, AVX512-BF16), so the model's matrix
+products are timed in both dtypes and bfloat16 is taken if `BFLOAT16_MARGIN` times faster.
+Models under `MIN_PROBE_FLOPS` (op launches, not arithmetic, set their time) stay float32.
 """
 
 import time
@@ -21,8 +14,7 @@ import numpy as np
 # The `mixed_precision` hparam's values and the Keras dtype policies they name.
 PRECISION_POLICIES = {"no": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 AUTO = "auto"
-# How much faster bfloat16 products must be to be chosen: below it, the casts and
-# the float32 parts of a mixed step eat the gain.
+# Below this speedup, the casts and float32 parts of a mixed step eat bfloat16's gain.
 BFLOAT16_MARGIN = 1.2
 PROBE_ROWS = 512  # rows of the probe's products: tokens of a small batch
 MIN_PROBE_FLOPS = 2**28
@@ -30,26 +22,16 @@ RUNS_PER_PRODUCT = 4
 
 
 def set_precision(mixed_precision):
-    """Sets the global Keras dtype policy for ``no`` / ``bf16`` / ``fp16``.
-
-    Layers read the policy when they are built, so it is set before the model is.
-    """
+    """Sets the global Keras dtype policy for ``no`` / ``bf16`` / ``fp16`` (before the model)."""
     keras.config.set_dtype_policy(PRECISION_POLICIES[mixed_precision])
 
 
 def choose_precision(hparams, gpus=None, timings=None):
-    """``(value, reason)``: the `mixed_precision` that ``auto`` means on this machine.
+    """``(value, reason)``: the `mixed_precision` (``no``, ``bf16``, ``fp16``) that ``auto``
+    means on this machine, and one line with the figures it was chosen on.
 
-    Args:
-      hparams: The model's hyperparameters (`d_model`, `d_ff`, `num_blocks`,
-        `vocab_size`: the shapes to time).
-      gpus: ``[compute capability (major, minor)]`` of the visible GPUs;
-        detected when None.
-      timings: ``{"float32": s, "bfloat16": s}`` of the probe; measured when None.
-
-    Returns:
-      ``value`` is ``"no"``, ``"bf16"`` or ``"fp16"``; ``reason`` one line
-      with the figures the choice was made on.
+    `hparams` give the shapes to time; `gpus` (``[(major, minor)]`` compute capabilities)
+    and `timings` (``{"float32": s, "bfloat16": s}``) are detected or measured when None.
     """
     flops = probe_flops(hparams)
     if flops < MIN_PROBE_FLOPS:  # on any device: launching ops, not arithmetic, sets the time
@@ -93,9 +75,8 @@ def detect_gpus():
 def probe_shapes(hparams):
     """``(k, n, count)`` of the model's products and how many a forward pass makes of each.
 
-    Attention projections (query, key, value, output: 4 in an encoder block,
-    8 in a decoder block), the feed-forward's two, and the output layer's one:
-    weighted so, the probe stands for a step, not for its largest product.
+    Attention projections (4 per encoder block, 8 per decoder block), the feed-forward's
+    two, and the output layer: weighted so, the probe stands for a whole step.
     """
     width, inner, blocks = hparams["d_model"], hparams["d_ff"], hparams["num_blocks"]
     return [(width, width, 12 * blocks), (width, inner, 2 * blocks),
@@ -110,12 +91,8 @@ def probe_flops(hparams):
 def time_matmuls(hparams, repeats=5):
     """Seconds of the products `probe_shapes` weighs (the fastest of `repeats`), per dtype.
 
-    The fastest, not the median: interference (another process, the first
-    calls of a kernel) only ever slows a repeat down, and near the margin a
-    median of few repeats flips from one process to the next.
-    A repeat runs each product as often as a step makes it, up to `RUNS_PER_PRODUCT`
-    times (its time then counts for the rest): timed runs of a few milliseconds,
-    long enough not to be noise, and a probe of a fraction of a second.
+    The fastest, as interference only slows a repeat down (a median of few flips near the
+    margin). A repeat runs each product up to `RUNS_PER_PRODUCT` times, scaled to its count.
     """
     rows, shapes = PROBE_ROWS, probe_shapes(hparams)
     generator = np.random.default_rng(0)

@@ -8,8 +8,7 @@ from keras import ops
 class NoamSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """``lr * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)``.
 
-    Rises linearly for `warmup_steps`, then decays with the inverse square
-    root of the step. Steps count from 1 (the optimizer's iteration 0 is step 1).
+    Linear warm-up, then inverse square root decay; the optimizer's iteration 0 is step 1.
 
     Args:
       d_model: Model width.
@@ -18,9 +17,7 @@ class NoamSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """
 
     def __init__(self, d_model, warmup_steps=4000, lr=1.0):
-        self.d_model = int(d_model)
-        self.warmup_steps = int(warmup_steps)
-        self.lr = float(lr)
+        self.d_model, self.warmup_steps, self.lr = int(d_model), int(warmup_steps), float(lr)
 
     def __call__(self, step):
         step = ops.cast(step, "float32") + 1.0

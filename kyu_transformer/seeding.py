@@ -6,11 +6,8 @@ import tensorflow as tf
 
 
 def seed_everything(seed, deterministic=False):
-    """Seeds Python, NumPy, TensorFlow and Keras (initializers, shuffling, dropout).
-
-    With `deterministic`, TensorFlow's ops also run deterministically, so that
-    two runs with the same seed compute bit-identical weights.
-    """
+    """Seeds Python, NumPy, TensorFlow and Keras; with `deterministic`, TensorFlow's ops
+    also run deterministically (two runs with one seed give bit-identical weights)."""
     keras.utils.set_random_seed(seed)
     np.random.seed(seed)
     if deterministic:

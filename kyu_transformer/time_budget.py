@@ -6,17 +6,6 @@ import time
 import tensorflow as tf
 
 
-class TrainingClock:
-    """Seconds of training of the run: those behind the restored checkpoint, plus this process'."""
-
-    def __init__(self, restored_seconds):
-        self.restored = restored_seconds
-        self.started = time.time()
-
-    def seconds(self):
-        return self.restored + time.time() - self.started
-
-
 class TimeBudget:
     """`minutes` of training (0: no limit), counted across resumptions; all workers stop together.
 
@@ -29,15 +18,15 @@ class TimeBudget:
         self.minutes = minutes
         self.seconds = minutes * 60.0 or math.inf
         self.strategy = strategy
-        self.clock = TrainingClock(0.0)
+        self.start(0.0)
 
     def start(self, restored_seconds):
         """Starts the clock from the seconds a restored checkpoint recorded."""
-        self.clock = TrainingClock(restored_seconds)
+        self.restored, self.started = restored_seconds, time.time()
 
     def used(self):
         """Seconds of training so far, earlier processes of the run included."""
-        return self.clock.seconds()
+        return self.restored + time.time() - self.started
 
     def left(self):
         """Seconds the budget leaves (infinite without one)."""
@@ -84,11 +73,8 @@ class UpdatePlan:
 
     @classmethod
     def of_run(cls, first_epoch, epochs, steps_per_epoch, done):
-        """The plan of a run whose first epoch's batches are the dataset `first_epoch`.
-
-        Counts them (a pass over the data, without the model: a second or two); later
-        epochs, shuffled otherwise, may fill their buckets into a few batches more or less.
-        """
+        """The plan of a run whose first epoch is the dataset `first_epoch`, counted (a second
+        or two; later epochs may bucket into a few batches more or less)."""
         if steps_per_epoch:
             first_epoch = first_epoch.take(steps_per_epoch)
         return cls(epochs, int(first_epoch.reduce(0, lambda count, _: count + 1)), done)
@@ -101,11 +87,8 @@ class UpdatePlan:
                 + (f", or {minutes:g} min of training" if minutes else ""))
 
     def seconds_left(self, step, budget_left=math.inf):
-        """``(seconds per update, seconds left)`` at the pace since warm-up, or None before.
-
-        The seconds left are those of the updates to go, or `budget_left` (what a
-        time budget leaves) when fewer.
-        """
+        """``(seconds per update, seconds left)`` at the pace since warm-up, or None before;
+        the seconds left are capped at `budget_left`."""
         if self._mark is None:
             if step - self.done >= self.WARM_UP:
                 self._mark = (step, time.time())

@@ -1,9 +1,7 @@
 """One training step under any tf.distribute strategy.
 
-Keras 3's ``model.fit`` fails under ``MultiWorkerMirroredStrategy``
-(keras-team/keras#20585), so the step is our own: ``strategy.run`` inside a
-``tf.function``, the loss summed over tokens and divided by the token count of
-the *global* batch (all replicas), gradients all-reduced by the Keras optimizer.
+Keras 3's ``fit`` fails under ``MultiWorkerMirroredStrategy`` (keras-team/keras#20585), so
+the step is our own: the loss summed over tokens, divided by the *global* batch's count.
 """
 
 import keras
@@ -15,11 +13,8 @@ from kyu_transformer.metrics import masked_accuracy_counts
 def loss_terms_function(loss_fn, xla=True):
     """``loss_terms(labels, logits)`` -> ``(loss_sum, correct, tokens)``; XLA-compiled if `xla`.
 
-    The summed token losses of `loss_fn`, the top-1 hits and the non-padding
-    tokens of a batch. With `xla` (a fast path), only this is compiled, not
-    the step: the loss makes several element-wise passes over the `(N, T, V)`
-    logits, which XLA fuses into a few loops and whose row maxima it shares
-    between the loss and the hits, while the matrix products stay on
+    With `xla` (a fast path) XLA fuses the loss's passes over the `(N, T, V)` logits and
+    shares their row maxima with the hits, while the step's matrix products stay on
     TensorFlow's oneDNN kernels, faster than XLA's in bfloat16.
     """
     def loss_terms(labels, logits):
@@ -40,18 +35,14 @@ class TrainStep:
       loss_terms: A function from `loss_terms_function`.
       jit_compile: Whether to compile the whole step with XLA.
 
-    ``has_batch`` is False at the end of the data, and the sums (over all
-    replicas) are then 0. ``stops`` counts the replicas whose process asked
-    to stop (`request_stop`) before the step: it travels in the all-reduce
-    the step makes anyway (the token count's), so that every worker learns of
-    a stop asked on any of them after the same update, at no cost.
+    ``has_batch`` is False (and the sums 0) at the end of the data. ``stops`` counts the
+    replicas whose process called `request_stop`: it rides on the token count's all-reduce,
+    so every worker learns of any stop after the same update, at no cost.
     """
 
     def __init__(self, strategy, model, optimizer, loss_terms, jit_compile=False):
-        self.strategy = strategy
-        self.model = model
-        self.optimizer = optimizer
-        self.loss_terms = loss_terms
+        self.strategy, self.model = strategy, model
+        self.optimizer, self.loss_terms = optimizer, loss_terms
         # This process's request, outside the strategy: every worker has its own.
         self.stop_requested = tf.Variable(0.0, trainable=False, name="stop_requested")
         self.function = tf.function(self._distributed_step, jit_compile=jit_compile or None,
@@ -81,11 +72,8 @@ class TrainStep:
         return loss_sum, correct, tokens, tokens_and_stops[1]
 
     def _distributed_step(self, iterator):
-        """One step on the next global batch; ``has_batch`` False at the end of the data.
-
-        (A bare `next()` would raise at the end, but only after the optimizer
-        had counted one more iteration: ops that do not wait for the batch run.)
-        """
+        """One step on the next global batch (a bare `next()` would raise at the end only
+        after the optimizer counted one more iteration)."""
         batch = iterator.get_next_as_optional()
         if not batch.has_value():
             return (tf.constant(False), *[tf.constant(0.0)] * 4)

@@ -1,14 +1,9 @@
 """The workers of a multi-worker run agreeing with the chief before they train together.
 
-Every worker runs the same program; only the chief writes the logdir. Two
-things can go wrong before the first step, and neither raises by itself:
-a worker reads the logdir while the chief is moving it aside (``--overwrite``),
-and a worker that does not see the chief's files (no shared file system)
-trains a different model or starts from step 0 while the chief resumes, so
-that the collectives mix two runs. The functions here use the strategy's own
-all-reduce as the channel: a barrier that also carries the chief's verdict,
-and a comparison of facts (step, digests) that every worker makes alike, so
-that all of them stop together with the same message.
+Only the chief writes the logdir. Silent failures: a worker reads it while the chief moves
+it aside (``--overwrite``), or does not see the chief's files and trains another model or
+step, mixing two runs in the collectives. Over the strategy's all-reduce, a barrier carries
+each worker's verdict and a comparison of facts (step, digests) stops all alike.
 """
 
 import hashlib
@@ -38,15 +33,12 @@ def worker_count_and_index(strategy):
 def gather(strategy, values):
     """Every worker's `values` (a list of numbers), as a ``(workers, len(values))`` array.
 
-    An all-gather made of one all-reduce: each worker fills its own row of a
-    zero matrix and the rows are summed. float64 holds integers below 2**53
-    exactly (digests are cut to 48 bits for that reason). Each worker adds its
-    row once, from its first local replica.
+    One all-reduce: each worker's first local replica fills its row of a zero matrix.
+    float64 holds integers below 2**53 exactly (hence 48-bit digests).
     """
     count, index = worker_count_and_index(strategy)
     rows = np.zeros((count, len(values)), "float64")
     rows[index] = values
-
     local_replicas = strategy.num_replicas_in_sync // count
 
     def contribute():
@@ -54,14 +46,12 @@ def gather(strategy, values):
         first = tf.equal(replica % local_replicas, 0)
         return tf.where(first, tf.constant(rows), tf.zeros_like(rows))
 
-    total = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(contribute), axis=None)
-    return total.numpy()
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(contribute), axis=None).numpy()
 
 
 def chief_choice(strategy, value, choices):
     """The chief's `value` (one of `choices`), on every worker: what the chief chose."""
-    codes = gather(strategy, [float(choices.index(value))])
-    return choices[int(codes[0, 0])]
+    return choices[int(gather(strategy, [float(choices.index(value))])[0, 0])]
 
 
 def short_digest(data):
@@ -72,13 +62,11 @@ def short_digest(data):
 
 
 def barrier(strategy, failure=None):
-    """Waits until every worker is here; stops all of them if one of them failed.
+    """Waits until every worker is here; stops all of them if one failed (`failure`: its message).
 
-    A worker passes `failure` (its error message, or None when all went
-    well). A worker that fails before a collective would leave the others
-    waiting in it forever, so each one reaches the barrier with its verdict:
-    a failed worker raises its own message, the others a `WorkerDisagreement`
-    naming it. No-op outside multi-worker runs.
+    A worker failing before a collective would leave the others waiting forever, so each
+    brings its verdict: a failed worker raises its message, the others one naming it.
+    Outside multi-worker runs, only raises `failure`.
     """
     if failure is not None and not is_multi_worker(strategy):
         raise WorkerDisagreement(failure)
@@ -99,11 +87,9 @@ def check_agreement(strategy, values=None, digests=None):
 
     Args:
       strategy: The run's strategy (no-op unless multi-worker).
-      values: ``{description: integer}`` that must be equal on every worker and
-        are worth printing (e.g. the restored step).
-      digests: ``{description: short_digest(...)}`` of things that must be equal
-        (e.g. a hyperparameter, the subword vocabulary); a difference is named,
-        the digests are not printed.
+      values: ``{description: integer}`` that must be equal and are printed (e.g. the step).
+      digests: ``{description: short_digest(...)}`` that must be equal (e.g. the subword
+        vocabulary); a difference is named, the digests are not printed.
     """
     if not is_multi_worker(strategy):
         return
@@ -113,11 +99,10 @@ def check_agreement(strategy, values=None, digests=None):
     problems = []
     for column, name in enumerate(names):
         for worker in range(1, len(table)):
-            if table[worker, column] == table[0, column]:
-                continue
-            problems.append(f"worker {worker} has {name} {int(table[worker, column])} but the "
-                            f"chief {int(table[0, column])}" if name in values else
-                            f"worker {worker} has another {name} than the chief")
+            if table[worker, column] != table[0, column]:
+                problems.append(f"worker {worker} has {name} {int(table[worker, column])} but "
+                                f"the chief {int(table[0, column])}" if name in values else
+                                f"worker {worker} has another {name} than the chief")
     if problems:
         raise WorkerDisagreement(
             "the workers do not agree with the chief: " + "; ".join(problems) + ". Give every "
