@@ -1,17 +1,11 @@
 """Greedy search, beam search and sampling over batches, with a key/value cache.
 
-The encoder runs once per batch; the decoder runs one position per step
-(`Transformer.decode_step`), reading the keys/values of earlier positions from
-the cache instead of recomputing the prefix. One loop, `search` (a
-`keras.ops.while_loop`, compiled as a whole by `translation.Translator` and the
-SavedModel with `tf.function`), serves every search: `GreedySearch`,
-`BeamSearch` and `SamplingSearch` are what a step picks; it stops as soon as
-every sentence is finished.
-
-Each sentence has its own output limit (EOS included), whatever shares its
-batch. Outputs are id arrays `(N, K, L)` (`Hypotheses`), `L` the largest limit:
-each row the generated ids, EOS included (none if cut at the sentence's
-limit), then padding (0).
+The encoder runs once per batch, the decoder one position per step
+(`Transformer.decode_step`), reading earlier positions from the cache. One
+`keras.ops.while_loop`, `search`, serves every strategy (`GreedySearch`,
+`BeamSearch`, `SamplingSearch`) and stops once every sentence is finished, each
+at its own output limit. Outputs are `Hypotheses`: ids `(N, K, L)`, `L` the
+largest limit, EOS included (none if cut at the limit), then padding (0).
 """
 
 import collections
@@ -23,9 +17,8 @@ from keras import ops
 from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID
 
 _NEG_INF = -1.0e9  # score of impossible hypotheses (finite: no NaN in sums)
-# The score of a hypothesis that does not exist, where a fixed number of them
-# must be given (the SavedModel's `n_best` columns; `Translator` leaves such
-# hypotheses out). An empty source has one hypothesis, the empty one, scored 0.
+# Score of a hypothesis that does not exist where a fixed number must be given (the
+# SavedModel's `n_best` columns; `Translator` leaves them out).
 NO_HYPOTHESIS_SCORE = _NEG_INF
 
 
@@ -35,19 +28,11 @@ def length_penalty(length, alpha):
 
 
 def output_limit(source_length, maxlen1, max_length, length_margin):
-    """A sentence's most output tokens (EOS included): `Translator`'s limit, for every path.
+    """A sentence's most output tokens, EOS included, on every path (`Translator`'s limit).
 
-    Args:
-      source_length: Subwords of the source, without EOS: an int, an int array,
-        or an int tensor (the SavedModel computes the limits in its graph).
-      maxlen1: The encoder's limit (its input is cut to it, EOS included).
-      max_length: The most output tokens of any sentence (the model's `maxlen2`
-        or less).
-      length_margin: Tokens an output may have beyond its (cut) source.
-
-    Returns:
-      ``min(max_length, min(source_length + 1, maxlen1) + length_margin)``, of
-      the type of `source_length` (numpy for Python ints and numpy arrays).
+    ``min(max_length, min(source_length + 1, maxlen1) + length_margin)``: `source_length`
+    (subwords without EOS) an int, int array (numpy out) or tensor; `maxlen1` the encoder's
+    limit, `max_length` any sentence's (at most `maxlen2`).
     """
     if isinstance(source_length, (int, np.integer, np.ndarray, list)):
         source_length = np.asarray(source_length)
@@ -56,11 +41,7 @@ def output_limit(source_length, maxlen1, max_length, length_margin):
 
 
 def _limits(max_length, batch):
-    """``(limits (N,), bound)``: each sentence's most output tokens, and the largest.
-
-    `max_length` is one Python int for the whole batch, or an int tensor `(N,)`
-    with one limit per sentence.
-    """
+    """``(limits (N,), bound)`` from one Python int or a tensor `(N,)` of limits."""
     if isinstance(max_length, (int, np.integer)):
         if max_length < 1:
             raise ValueError(f"`max_length` must be at least 1, got {max_length}")
@@ -69,22 +50,13 @@ def _limits(max_length, batch):
     return limits, ops.max(limits)
 
 
-# Beam search's cache layout. The `K` hypotheses of a sentence share its
-# self-attention cache, which grows by `K` slots a position: slot ``l * K + j``
-# holds position `l` of the hypothesis that was `j`-th when it was made. The
-# cache is never reordered when hypotheses are: `history` `(N, K, l * K)` says
-# which slots each alive hypothesis descends from, and moves instead (a small
-# boolean tensor rather than every cached key and value). Each step, a
-# hypothesis sees its history and its own newest slot: the `self_attention_mask`
-# that `DecoderBlock` takes with a cache.
+# Beam layout: a sentence's `K` hypotheses share its self-attention cache, slot ``l * K + j``
+# holding position `l` of the hypothesis `j`-th when made. The cache is never reordered;
+# `history` `(N, K, l * K)`, the slots each hypothesis descends from, is (`_self_mask`).
 
 
 def own_history(length, hypotheses):
-    """Boolean ``(1, K, length*K)`` history of hypotheses never reordered.
-
-    Slot ``l * K + j`` (position `l` of hypothesis `j`) is seen by hypothesis
-    `j` alone.
-    """
+    """Boolean ``(1, K, length*K)``: slot ``l * K + j`` seen by hypothesis `j` alone."""
     slots = ops.arange(length * hypotheses)[None, :]  # (1, length*K)
     return ops.equal(slots % hypotheses, ops.arange(hypotheses)[:, None])[None]
 
@@ -96,13 +68,8 @@ def _self_mask(history, batch, k):
 
 
 def _relaxed(structure):
-    """`structure` with its tensors' batch axis (and third, if any) unknown to the graph.
-
-    Sentences leave the batch, and the self-attention cache and the beam
-    history grow by one position a step, inside a while-loop; TensorFlow
-    allows that only for loop variables whose shape the graph does not fix at
-    the start.
-    """
+    """`structure` with its tensors' batch axis (and third, if any) unknown to the graph, so
+    that in the while-loop sentences may leave the batch and caches grow."""
     def relax(tensor):
         if not isinstance(tensor, tf.Tensor) or len(tensor.shape) == 0:
             return tensor
@@ -116,15 +83,8 @@ def _relaxed(structure):
 
 
 def _gather_beams(tensor, indices):
-    """Rows of `tensor` `(N, K, ...)` picked per sentence by `indices` `(N, J)`.
-
-    ``tensor[n, indices[n, j], ...]`` `(N, J, ...)`: one gather with a batch axis.
-
-    `ops.take_along_axis` would do it too, but its broadcasting of the index
-    shapes adds some sixty graph nodes a call where this adds one; in the
-    search's loop body that is a quarter of the graph that tracing builds
-    and the runtime optimizes before the first translation.
-    """
+    """``tensor[n, indices[n, j], ...]`` `(N, J, ...)` of `tensor` `(N, K, ...)` (one graph
+    node, where `ops.take_along_axis` adds some sixty)."""
     return tf.gather(tensor, indices, batch_dims=1)
 
 
@@ -139,14 +99,10 @@ def _block_width(vocab):
 
 
 def _top_k_rows(values, count):
-    """``(values, indices)`` of the `count` largest of each row of `values` `(R, V)`.
+    """``(values, indices, maxima (R, 1))``: ``ops.top_k`` of rows `(R, V)` (ties aside).
 
-    The same as ``ops.top_k`` (ties aside), in two cheap stages: the rows are
-    cut into blocks of about ``sqrt(V)``, the `count` blocks with the largest
-    maxima are kept (they hold every one of the `count` largest values), and
-    the top `count` is taken among their elements. A full-row top-k over a
-    vocabulary is the slowest op of a CPU beam-search step otherwise.
-    Also returns the row maxima `(R, 1)`.
+    In blocks of about ``sqrt(V)``: the `count` with the largest maxima hold the top `count`
+    (a full-row top-k is otherwise the slowest op of a CPU beam step).
     """
     vocab = values.shape[-1]
     width = _block_width(vocab)
@@ -166,19 +122,10 @@ def _top_k_rows(values, count):
 
 
 def _top_extensions(logits, alive_scores, count):
-    """The `count` best one-token extensions of each sentence's hypotheses.
+    """``(scores, beams, tokens)`` `(N, count)`: the best one-token extensions, best first.
 
-    Each hypothesis' own best `count` tokens are picked from its logits first
-    (a softmax keeps their order), so the full `(N, K, V)` log-softmax is never
-    materialised and the final choice is among ``K * count`` candidates.
-
-    Args:
-      logits: `(N, K, V)`.
-      alive_scores: Log-probabilities of the hypotheses so far `(N, K)`.
-      count: How many extensions to keep per sentence.
-
-    Returns:
-      ``(scores (N, count), beams (N, count), tokens (N, count))``, best first.
+    Of `logits` `(N, K, V)` and log-probabilities `alive_scores` `(N, K)`; each hypothesis'
+    best `count` tokens are found first, so no `(N, K, V)` log-softmax is made.
     """
     batch, hypotheses, vocab = ops.shape(logits)[0], logits.shape[1], logits.shape[2]
     rows = ops.reshape(ops.cast(logits, "float32"), (-1, vocab))  # (N*K, V)
@@ -194,41 +141,28 @@ def _top_extensions(logits, alive_scores, count):
 
 
 Hypotheses = collections.namedtuple("Hypotheses", "ids scores coverage")
-Hypotheses.__doc__ = """What `search` finds for a batch of `N` sentences, `K` hypotheses each.
+Hypotheses.__doc__ = """What `search` finds for `N` sentences, `K` hypotheses each, best first.
 
-`ids` `(N, K, L)` (`L` the largest limit), best first: each row the generated
-ids, EOS included (none if cut at the sentence's limit), then padding;
-`scores` `(N, K)`: the log-probability (EOS included) over GNMT's length
-penalty of the hypothesis' length (None from `GreedySearch(scores=False)`);
-`coverage` `(N, L, S)`, the last block's cross-attention averaged over heads,
-where the strategy records it (greedy search), else None.
+`ids` `(N, K, L)`; `scores` `(N, K)`, log-probability (EOS included) over GNMT's length
+penalty (None from `GreedySearch(scores=False)`); `coverage` `(N, L, S)`, the last block's
+cross-attention averaged over heads (greedy search only, else None).
 """
 
 
 def search(model, source, max_length, strategy):
-    """The one decoding loop: the source encoded once, then one position a step.
-
-    Each step, the decoder reads the hypotheses' newest tokens (with the
-    key/value cache of the earlier positions), and `strategy` picks what the
-    hypotheses become: `GreedySearch` the most likely token, `BeamSearch` the
-    best extensions of its beam, `SamplingSearch` a drawn token. The loop
-    stops when every sentence is done, at the latest at its own limit.
+    """`Hypotheses` of one decoding loop: the source encoded once, then a position a step.
 
     Args:
       model: A `Transformer`.
       source: Source ids `(N, S)` (with EOS, padded with 0).
-      max_length: Most output tokens per sentence, EOS included (at least 1):
-        a Python int for all, or an int tensor `(N,)` with each sentence's own.
-      strategy: A `GreedySearch`, `BeamSearch` or `SamplingSearch`.
-
-    Returns:
-      `Hypotheses`.
+      max_length: Most output tokens per sentence, EOS included (at least 1): a Python
+        int, or an int tensor `(N,)` of each sentence's own.
+      strategy: A `GreedySearch`, `BeamSearch` or `SamplingSearch`: what a step picks.
     """
     memory, source_mask = model.encode(source, training=False)
     batch = ops.shape(source)[0]
     limits, bound = _limits(max_length, batch)
-    # Ids as wide as any limit can be, whatever the batch's largest: their
-    # shapes then repeat from batch to batch (see `_ROW_GROUP`).
+    # Ids as wide as any limit can be: their shapes repeat from batch to batch (`_ROW_GROUP`).
     width = max_length if isinstance(max_length, (int, np.integer)) else model.maxlen2
     cache = model.init_cache(memory, source_mask)
     table = cache.pop("target_table")  # the same for every sentence
@@ -255,17 +189,11 @@ def search(model, source, max_length, strategy):
 
 
 class GreedySearch:
-    """The most likely next token, step by step: one hypothesis per sentence.
-
-    With `scores`, the log-probability of each token picked is added up as it
-    is picked, so the score needs no second pass (a log-sum-exp over the
-    vocabulary each step; without `scores` none, and `Hypotheses.scores` is
-    None). The cross-attention of every position is recorded (the `coverage`
-    of `Hypotheses`).
+    """The most likely next token, one hypothesis per sentence; records the `coverage`.
 
     Args:
       alpha: Length-penalty exponent of the score (it does not change the choice).
-      scores: Whether to score the outputs.
+      scores: Whether to score the outputs (a log-sum-exp a step; else scores are None).
     """
 
     def __init__(self, alpha, scores=True):
@@ -318,14 +246,12 @@ class GreedySearch:
 class BeamSearch:
     """Beam search with GNMT length penalty; finished hypotheses kept apart.
 
-    At each step the ``2K`` best extensions of the ``K`` alive hypotheses are
-    taken: those ending in EOS compete (scored ``log p / length_penalty``) for
-    the ``K`` finished slots, the others for the ``K`` alive slots, so finished
-    hypotheses never starve the beam. A sentence is done when its worst
-    finished score beats the best its alive hypotheses could still reach, or
-    at its own length limit: there its extensions without EOS compete for the
-    finished slots too, scored with the length penalty of that limit. Done
-    sentences leave the batch in groups (`_retire`).
+    Each step the ``2K`` best extensions of the ``K`` alive hypotheses are taken: those
+    ending in EOS compete (scored ``log p / length_penalty``) for the ``K`` finished slots,
+    the others for the ``K`` alive ones, so finished hypotheses never starve the beam. A
+    sentence is done when its worst finished score beats the best its alive ones could
+    still reach, or at its limit, where every extension competes for the finished slots.
+    Done sentences leave the batch in groups (`_retire`).
 
     Args:
       beam_size: `K`.
@@ -341,36 +267,30 @@ class BeamSearch:
 
     def start(self, batch, bound, width, source_length):
         k = self.k
-        # Everything per sentence; `rows` says which sentence of `source` each row
-        # is, as finished sentences leave the batch (see `_retire`).
-        return {
-            "rows": ops.arange(batch),
-            "last": ops.full((batch, k), BOS_ID, "int32"),
-            # Which cache slots each hypothesis descends from (see `own_history`).
-            "history": ops.zeros((batch, k, 0), "bool"),
-            "alive_ids": ops.zeros((batch, k, width), "int32"),
-            # Only the first beam is live at the start: the others would duplicate it.
-            "alive_scores": ops.tile(ops.convert_to_tensor([[0.0] + [_NEG_INF] * (k - 1)]),
-                                     (batch, 1)),
-            "finished_ids": ops.zeros((batch, k, width), "int32"),
-            "finished_scores": ops.full((batch, k), _NEG_INF),
-            "done": ops.zeros((batch,), "bool"),
-        }
+        # `rows`: each row's sentence of `source`, as done sentences leave (`_retire`).
+        # Only the first beam is live at the start: the others would duplicate it.
+        return {"rows": ops.arange(batch), "last": ops.full((batch, k), BOS_ID, "int32"),
+                "history": ops.zeros((batch, k, 0), "bool"),
+                "alive_ids": ops.zeros((batch, k, width), "int32"),
+                "alive_scores": ops.tile(ops.convert_to_tensor([[0.0] + [_NEG_INF] * (k - 1)]),
+                                         (batch, 1)),
+                "finished_ids": ops.zeros((batch, k, width), "int32"),
+                "finished_scores": ops.full((batch, k), _NEG_INF),
+                "done": ops.zeros((batch,), "bool")}
 
     def no_results(self, batch, width):
         return (ops.zeros((batch, self.n_best, width), "int32"),
                 ops.full((batch, self.n_best), _NEG_INF))
 
     def inputs(self, state):
-        # Each hypothesis sees its history and its own newest slot.
         return state["last"], _self_mask(state["history"], ops.shape(state["last"])[0], self.k)
 
     def advance(self, step, logits, coverage, self_mask, state):
         return _beam_step(step, logits, self_mask, state, self.k, self.alpha)
 
     def leave(self, state, results, all_done):
-        # Done sentences leave the batch once that removes a quarter of its
-        # rows: each step costs in proportion to the rows, leaving costs one copy.
+        # Done sentences leave once that removes a quarter of the rows: a step costs in
+        # proportion to the rows, leaving costs one copy.
         rows = ops.shape(state["done"])[0]
         worth_it = ops.logical_and(ops.logical_not(all_done),
                                    _kept_rows(state["done"]) * 4 <= rows * 3)
@@ -386,28 +306,17 @@ class BeamSearch:
 
 
 class SamplingSearch:
-    """Random sampling: each of `n` hypotheses per sentence draws its next token.
+    """Random sampling: each of `n` hypotheses per sentence draws its next token (`_draw`).
 
-    Each step, a hypothesis' logits are divided by `temperature`, cut to the
-    `topk` most likely tokens (0: the whole vocabulary), then to the fewest
-    whose renormalized probability reaches `topp` (1: no cut), and one token is
-    drawn from what is left; padding and BOS are never drawn (they are no
-    output tokens: a drawn PAD would leave a hole in the output). Hypothesis
-    `j` of the sentence numbered `i` draws from a random stream of
-    ``(seed, i, j)`` alone (`_uniforms`), so what it draws does not depend on
-    the batch the sentence is in. The `n` hypotheses
-    keep their own cache slots (the beam layout, never reordered; see
-    `own_history`). A hypothesis is scored as beam search scores (the model's
-    log-probability over GNMT's length penalty); they come best first,
-    duplicates kept.
+    Hypothesis `j` of sentence `i` draws from a random stream of ``(seed, i, j)`` alone
+    (`_uniforms`), whatever batch the sentence is in. The hypotheses keep their own cache
+    slots (`own_history`), are scored as beam search's, and come best first, duplicates kept.
 
     Args:
-      topk, topp, temperature: The cuts and the temperature.
-      n: Hypotheses (samples) per sentence.
-      alpha: Length-penalty exponent of the scores (it does not change the draws).
+      topk, topp, temperature: The cuts and the temperature (see `_draw`).
+      n, alpha: Samples per sentence; length-penalty exponent of the scores.
       seed: An int64 scalar (a Python int or a tensor).
-      sentences: The number of each row's sentence `(N,)` int (a tensor): the
-        ``i`` of its random streams.
+      sentences: Each row's sentence number `(N,)` int tensor: its streams' ``i``.
     """
 
     def __init__(self, topk, topp, temperature, n, alpha, seed, sentences):
@@ -460,10 +369,8 @@ class SamplingSearch:
 def _draw(logits, temperature, topk, topp, uniforms):
     """One token per row of `logits` `(N, n, V)`, drawn with `uniforms` `(N, n)` in [0, 1).
 
-    PAD and BOS are left out; the logits are divided by `temperature`, the
-    `topk` largest kept (all for 0), then the fewest of them whose probability
-    (renormalized over the kept ones) reaches `topp`; the token is the first
-    whose cumulative probability exceeds the uniform draw.
+    Never PAD (a hole in the output) or BOS. Logits over `temperature`, cut to the `topk`
+    largest (0: all), then to the fewest whose renormalized probability reaches `topp`.
     """
     vocab = logits.shape[-1]
     ids = ops.arange(vocab)
@@ -500,13 +407,9 @@ def _mix(hash_):
 
 
 def _uniforms(seed, sentences, n, step):
-    """Uniforms in [0, 1) `(N, n)`: element ``(r, j)`` from ``(seed, sentences[r], j, step)``.
-
-    A counter-based generator (a hash of the four, as Philox is a cipher of
-    key and counter): each number depends on those alone, so a sentence
-    draws the same wherever it sits in a batch. TensorFlow's stateless
-    random ops take one seed per call, not one per row.
-    """
+    """Uniforms in [0, 1) `(N, n)`: element ``(r, j)`` a hash of ``(seed, sentences[r], j,
+    step)`` alone, so a sentence draws the same anywhere in a batch (TensorFlow's stateless
+    random ops take one seed per call, not one per row)."""
     seed = tf.cast(seed, tf.int64)
     words = [tf.cast(seed // (1 << 32), tf.uint32), tf.cast(seed % (1 << 32), tf.uint32)]
     hash_ = _mix(_mix(words[0]) + words[1])
@@ -518,11 +421,7 @@ def _uniforms(seed, sentences, n, step):
 
 
 def greedy_search(model, source, max_length):
-    """`search` with `GreedySearch`: ``(ids (N, L), coverage (N, L, S))``.
-
-    Ids end with EOS then 0 (or fill the sentence's limit without EOS, then 0);
-    coverage is the last block's cross-attention averaged over heads.
-    """
+    """`search` with unscored `GreedySearch`: ``(ids (N, L), coverage (N, L, S))``."""
     found = search(model, source, max_length, GreedySearch(alpha=0.0, scores=False))
     return found.ids[:, 0], found.coverage
 
@@ -534,11 +433,7 @@ def beam_search(model, source, max_length, beam_size, alpha, n_best=1):
 
 
 def _beam_step(step, logits, history, state, k, alpha):
-    """One position of beam search for every sentence of `state`.
-
-    `logits` `(N, K, V)` of the hypotheses' next tokens, read with the cache
-    slots `history` `(N, K, (step+1)*K)` (see `own_history`).
-    """
+    """One beam-search position: `logits` `(N, K, V)` read with `history` `(N, K, (step+1)*K)`."""
     top_scores, top_beams, top_tokens = _top_extensions(logits, state["alive_scores"], 2 * k)
     top_ids = ops.slice_update(_gather_beams(state["alive_ids"], top_beams), (0, 0, step),
                                top_tokens[:, :, None])  # (N, 2K, L)
@@ -573,12 +468,9 @@ def _beam_step(step, logits, history, state, k, alpha):
             "finished_scores": finished_scores, "done": done}
 
 
-# Rows leave the batch in groups: the undone sentences, topped up with done
-# ones to a multiple of `_ROW_GROUP` rows. The first run of each new tensor
-# shape pays the kernels' per-shape set-up; with rows counted in groups (and
-# ids of a fixed width), a batch meets the shapes earlier batches met, and the
-# first translation of a test set costs little more than the next ones. A done
-# sentence that stays is frozen (its finished hypotheses no longer change).
+# Done sentences leave the batch in groups: the undone stay, topped up with done ones (frozen)
+# to a multiple of `_ROW_GROUP` rows. Each new tensor shape pays the kernels' set-up on its
+# first run; so counted (ids of a fixed width), a batch meets the shapes earlier ones met.
 _ROW_GROUP = 16
 
 
@@ -589,20 +481,15 @@ def _kept_rows(done):
 
 
 def _retire(state, results, n_best):
-    """Writes the done sentences' best hypotheses to `results`; keeps the undone ones.
-
-    A few done sentences may stay, to round the rows up (see `_ROW_GROUP`);
-    they are written again, unchanged, when they leave.
-    """
+    """Writes the done sentences' best hypotheses to `results`; keeps the undone (`_ROW_GROUP`)."""
     leaving = ops.nonzero(state["done"])[0]
     results = _write_results(
         results, tf.gather(state["rows"], leaving),
         tf.gather(state["finished_ids"], leaving)[:, :n_best],
         tf.gather(state["finished_scores"], leaving)[:, :n_best])
-    undone_first = ops.argsort(ops.cast(state["done"], "int32"))
-    staying = undone_first[:_kept_rows(state["done"])]
-    # `tf.gather`, not `ops.take`: the indices are never negative, and Keras'
-    # wrapping of negative ones would add nodes for every tensor of the state.
+    staying = ops.argsort(ops.cast(state["done"], "int32"))[:_kept_rows(state["done"])]
+    # `tf.gather`, not `ops.take`: Keras' wrapping of negative indices (there are none)
+    # would add nodes for every tensor of the state.
     state = tf.nest.map_structure(lambda tensor: tf.gather(tensor, staying), state)
     return state, results
 

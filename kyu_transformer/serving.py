@@ -1,41 +1,21 @@
 """A trained `Transformer` as a TensorFlow SavedModel: raw text in, n-best translations out.
 
-`build_module` wraps the model in a `tf.Module` whose signatures decode
-exactly as `translation.Translator` does: the same front end (`translation`:
-EOS appended to each source, sources cut to ``maxlen1``, each sentence's own
-output limit, sentences decoded in batches of similar length, outputs
-stripped) in the graph, around the very search function a `Translator` of
-the same settings compiles (`Translator.search_function`). Its signatures:
+`build_module`'s signatures decode exactly as `translation.Translator`: its front end in the
+graph, around the search function a `Translator` of the same settings compiles:
 
-- ``serving_default`` (needs tensorflow-text's ops): ``text``, a string
-  tensor `(N,)` of raw sentences, to ``translations`` `(N,)` (the best
-  hypothesis, detokenized), ``n_best`` `(N, K)` and ``scores`` `(N, K)`
-  float32, best first;
-- ``ids`` (TensorFlow's own ops only): ``ids``, int32 subword ids `(N, S)`
-  padded with 0, without EOS, to ``ids`` `(N, K, L)` (EOS removed, padded
-  with 0) and ``scores`` `(N, K)`;
-- ``sample`` (tensorflow-text, where export.py was given ``--sampling_topk``):
-  ``text`` and ``seed`` (int64 scalar) in, outputs as ``serving_default``'s:
-  `K` samples per sentence, best first; sentence `i` of the request draws
-  from random streams of ``(seed, i, j)``, so a request and its seed give
-  the same output every time.
+- ``serving_default`` (tensorflow-text): ``text`` `(N,)` raw sentences to ``translations``
+  `(N,)` (the best, detokenized), ``n_best`` `(N, K)` and ``scores`` `(N, K)` float32;
+- ``ids`` (TensorFlow ops only): ``ids`` int32 `(N, S)` padded with 0, without EOS, to
+  ``ids`` `(N, K, L)` (EOS removed, padded with 0) and ``scores`` `(N, K)`;
+- ``sample`` (tensorflow-text, with export.py's ``--sampling_topk``): ``text`` and ``seed``
+  (int64 scalar) in, outputs as ``serving_default``'s: `K` samples, sentence `i` drawing
+  from streams of ``(seed, i, j)`` (the same output every time).
 
-A score is the one beam search ranks by: the hypothesis' log-probability,
-EOS included, divided by GNMT's length penalty of its length (EOS included).
-An empty sentence is not decoded: its one hypothesis is the empty one, scored
-0, as `Translator` gives it. Every sentence has `K` columns: those without a
-hypothesis (an empty sentence's others; a beam that found fewer than `K`)
-hold an empty one scored `decoding.NO_HYPOTHESIS_SCORE` (-1e9), where
-`Translator` leaves them out.
-
-The subword model goes into the SavedModel as an asset
-(``assets/subwords.model``), for clients of the ids signature. The text
-signature's tokenizer holds the same bytes in the graph itself: the op of
-tensorflow-text's `SentencepieceTokenizer` takes its model as an attribute,
-not as a tensor that could be read from the asset when the SavedModel loads.
-
-The TensorFlow-only parts of exporting (tf.Module, tf.saved_model,
-tensorflow-text) live here, not in the layers.
+Hypotheses come best first, scored as beam search ranks them. An empty sentence is not
+decoded: one empty hypothesis scored 0. Columns without a hypothesis (where `Translator`
+leaves them out) hold an empty one scored `decoding.NO_HYPOTHESIS_SCORE`. The subword model
+is an asset (``assets/subwords.model``) for ids clients; the text tokenizer's op holds the
+same bytes as a graph attribute (it cannot read them from the asset).
 """
 
 import os
@@ -52,9 +32,8 @@ IDS_SIGNATURE = "ids"
 SAMPLE_SIGNATURE = "sample"
 SERVE_EXTRA = 'pip install -e ".[serve]"'
 
-# What `data.normalize_line` (Python's `str.split`) folds: every character
-# `str.isspace` accepts. RE2's `\s` alone misses \v, \x1c-\x1f, \x85 and the
-# Unicode spaces (no-break space among them).
+# What `data.normalize_line` (`str.split`) folds: all `str.isspace` characters; RE2's `\s`
+# misses \v, \x1c-\x1f, \x85 and the Unicode spaces.
 _WHITE_SPACE = r"[\t\n\x{0b}\x{0c}\r\x{1c}-\x{1f}\x{85}\p{Z}]+"
 
 
@@ -68,26 +47,20 @@ def import_tensorflow_text():
 
 
 class _Decoder:
-    """A `Translator`'s own compiled search, over any number of sentences inside one graph."""
+    """A `Translator`'s compiled search, over any number of sentences in one graph."""
 
     def __init__(self, model, settings):
         self.translator = Translator(model, settings)
         self.settings, self.model = settings, model
-        # One function that every signature of these settings calls: the
-        # SavedModel holds the search's graph once, and loading reads it once.
+        # One function for every signature of these settings: the SavedModel holds it once.
         self.search = self.translator.search_function(settings.n_best, scores=True)
 
     def decode(self, ids, seed=None):
-        """Every sentence's hypotheses, decoded in batches of similar length.
-
-        Args:
-          ids: Ragged source ids `(N, None)` int32, without EOS.
-          seed: Sampling's int64 seed (sentence `i` of `ids` is its stream's `i`).
+        """Hypotheses of ragged source ids `(N, None)` int32 (without EOS), `seed` int64.
 
         Returns:
-          ``(hypotheses, scores)``: ragged output ids `(N * K, None)` (EOS and
-          padding removed; row ``n * K + k`` is sentence n's k-th best) and
-          scores `(N, K)` float32, best first.
+          ``(hypotheses, scores)``: ragged ids `(N * K, None)` (EOS and padding removed; row
+          ``n * K + k`` is sentence n's k-th best) and scores `(N, K)` float32.
         """
         count, k = ids.nrows(out_type=tf.int32), self.settings.n_best
         lengths = tf.cast(ids.row_lengths(), tf.int32)
@@ -99,7 +72,7 @@ class _Decoder:
         batch = self.settings.batch_size
         seed = tf.constant(0, tf.int64) if seed is None else seed
         outputs = tf.zeros([count, k, width], tf.int32)
-        # What an empty sentence keeps (it is not decoded): see the module's docstring.
+        # What an empty sentence keeps (it is not decoded).
         scores = tf.tile(tf.constant([[0.0] + [NO_HYPOTHESIS_SCORE] * (k - 1)]), [count, 1])
 
         def body(first, outputs, scores):
@@ -118,12 +91,6 @@ class _Decoder:
         return strip(tf.reshape(outputs, [count * k, width])), scores
 
 
-def _dense(hypotheses, count, k):
-    """Ragged hypotheses `(N * K, None)` as `(N, K, L)` padded with 0, `L` the longest."""
-    width = tf.cast(tf.maximum(tf.reduce_max(hypotheses.row_lengths()), 0), tf.int32)
-    return tf.reshape(hypotheses.to_tensor(shape=[count * k, width]), [count, k, width])
-
-
 def normalize_text(text):
     """Runs of white space folded to one space, none at the ends (as eval.py reads lines)."""
     folded = tf.strings.regex_replace(text, _WHITE_SPACE, " ")
@@ -134,13 +101,10 @@ def build_module(model, subword_path, settings, sampling=None, with_text=True):
     """The exported module and its signatures.
 
     Args:
-      model: A built `Transformer` with its trained weights (decoding runs in
-        its own compute dtype).
-      subword_path: The subword model the model was trained with; it goes
-        into the SavedModel as an asset (``assets/<name>``).
+      model: A built `Transformer` with its trained weights (decoding in its compute dtype).
+      subword_path: The model's subword model, saved as an asset (``assets/<name>``).
       settings: The `SearchSettings` of the text and ids signatures.
-      sampling: The `SearchSettings` (with sampling) of the sample signature,
-        or None for none.
+      sampling: The `SearchSettings` (with sampling) of the sample signature, or None.
       with_text: Add the text signatures (they need tensorflow-text).
 
     Returns:
@@ -148,19 +112,17 @@ def build_module(model, subword_path, settings, sampling=None, with_text=True):
     """
     decoder = _Decoder(model, settings)
     module = tf.Module(name="translator")
-    # The variables the signatures read, listed so that the SavedModel holds them.
+    # Listed so that the SavedModel holds the variables the signatures read.
     module.model_variables = list(model.variables)
     module.subword_model = tf.saved_model.Asset(subword_path)
-    # The functions are saved as signatures only: kept as attributes of the
-    # module too, saving would trace each a second time and the SavedModel
-    # would hold (and loading would read) every graph twice.
+    # Signatures only: as module attributes too, each graph would be traced and saved twice.
     signatures = {IDS_SIGNATURE: _ids_function(decoder).get_concrete_function()}
     if with_text:
         tensorflow_text = import_tensorflow_text()
         if tensorflow_text is None:
             raise ImportError(f"the text signatures need tensorflow-text: {SERVE_EXTRA}")
         with open(subword_path, "rb") as handle:
-            # The op keeps the model bytes as a graph attribute (see the module's docstring).
+            # The op keeps the model bytes as a graph attribute.
             module.tokenizer = tensorflow_text.SentencepieceTokenizer(model=handle.read())
         signatures[TEXT_SIGNATURE] = _text_function(module.tokenizer, decoder)
         if sampling is not None:
@@ -183,7 +145,10 @@ def _ids_function(decoder):
         with tf.control_dependencies(checks):
             ragged = tf.RaggedTensor.from_tensor(ids, padding=PAD_ID)
         hypotheses, scores = decoder.decode(ragged)
-        return {"ids": _dense(hypotheses, tf.shape(ids)[0], k), "scores": scores}
+        count = tf.shape(ids)[0]
+        width = tf.cast(tf.maximum(tf.reduce_max(hypotheses.row_lengths()), 0), tf.int32)
+        dense = hypotheses.to_tensor(shape=[count * k, width])  # (N*K, L), L the longest
+        return {"ids": tf.reshape(dense, [count, k, width]), "scores": scores}
 
     return translate_ids
 
@@ -215,15 +180,7 @@ def _text_function(tokenizer, decoder, seeded=False):
 
 
 def save(model, subword_path, settings, out_dir, sampling=None, with_text=True):
-    """Writes the SavedModel of `build_module`.
-
-    Args:
-      model, subword_path, settings, sampling, with_text: As for `build_module`.
-      out_dir: The directory to write.
-
-    Returns:
-      The names of its signatures, sorted.
-    """
+    """Writes `build_module`'s SavedModel to `out_dir`; returns the signature names, sorted."""
     module, signatures = build_module(model, subword_path, settings, sampling, with_text)
     tf.saved_model.save(module, out_dir, signatures=signatures)
     return sorted(signatures)

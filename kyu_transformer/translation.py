@@ -1,18 +1,11 @@
 """Translation for every engine: the search settings, and sources in, translations out.
 
-`SearchSettings` is the one definition of how to search (beam, alpha,
-n-best, limits, batches, sampling), of its defaults and checks, and of the
-flags eval.py and export.py take for it (`add_search_arguments`).
-
-The front end is the same for every engine: each source gets EOS and is cut
-to ``maxlen1`` (`encoder_inputs`); each sentence has its own output limit
-(`decoding.output_limit`); sentences are decoded in batches of similar source
-length (`decoding_order`); outputs are cut at EOS, padding removed
-(`strip`). These are TensorFlow ops: the SavedModel (`serving`) runs them in
-its graph, the engines eagerly. An engine, `Translator` (the Keras model) or
-`ctranslate2_export.CTranslate2Translator`, decodes one batch of encoder
-inputs (`_decode`); `Engine.translate_ids` does the rest and returns
-`Translations`, with the counts of what was cut.
+`SearchSettings` defines how to search, its defaults, checks and flags. The front end
+(TensorFlow ops, run in the SavedModel's graph and eagerly by the engines) adds EOS to each
+source and cuts it to ``maxlen1`` (`encoder_inputs`), limits each output on its own
+(`decoding.output_limit`), batches sentences of similar length (`decoding_order`) and strips
+outputs (`strip`). An engine (`Translator`, `ctranslate2_export.CTranslate2Translator`)
+decodes one batch (`_decode`); `Engine.translate_ids` does the rest.
 """
 
 import collections
@@ -37,19 +30,10 @@ _TINY = float(np.finfo(np.float32).tiny)
 class SearchSettings:
     """How to search, checked when made (ValueError naming the setting).
 
-    Attributes:
-      beam_size: 1 for greedy search, else beam search (default 4; 1 when sampling).
-      alpha: Length-penalty exponent: beam search's ranking, and every score.
-      n_best: Hypotheses per sentence (at most `beam_size`; with sampling, samples).
-      length_margin: How many tokens an output may have beyond its source's.
-      batch_size: Most sentences decoded together.
-      max_length: Most output tokens of any sentence (default the model's maxlen2).
-      sampling_topk: Sample from the `K` most likely tokens (0: all); 1 is no
-        sampling (greedy or beam search), as in OpenNMT-tf and CTranslate2.
-      sampling_topp: Then from the fewest whose probability reaches `P` (1: no cut).
-      sampling_temperature: Logits are divided by it before sampling.
-      seed: Of sampling's random streams (see `decoding.SamplingSearch`), in
-        [0, 2**32 - 1) (CTranslate2's seeds are 32-bit, its last value "none").
+    The fields are the flags of `_FLAGS`, and `max_length`: the most output tokens of any
+    sentence (default the model's maxlen2). `sampling_topk` 1 is no sampling, as in
+    OpenNMT-tf and CTranslate2; `seed` is below 2**32 - 1 (CTranslate2's seeds are 32-bit,
+    its last value "none").
     """
 
     beam_size: int = None
@@ -102,11 +86,7 @@ class SearchSettings:
         return dataclasses.replace(self, **fields)
 
     def strategy(self, n_best, scores=True, seed=0, sentences=None):
-        """The `decoding` strategy of these settings, `n_best` hypotheses per sentence.
-
-        `scores`: whether greedy search scores (the others always do); `seed`
-        and `sentences` (the rows' sentence numbers): sampling's streams.
-        """
+        """The `decoding` strategy of `n_best` hypotheses; `scores` for greedy search only."""
         if self.sampling:
             return SamplingSearch(self.sampling_topk, self.sampling_topp,
                                   self.sampling_temperature, n_best, self.alpha, seed, sentences)
@@ -115,7 +95,7 @@ class SearchSettings:
         return BeamSearch(self.beam_size, self.alpha, n_best)
 
 
-# Each search flag: its value's letter and its help (the default is added from the field).
+# Each search flag's value letter and help (the default is added from the field).
 _FLAGS = {
     "beam_size": ("K", "1 for greedy search (1 with sampling)"),
     "alpha": ("A", "length-penalty exponent of beam search and of every score"),
@@ -124,13 +104,11 @@ _FLAGS = {
     "length_margin": ("M", "a translation has at most its source's length + M subwords (EOS "
                            "included, at most maxlen2)"),
     "batch_size": ("N", "most sentences decoded together"),
-    "sampling_topk": ("K", "sample each token from the K most likely (0: from all); 1 does "
-                           "not sample"),
-    "sampling_topp": ("P", "then from the fewest of them whose probability reaches P (1: no "
-                           "cut)"),
+    "sampling_topk": ("K", "sample each token from the K most likely (0: from all); 1 does not "
+                           "sample"),
+    "sampling_topp": ("P", "then from the fewest of them whose probability reaches P (1: no cut)"),
     "sampling_temperature": ("T", "logits are divided by T before sampling"),
-    "seed": ("S", "of sampling: sentence i draws its sample j from a random stream of "
-                  "(S, i, j)"),
+    "seed": ("S", "of sampling: sentence i draws its sample j from a random stream of (S, i, j)"),
 }
 SEARCH_FLAGS = tuple(_FLAGS)
 SAMPLING_FLAGS = ("sampling_topk", "sampling_topp", "sampling_temperature", "seed")
@@ -153,11 +131,8 @@ def given_search_flags(args, names=SEARCH_FLAGS):
 
 
 def search_settings(parser, **fields):
-    """`SearchSettings(**fields)`, or the parser's one-line error naming the flags.
-
-    A ``--seed`` without sampling is refused too (`SearchSettings` cannot tell
-    it from its default).
-    """
+    """`SearchSettings(**fields)`, or the parser's error naming the flags (also for a
+    ``--seed`` without sampling, which `SearchSettings` cannot tell from its default)."""
     if fields.get("sampling_topk", 1) == 1 and "seed" in fields:
         parser.error("--seed applies to sampling: give --sampling_topk K (0 for all tokens, 1 "
                      "does not sample)")
@@ -170,8 +145,7 @@ def search_settings(parser, **fields):
 # ------------------------------------------------------------------ front end
 
 def encoder_inputs(ids, maxlen1):
-    """Ragged source ids `(N, None)`, without EOS, as the encoder reads them: EOS added,
-    cut to `maxlen1`."""
+    """Ragged source ids `(N, None)` as the encoder reads them: EOS added, cut to `maxlen1`."""
     eos = tf.RaggedTensor.from_tensor(tf.fill([ids.nrows(), 1], tf.constant(EOS_ID, ids.dtype)))
     return tf.concat([ids, eos], axis=1)[:, :maxlen1]
 
@@ -201,18 +175,15 @@ def padded(sequences):
     return ragged(sequences).to_tensor().numpy()
 
 
-class Translations(collections.namedtuple(
-        "Translations", "hypotheses scores ended coverages token_log_probs "
-                        "truncated_sources truncated_outputs")):
-    """What `Engine.translate_ids` gives, in the order of the sources.
+class Translations(collections.namedtuple("Translations", "hypotheses scores ended coverages "
+                                          "token_log_probs truncated_sources truncated_outputs")):
+    """What `Engine.translate_ids` gives, per source in order (an empty one undecoded).
 
-    Per sentence: `hypotheses`, its outputs' ids (EOS and padding removed),
-    best first; `scores`, theirs (with `n_best` asked for, else None);
-    `ended`, whether each ended with EOS (else it was cut at its limit);
-    `coverages`, `token_log_probs`: when asked for (None for an empty
-    source), else None. An empty source has one empty hypothesis, scored 0,
-    undecoded. `truncated_sources` counts the sources cut to ``maxlen1``,
-    `truncated_outputs` the best outputs cut at their limit.
+    `hypotheses`: output ids (EOS, padding removed), best first (an empty source: one empty,
+    scored 0); `scores` (if `n_best` was asked for); `ended`: whether each ended with EOS,
+    else it was cut at its limit; `coverages`, `token_log_probs` if asked for (None for an
+    empty source). `truncated_sources`, `truncated_outputs`: how many sources were cut to
+    ``maxlen1``, and best outputs at their limit.
     """
 
     @property
@@ -223,11 +194,6 @@ class Translations(collections.namedtuple(
 
 class Engine:
     """The front end of every engine; an engine decodes one batch (`_decode`).
-
-    Each sentence's output is limited on its own, whatever shares its batch:
-    at most ``min(max_length, source length + length_margin)`` tokens, EOS
-    included, the source length being the one the encoder reads (EOS
-    included, after cutting to `maxlen1`).
 
     Args:
       maxlen1, maxlen2: The model's limits of its source and its output.
@@ -245,24 +211,19 @@ class Engine:
 
     def translate_ids(self, source_ids, n_best=None, with_coverage=False, with_log_probs=False,
                       seed=None):
-        """`Translations` of lists of subword ids (without EOS).
-
-        Sentences are decoded in batches of similar length; which sentences
-        share a batch does not change any output.
+        """`Translations` of lists of subword ids; the batches do not change any output.
 
         Args:
           source_ids: Lists of subword ids, without EOS.
-          n_best: Hypotheses per sentence, with their scores (default the
-            settings' `n_best`, unscored).
+          n_best: Hypotheses per sentence, scored (default the settings' `n_best`, unscored).
           with_coverage: Also give each output's cross-attention `(L, S)`.
           with_log_probs: Also give each output's per-token log-probabilities.
           seed: Sampling's seed (default the settings').
         """
         n = n_best or self.settings.n_best
         self._check_request(n, with_coverage, with_log_probs, seed)
-        count = len(source_ids)
         found = {"hypotheses": [[[]] for _ in source_ids], "scores": [[0.0] for _ in source_ids],
-                 "ended": [[True] for _ in source_ids], "coverages": [None] * count,
+                 "ended": [[True] for _ in source_ids], "coverages": [None] * len(source_ids),
                  "token_log_probs": [[] if with_log_probs else None for _ in source_ids]}
         ids = ragged(source_ids)
         lengths = ids.row_lengths().numpy()
@@ -277,11 +238,10 @@ class Engine:
                                  n_best is not None, with_coverage, with_log_probs, seed)
             self._keep(found, rows, batch)
         return Translations(
-            found["hypotheses"], found["scores"] if n_best else None,
-            found["ended"], found["coverages"] if with_coverage else None,
+            found["hypotheses"], found["scores"] if n_best else None, found["ended"],
+            found["coverages"] if with_coverage else None,
             found["token_log_probs"] if with_log_probs else None,
-            self._cut_sources(lengths),
-            sum(not found["ended"][i][0] for i in order))
+            self._cut_sources(lengths), sum(not found["ended"][i][0] for i in order))
 
     def _cut_sources(self, lengths):
         """How many sources of these lengths (without EOS) `encoder_inputs` cuts."""
@@ -326,25 +286,19 @@ class Engine:
 
 
 class ScoredOutput(collections.namedtuple("ScoredOutput", "log_prob tokens score truncated")):
-    """An output's log-probability, its length in tokens and its score (see `Translator`).
-
-    `tokens` counts EOS; `truncated` says the output was cut to the
-    Translator's `max_length` (then without EOS).
-    """
+    """An output's log-probability, length (EOS included), score, and whether it was cut
+    to the Translator's `max_length` (then without EOS)."""
 
 
 class Translator(Engine):
     """Batched translation of subword ids or text with a trained `Transformer`.
 
+    A score is beam search's: log-probability over GNMT's length penalty, EOS included.
+
     Args:
       model: The `Transformer`.
-      settings: A `SearchSettings` (default its defaults), with `fields`
-        replaced (``Translator(model, beam_size=1)``).
+      settings: A `SearchSettings` (default its defaults), with `fields` replaced.
       jit_compile: Compile the search with XLA.
-
-    A hypothesis' score is the one beam search ranks by: its log-probability,
-    EOS included, divided by GNMT's length penalty of its length (EOS
-    included) with `alpha` (`decoding.length_penalty`).
     """
 
     coverage = True
@@ -353,24 +307,17 @@ class Translator(Engine):
         settings = (settings or SearchSettings()).replace(**fields)
         super().__init__(model.maxlen1, model.maxlen2, settings)
         self.model = model
-        # One trace serves every batch: source shape and limits are dynamic (a
-        # retrace per batch shape would cost more than decoding). The search
-        # writes its control flow as `ops.while_loop` / `ops.cond`, so there is
-        # nothing for AutoGraph to convert, and without it tracing (the first
-        # call's main cost) does not rewrite every function the search calls.
-        self._compiled = functools.partial(tf.function, jit_compile=jit_compile,
-                                           autograph=False)
+        # One trace serves every batch (shapes and limits are dynamic). No AutoGraph: the
+        # control flow is `ops.while_loop` / `ops.cond`, and tracing is quicker without it.
+        self._compiled = functools.partial(tf.function, jit_compile=jit_compile, autograph=False)
         self._searches = {}
         self._log_probs = self._compiled(
             lambda source, outputs: sequence_log_probs(self.model, source, outputs),
             input_signature=[tf.TensorSpec((None, None), tf.int32)] * 2)
 
     def search_function(self, n_best, scores=True):
-        """The compiled search of `n_best` hypotheses: ``(source (N, S), limits (N,),
-        sentences (N,), seed) -> Hypotheses``; the SavedModel calls it too.
-
-        Traced once for each `n_best` asked for (a beam writes out only those).
-        """
+        """The compiled search (one per `n_best`; the SavedModel calls it too):
+        ``(source (N, S), limits (N,), sentences (N,), seed) -> Hypotheses``."""
         # Only greedy search can leave scores out.
         key = (n_best, scores or self.settings.beam_size > 1 or self.settings.sampling)
         if key not in self._searches:
@@ -395,13 +342,11 @@ class Translator(Engine):
     def score_ids(self, source_ids, target_ids):
         """The model's scores of given outputs (forced decoding), in the order given.
 
-        A source is read as for translation (EOS added, cut to `maxlen1`); a
-        target gets EOS and is cut to `max_length` tokens if longer, EOS then
-        left out, as beam search scores a hypothesis cut at its limit.
+        Sources are read as for translation; a target gets EOS and is cut to `max_length`
+        (then without EOS), as beam search scores a hypothesis cut at its limit.
 
         Returns:
-          ``(scored, truncated_sources)``: a `ScoredOutput` per sentence, and
-          how many sources were cut.
+          ``(scored, truncated_sources)``: a `ScoredOutput` per sentence, how many sources were cut.
         """
         if len(source_ids) != len(target_ids):
             raise ValueError(f"{len(source_ids)} sources but {len(target_ids)} targets")
