@@ -1,9 +1,8 @@
 """Finding, restoring and averaging the checkpoints of a logdir.
 
-A checkpoint that cannot be read (cut short by a copy, damaged on disk: its
-checksums fail) is told apart from one that does not fit the model: the
-latest readable one is used in its place, with a note; one asked for by
-name, or one of those to average, is refused, named.
+A checkpoint that cannot be read (cut short, its checksums fail) is told apart from one that
+does not fit the model. In place of the latest, the latest readable one is used, with a note;
+one asked for by name, or one to average, is refused, named.
 """
 
 import os
@@ -29,21 +28,18 @@ class UnreadableCheckpoint(CheckpointError):
 def _read_dataset(name, item):  # pylint: disable=unused-argument
     if isinstance(item, h5py.Dataset):
         item[()]  # pylint: disable=pointless-statement
-    # None: `visititems` goes on to the next item (anything else would stop it)
+    # Returns None: `visititems` goes on to the next item (anything else would stop it).
 
 
 def unreadable(path):
-    """Why the checkpoint at `path` cannot be read (one line), or None when every tensor reads.
-
-    Reads all of it: TensorFlow checks each tensor's checksum as it reads.
-    """
+    """Why checkpoint `path` cannot be read (one line); None when every tensor reads."""
     try:
         if path.endswith(".h5"):
             with h5py.File(path, "r") as weights:
                 weights.visititems(_read_dataset)
         else:
             reader = tf.train.load_checkpoint(path)
-            for name in reader.get_variable_to_shape_map():
+            for name in reader.get_variable_to_shape_map():  # each read checks a checksum
                 reader.get_tensor(name)
     except Exception as error:  # pylint: disable=broad-except  (any failure to read)
         return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
@@ -51,10 +47,9 @@ def unreadable(path):
 
 
 def model_weights(model):
-    """The model's variables by path below the model (``encoder_0/.../kernel``).
+    """The model's variables by path below it (``encoder_0/.../kernel``), as checkpoints name them.
 
-    Checkpoints name weights this way, not by the Keras object graph, so that
-    any model built from the same hparams restores them, whatever its name.
+    Not by the object graph: any model of the same hparams restores them, whatever its name.
     """
     return {variable.path.split("/", 1)[1]: variable for variable in model.weights}
 
@@ -91,10 +86,8 @@ def list_checkpoints(logdir):
 def listed_checkpoints(directory):
     """The complete checkpoints the index of `directory` lists, oldest first."""
     state = tf.train.get_checkpoint_state(directory)
-    if state is None:
-        return []
-    return [path for path in state.all_model_checkpoint_paths
-            if tf.io.gfile.exists(path + ".index")]
+    paths = state.all_model_checkpoint_paths if state is not None else []
+    return [path for path in paths if tf.io.gfile.exists(path + ".index")]
 
 
 def resolve(logdir, ckpt):
@@ -125,9 +118,8 @@ def _restore_into(model, path):
                                   tf.errors.NotFoundError)):
             raise
         first_line = str(error).strip().splitlines()[0][:300]
-        raise CheckpointError(
-            f"{path}: does not fit the model described by the logdir's hparams.json "
-            f"({first_line})") from None
+        raise CheckpointError(f"{path}: does not fit the model described by the logdir's "
+                              f"hparams.json ({first_line})") from None
 
 
 def _restore_latest_readable(model, logdir):
@@ -140,28 +132,16 @@ def _restore_latest_readable(model, logdir):
     for path in reversed(available):
         try:
             _restore_into(model, path)
+            return path
         except UnreadableCheckpoint as error:
             print(f"note: skipped {error}", flush=True)
             skipped.append(os.path.basename(path))
-            continue
-        return path
     raise CheckpointError(f"{checkpoint_dir(logdir)}: no checkpoint can be read (tried "
                           f"{', '.join(skipped)})")
 
 
 def checkpoints_to_average(logdir, count):
-    """The last `count` rolling checkpoints of `logdir`, oldest first.
-
-    Args:
-      logdir: A logdir written by training.
-      count: How many checkpoints to average.
-
-    Returns:
-      Their paths (without suffix).
-
-    Raises:
-      CheckpointError: Fewer than `count` exist; the message lists those that do.
-    """
+    """The last `count` rolling checkpoints of `logdir`, oldest first (or `CheckpointError`)."""
     available = list_checkpoints(logdir)
     if len(available) < count:
         names = ", ".join(os.path.basename(path) for path in available) or "none"
@@ -196,26 +176,16 @@ def describe(paths):
 
 
 def load_model(hparams, logdir, ckpt=None, average_last=0):
-    """A `Transformer` built from `hparams` with the weights of a checkpoint.
+    """``(model, paths)``: a `Transformer` of `hparams` with the weights of checkpoints `paths`.
 
     Args:
-      hparams: The logdir's hyperparameters.
-      logdir: A logdir written by training.
-      ckpt: A checkpoint path, or "best"; default: the latest that can be read
-        (those skipped are named in a note).
-      average_last: With N > 1, the weights are the mean of the last N rolling
-        checkpoints (the checkpoint averaging of the Transformer paper);
-        excludes `ckpt`.
+      ckpt: A checkpoint path, or "best"; default: the latest that can be read (those
+        skipped named in a note).
+      average_last: N > 1: the mean of the last N rolling checkpoints (the paper's
+        checkpoint averaging); excludes `ckpt` (else ValueError, as for N < 0).
 
-    Returns:
-      ``(model, paths)``, `paths` listing the checkpoints it holds the weights
-      of (one, or those averaged; see `describe`).
-
-    Raises:
-      ValueError: `ckpt` and `average_last` both given, or `average_last` < 0.
-      CheckpointError: No such checkpoint, fewer than `average_last`, or one
-        that does not fit the model; `UnreadableCheckpoint` when `ckpt`, or one
-        to average, cannot be read.
+    Raises `CheckpointError` for no such checkpoint, too few, or one that does not fit the
+    model; `UnreadableCheckpoint` when `ckpt`, or one to average, cannot be read.
     """
     average_last = int(average_last or 0)
     if average_last < 0:

@@ -4,18 +4,12 @@ from kyu_transformer import data
 
 
 class Corpus:
-    """The train and validation splits of a corpus folder, as subword ids.
+    """The train and validation splits of corpus folder `data_dir`, as subword ids.
 
-    The joint subword model is trained on the training split (both sides) the
-    first time, into `model_dir`, and loaded from there ever after.
-
-    Args:
-      data_dir: Folder of the corpus (see `data.load_split`).
-      model_dir: Where the subword model lives (the logdir).
-      hparams: dict with `src_lang`, `tgt_lang`, `vocab_size`,
-        `subword_model_type`, `maxlen1`, `maxlen2`, `batch_size`,
-        `batch_tokens`, `seed`.
-      log: Callable taking one line of report (print by default).
+    The subword model lives in `model_dir` (the logdir), trained there on both sides of the
+    training split the first time. `hparams` holds `src_lang`, `tgt_lang`, `vocab_size`,
+    `subword_model_type`, `maxlen1`, `maxlen2`, `batch_size`, `batch_tokens` and `seed`;
+    `log` takes one line of report.
     """
 
     def __init__(self, data_dir, model_dir, hparams, log=print):
@@ -25,20 +19,13 @@ class Corpus:
         sources, targets, empty = data.load_split(data_dir, "train", *languages)
         self.subwords = data.Subwords.train_or_load(
             model_dir, sources + targets, hparams["vocab_size"], hparams["subword_model_type"])
-        self.train = self._encode(sources, targets)
+        self.train = data.add_markers(self.subwords.encode(sources), self.subwords.encode(targets),
+                                      hparams["maxlen1"], hparams["maxlen2"])
         log(f"train: {len(sources)} pairs from {data_dir}; {empty} with an empty side and "
             f"{self.train[3]} longer than maxlen1={hparams['maxlen1']}/maxlen2="
             f"{hparams['maxlen2']} dropped; {len(self.train[0])} kept; subword vocabulary "
             f"{self.subwords.vocab_size} ({self.subwords.path})")
         self.val_sources, self.val_targets, _ = data.load_split(data_dir, "val", *languages)
-
-    def _encode(self, sources, targets):
-        return data.add_markers(self.subwords.encode(sources), self.subwords.encode(targets),
-                                self.hparams["maxlen1"], self.hparams["maxlen2"])
-
-    @property
-    def num_train_pairs(self):
-        return len(self.train[0])
 
     def train_batches(self, epoch):
         """The global batches of `epoch`: shuffled with ``seed + epoch``."""

@@ -1,14 +1,9 @@
 """Parallel text in, batches of padded subword ids out.
 
-- `read_lines` / `read_parallel`: sentence-aligned text, plain or ``.gz``, with
-  errors that name the file and line;
-- `load_split`: a split of a corpus folder, in the plain layout
-  (``<split>.<lang>[.gz]``, e.g. Multi30k) or the IWSLT 2016 layout
-  (``train.tags.de-en.de``, ``IWSLT16.TED.*.de-en.de.xml``);
-- `ensure_multi30k`: downloads Multi30k when its folder is missing;
-- `Subwords`: a joint SentencePiece model, trained once and then reused;
-- `make_dataset`: the tf.data pipeline (BOS/EOS, length filter, shuffle,
-  bucketing by length, token-budget batches, padding with id 0, prefetch).
+Sentence-aligned text, plain or ``.gz`` (`read_lines`, `read_parallel`); a corpus folder's
+splits in the plain layout (``<split>.<lang>[.gz]``, e.g. Multi30k) or IWSLT 2016's
+(`load_split`); the Multi30k download (`ensure_multi30k`); a joint SentencePiece model
+(`Subwords`); the tf.data pipeline (`make_dataset`).
 """
 
 import glob
@@ -38,28 +33,18 @@ class DataError(ValueError):
     """A problem with the corpus; the message names the file (and line)."""
 
 
-# ------------------------------------------------------------------ reading
-
-def _open_binary(path):
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
 def normalize_line(text):
     """Collapses runs of white space (tabs, CR, non-breaking...) to one space."""
     return " ".join(text.split())
 
 
 def read_lines(path):
-    """The lines of a UTF-8 text file (plain or gzip), white space normalized.
-
-    A byte-order mark and CRLF endings are accepted; invalid UTF-8 raises
-    `DataError` naming the file and line.
-    """
+    """The lines of a UTF-8 text file, plain or gzip (BOM, CRLF accepted), spaces normalized."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     lines = []
     try:
-        with _open_binary(path) as handle:
+        with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as handle:
             for number, raw in enumerate(handle, start=1):
                 try:
                     text = raw.decode("utf-8")
@@ -88,11 +73,8 @@ def pair_lines(sources, targets, source_path, target_path):
 
 def read_parallel(source_path, target_path):
     """Reads two aligned files; returns ``(sources, targets, num_empty)``."""
-    return pair_lines(read_lines(source_path), read_lines(target_path), source_path,
-                      target_path)
+    return pair_lines(read_lines(source_path), read_lines(target_path), source_path, target_path)
 
-
-# ------------------------------------------------------------- IWSLT layout
 
 _SEGMENT = re.compile(r"<seg[^>]*>(.*?)</seg>", re.IGNORECASE)
 
@@ -113,7 +95,7 @@ def _iwslt_paths(data_dir, split, source_lang, target_lang):
     if split == "train":
         names = [f"train.tags.{pair}.{source_lang}", f"train.tags.{pair}.{target_lang}"]
         return [os.path.join(data_dir, name) for name in names], read_iwslt_train
-    # val/test: any IWSLT xml file whose name holds the split (e.g. tst2014).
+    # val/test: the last IWSLT xml file whose name holds the split (e.g. tst2014).
     found = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.{pair}.{source_lang}.xml")))
     if not found:
         return None, None
@@ -133,8 +115,7 @@ def split_files(data_dir, split, source_lang="de", target_lang="en"):
         plain.append(next((c for c in candidates if os.path.isfile(c)), candidates[0]))
     if all(os.path.isfile(p) for p in plain):
         return plain, read_lines
-    paths, reader = _iwslt_paths(data_dir, IWSLT_SPLITS.get(split, split), source_lang,
-                                 target_lang)
+    paths, reader = _iwslt_paths(data_dir, IWSLT_SPLITS.get(split, split), source_lang, target_lang)
     if paths and all(os.path.isfile(p) for p in paths):
         return paths, reader
     raise DataError(f"{data_dir}: no `{split}` split for {source_lang}-{target_lang}; expected "
@@ -174,11 +155,8 @@ def fingerprint(data_dir, split="train", source_lang="de", target_lang="en"):
 def ensure_multi30k(data_dir, base_url=None, timeout=30):
     """Downloads the six raw Multi30k files into `data_dir` if it does not exist.
 
-    `base_url` defaults to the ``MULTI30K_URL`` environment variable, else the
-    public repository. The files are fetched into a staging folder next to
-    `data_dir` and checked (complete gzip streams, aligned line counts) before
-    the folder takes its name: a failed or truncated download leaves nothing
-    that a later run could take for the corpus.
+    From `base_url`, else ``$MULTI30K_URL``, else the public repository; into a staging folder
+    that takes `data_dir`'s name once its files read (a failed download leaves nothing).
     """
     if os.path.exists(data_dir):
         return data_dir
@@ -191,44 +169,36 @@ def ensure_multi30k(data_dir, base_url=None, timeout=30):
             _download(f"{base_url}/{name}", os.path.join(staging, name), timeout)
         for split in ("train", "val", "test_2016_flickr"):
             load_split(staging, split)
-    except DataError as error:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        if not isinstance(error, DataError):
+            raise
         raise DataError(
             f"{data_dir} does not exist and Multi30k could not be downloaded from {base_url} "
             f"({error}). Put the six files {', '.join(MULTI30K_FILES)} (from the "
             f"`data/task1/raw/` folder of the multi30k/dataset repository) in {data_dir}, "
             "or pass --data_dir.") from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     try:
         os.replace(staging, data_dir)  # all six files or none
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
         if not os.path.isdir(data_dir):
             raise
-        # Another process put a complete corpus there first (checked like ours).
+        # Another process put a complete (checked) corpus there first.
     return data_dir
 
 
 def _download(url, path, timeout):
     """`url` to `path`, or `DataError` naming the URL (HTTP errors, cut connections)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response, \
-                open(path, "wb") as handle:
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(path, "wb") as handle:
             shutil.copyfileobj(response, handle)
     except (OSError, http.client.HTTPException) as error:
         raise DataError(f"{url}: {error or type(error).__name__}") from None
 
 
-# ----------------------------------------------------------------- subwords
-
 class Subwords:
-    """A joint SentencePiece model: ids 0 pad, 1 unk, 2 BOS, 3 EOS.
-
-    Use `Subwords.train_or_load`: a model already in the logdir is loaded,
-    never retrained over.
-    """
+    """A joint SentencePiece model: ids 0 pad, 1 unk, 2 BOS, 3 EOS (see `train_or_load`)."""
 
     def __init__(self, model_path):
         if not os.path.isfile(model_path):
@@ -242,6 +212,7 @@ class Subwords:
 
     @classmethod
     def train_or_load(cls, directory, sentences, vocab_size, model_type="unigram"):
+        """The model in `directory`, trained on `sentences` only when there is none."""
         path = os.path.join(directory, filenames.SUBWORDS)
         if os.path.isfile(path):
             return cls(path)
@@ -272,13 +243,8 @@ class Subwords:
         return self.processor.decode([i for i in ids if i not in (PAD_ID, BOS_ID)])
 
 
-# ----------------------------------------------------------------- pipeline
-
 def add_markers(source_ids, target_ids, maxlen1, maxlen2):
-    """Source + EOS, BOS + target, target + EOS; pairs too long are dropped.
-
-    Returns ``(sources, targets_in, targets_out, num_dropped)`` as lists.
-    """
+    """``(sources + EOS, BOS + targets, targets + EOS, num_dropped)``, too long pairs dropped."""
     sources, targets_in, targets_out, dropped = [], [], [], 0
     for source, target in zip(source_ids, target_ids):
         if len(source) + 1 > maxlen1 or len(target) + 1 > maxlen2:
@@ -300,11 +266,8 @@ def _padded(sequences):
 
 
 def bucket_plan(maxlen, batch_size, batch_tokens, width=8):
-    """Bucket boundaries every `width` tokens and the batch size of each bucket.
-
-    A bucket of sequences up to length L holds ``min(batch_size, batch_tokens // L)``
-    pairs, so that no batch has more than `batch_tokens` padded tokens a side.
-    """
+    """Bucket boundaries every `width` tokens and each bucket's batch size: for lengths up to L,
+    ``min(batch_size, batch_tokens // L)`` (at most `batch_tokens` padded tokens a side)."""
     boundaries = list(range(width + 1, maxlen + 1, width))  # bucket i: length < boundary i
     upper_lengths = [b - 1 for b in boundaries] + [maxlen]
     sizes = [max(1, min(batch_size, batch_tokens // length)) if batch_tokens else batch_size
@@ -316,10 +279,8 @@ def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, m
                  shuffle=True, seed=0):
     """Batches ``({"source", "target_in"}, target_out)`` of int32 ids padded with 0.
 
-    Pairs are bucketed by their longer side, so batches hold sentences of
-    similar length. With a fixed `seed` the batches (and their order) are the
-    same every time, which lets a resumed run skip exactly the batches it had
-    already trained on.
+    Pairs are bucketed by their longer side. With a fixed `seed` the batches and their order
+    are the same every time: a resumed run skips exactly those it had trained on.
     """
     maxlen = maxlen or max(max(len(s) for s in sources), max(len(t) for t in targets_in))
     columns = [_padded(sequences) for sequences in (sources, targets_in, targets_out)]

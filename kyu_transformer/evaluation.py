@@ -11,11 +11,8 @@ from kyu_transformer.files import replaced_atomically, write_text
 
 
 def score(hypotheses, references):
-    """sacreBLEU BLEU (cased, 13a) and chrF of detokenized text.
-
-    Returns a dict: ``bleu``, ``chrf``, ``signature`` (BLEU's), ``chrf_signature``,
-    ``score_line`` (BLEU's own summary line).
-    """
+    """sacreBLEU BLEU (cased, 13a) and chrF of detokenized text: a dict of ``bleu``, ``chrf``,
+    ``signature`` (BLEU's), ``chrf_signature`` and ``score_line`` (BLEU's own summary line)."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     bleu = sacrebleu.metrics.BLEU()
@@ -28,17 +25,11 @@ def score(hypotheses, references):
 
 
 class ValidationBleu:
-    """A training hook: greedy BLEU on the first validation sentences after each epoch.
+    """A training hook: greedy BLEU on the first `num_sentences` validation sentences.
 
-    Logs ``bleu`` into the epoch's record (history, TensorBoard) and keeps the
-    weights of the best epoch apart from the rolling checkpoints, in
-    ``<logdir>/best.weights.h5`` with ``best.json`` beside it.
-
-    Args:
-      sources, references: Validation text.
-      subwords: The `data.Subwords` of the run.
-      num_sentences: How many validation sentences to score.
-      batch_size: Sentences per decoding batch.
+    Logs ``bleu`` into the epoch's record and keeps the best epoch's weights apart from the
+    rolling checkpoints, in ``<logdir>/best.weights.h5`` with ``best.json`` beside it.
+    `subwords` are the run's `data.Subwords`; `batch_size` sentences are decoded at a time.
     """
 
     def __init__(self, sources, references, subwords, num_sentences=200, batch_size=128):
@@ -55,24 +46,16 @@ class ValidationBleu:
         result = score(hypotheses, self.references)
         logs.update(kind="eval", bleu=result["bleu"], chrf=result["chrf"])
         best_path = os.path.join(trainer.logdir, filenames.BEST_RECORD)
-        best = _read_json(best_path)
+        best = None
+        if os.path.isfile(best_path):
+            with open(best_path, encoding="utf-8") as handle:
+                best = json.load(handle)
         print(f"epoch {epoch}: validation BLEU {result['bleu']:.2f} chrF {result['chrf']:.2f} "
               f"({len(hypotheses)} sentences, greedy)", flush=True)
         if best is None or result["bleu"] > best["bleu"]:
             weights = os.path.join(trainer.logdir, filenames.BEST_WEIGHTS)
             with replaced_atomically(weights) as temporary:
                 trainer.model.save_weights(temporary)
-            _write_json(best_path, {"bleu": result["bleu"], "chrf": result["chrf"],
-                                    "epoch": epoch, "step": logs["step"],
-                                    "signature": result["signature"]})
-
-
-def _read_json(path):
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
-
-
-def _write_json(path, value):
-    write_text(path, json.dumps(value, indent=2) + "\n")
+            best = {"bleu": result["bleu"], "chrf": result["chrf"], "epoch": epoch,
+                    "step": logs["step"], "signature": result["signature"]}
+            write_text(best_path, json.dumps(best, indent=2) + "\n")

@@ -1,10 +1,8 @@
 """Writing files so that a crash, a signal or a full disk leaves nothing half-written.
 
-Whole-file outputs (weights, `model.keras`, plots, json, eval's text) are
-written under a temporary name in the same folder and renamed into place:
-the rename is atomic, so a reader sees the old file or the new one, never a
-part. A write that fails removes its temporary file. A failure for lack of
-space becomes an `OutOfSpace`, which the programs print as one line.
+Whole files are written under a temporary name in their folder and renamed into place
+(atomically: a reader sees the old file or the new one); a failed write removes its temporary
+file. A failure for lack of space becomes an `OutOfSpace`, which the programs print as one line.
 """
 
 import contextlib
@@ -18,12 +16,7 @@ _NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
 
 
 class OutOfSpace(OSError):
-    """A write failed for lack of space.
-
-    Attributes:
-      path: The file or folder being written.
-      needed: Bytes the write needed, when known (else None).
-    """
+    """Writing `path` (a file or folder) failed for lack of space; it `needed` bytes (or None)."""
 
     def __init__(self, path, needed=None):
         super().__init__(errno.ENOSPC, "No space left on device", path)
@@ -36,34 +29,27 @@ class OutOfSpace(OSError):
 
 def is_out_of_space(error):
     """Whether `error` (an OSError, a TensorFlow or h5py error...) says the disk is full."""
-    if isinstance(error, OutOfSpace):
-        return True
-    if isinstance(error, OSError) and error.errno in _NO_SPACE_ERRNOS:
-        return True
-    return any(text in str(error) for text in _NO_SPACE_TEXT)
+    return (isinstance(error, OutOfSpace)
+            or (isinstance(error, OSError) and error.errno in _NO_SPACE_ERRNOS)
+            or any(text in str(error) for text in _NO_SPACE_TEXT))
 
 
 def as_out_of_space(error, path=None, needed=None):
     """`error` as an `OutOfSpace` naming `path` (or the path the error names)."""
     if isinstance(error, OutOfSpace):
         return error
-    path = path or getattr(error, "filename", None) or _path_in(str(error)) or "a file"
+    # TensorFlow names its files in the message: its first absolute path, not "device_/job:...".
+    match = re.search(r"(?:^|\s)(/[^\s;,'\"]+)", str(error))
+    path = path or getattr(error, "filename", None) or (match and match.group(1)) or "a file"
     return OutOfSpace(path, needed)
-
-
-def _path_in(message):
-    """The first absolute path in an error message (TensorFlow names its files there)."""
-    match = re.search(r"(?:^|\s)(/[^\s;,'\"]+)", message)  # not "device_/job:..."
-    return match.group(1) if match else None
 
 
 @contextlib.contextmanager
 def replaced_atomically(path):
     """Yields a temporary path to write to; it replaces `path` when the block succeeds.
 
-    The temporary name keeps the file's ending (Keras and matplotlib choose the
-    format by it). Should the block fail, the temporary file is removed, and an
-    error for lack of space is raised as an `OutOfSpace` naming `path`.
+    The name keeps the file's ending (Keras and matplotlib choose the format by it). Should the
+    block fail, the file is removed, and a lack of space is raised as an `OutOfSpace`.
     """
     folder, name = os.path.split(path)
     temporary = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
@@ -94,13 +80,12 @@ def stops_cleanly_when_full(main):
 
 def write_text(path, text):
     """Writes `text` (UTF-8) to `path`, atomically."""
-    with replaced_atomically(path) as temporary:
-        with open(temporary, "w", encoding="utf-8") as handle:
-            handle.write(text)
+    with replaced_atomically(path) as temporary, open(temporary, "w", encoding="utf-8") as handle:
+        handle.write(text)
 
 
 def drop_torn_last_line(path):
-    """Cuts a text file back to its last complete line (one a crash or a full disk cut)."""
+    """Cuts a text file back to its last complete line (after a crash or a full disk)."""
     if not os.path.isfile(path):
         return False
     with open(path, "rb+") as handle:

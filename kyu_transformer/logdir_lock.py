@@ -1,12 +1,9 @@
-"""One training run per logdir: an operating-system lock held for the run's whole life.
+"""One training run per logdir: `flock(2)` on `<logdir>/.lock`, held for the run's whole life.
 
-The lock is `flock(2)` on `<logdir>/.lock`: the kernel releases it when the
-process ends, however it ends (`kill -9` included), so no stale lock is ever
-left behind. The file records who holds it (PID and host), for the message a
-second run prints. On a shared file system the lock follows that file
-system's semantics: on Linux NFS clients `flock` is carried by the server's
-byte-range locks and holds across hosts; other network file systems may lock
-per host only.
+The kernel releases it however the process ends (`kill -9` included): no stale lock is left.
+The file names the holder (PID and host) for a second run's message. Across hosts it holds on
+Linux NFS (carried by the server's byte-range locks); other network file systems may lock per
+host only.
 """
 
 import fcntl
@@ -21,14 +18,7 @@ class LogdirBusy(RuntimeError):
 
 
 class LogdirLock:
-    """The lock on `logdir`; `acquire()` takes it or raises `LogdirBusy`.
-
-    Args:
-      logdir: The run's logdir (made if missing).
-
-    Attributes:
-      path: The lock file, `<logdir>/.lock`.
-    """
+    """The lock on `logdir` (made if missing), in file `path`; `acquire()` takes it."""
 
     def __init__(self, logdir):
         self.logdir = logdir
@@ -36,12 +26,7 @@ class LogdirLock:
         self._handle = None
 
     def acquire(self):
-        """Takes the lock without waiting; returns self.
-
-        Raises:
-          LogdirBusy: Another process holds it.
-          OSError: The logdir cannot be made or written.
-        """
+        """Takes the lock without waiting; returns self, or raises `LogdirBusy` (or OSError)."""
         os.makedirs(self.logdir, exist_ok=True)
         # "a+": opening must not empty the holder's record before the lock is ours.
         handle = open(self.path, "a+", encoding="utf-8")  # pylint: disable=consider-using-with

@@ -19,15 +19,12 @@ def read_history(path):
     by_step = {}
     with open(path, encoding="utf-8") as handle:
         for line in handle:
-            line = line.strip()
-            if not line:
-                continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a crash
+            except json.JSONDecodeError:  # empty, or cut short by a crash
                 continue
             by_step[(record.get("kind", "train"), record["step"])] = record
-    return [by_step[key] for key in sorted(by_step, key=lambda k: (k[0], k[1]))]
+    return [by_step[key] for key in sorted(by_step)]
 
 
 def plot_series(records, key, path, title, ylabel):

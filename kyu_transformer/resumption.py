@@ -1,12 +1,8 @@
 """A training run's checkpoints: what they hold, and resuming from the latest.
 
-A checkpoint holds the model's weights, the optimizer, the data position
-(epoch, batches done in it), the dropout layers' random states and the
-seconds of training so far, so that a killed run continues where it stopped
-and ends as an uninterrupted run would. The object names (``weights``,
-``optimizer``, ``epoch``, ``step_in_epoch``, ``random_states``,
-``train_seconds``) are the checkpoint's keys: renaming one orphans the
-checkpoints written before.
+A checkpoint holds the weights, the optimizer, the data position, the dropout layers' random
+states and the seconds trained, so that a killed run ends as an uninterrupted one would. Its
+object names are its keys: renaming one orphans the checkpoints written before.
 """
 
 import atexit
@@ -28,20 +24,10 @@ from kyu_transformer.files import as_out_of_space, is_out_of_space, write_text
 class RunCheckpoints:
     """The checkpoints of a run in `directory`, and the run-state variables they hold.
 
-    Args:
-      strategy: The `tf.distribute.Strategy` the run-state variables live in.
-      model: The model (its weights and random states are saved).
-      optimizer: Its optimizer.
-      directory: Where the chief keeps the checkpoints.
-      max_to_keep: How many recent checkpoints to keep.
-      chief: Whether this process keeps what it saves (see `writable_dir`).
-
-    Attributes:
-      epoch, step_in_epoch: The data position: epochs done, batches done in
-        the current epoch.
-      train_seconds: Seconds of training behind the checkpoint: `max_minutes`
-        is the run's total, however often it is resumed.
-      checkpoint, manager: The `tf.train.Checkpoint` and its manager.
+    The variables live in `strategy`; only the `chief` keeps what it saves, the `max_to_keep`
+    latest (see `writable_dir`). Attributes: the data position `epoch` and `step_in_epoch`
+    (batches done in it), `train_seconds` (resumed runs included: what `max_minutes` limits),
+    the `checkpoint` and its `manager`.
     """
 
     def __init__(self, strategy, model, optimizer, directory, max_to_keep, chief):
@@ -56,21 +42,18 @@ class RunCheckpoints:
         self.checkpoint = tf.train.Checkpoint(
             weights=model_weights(model), optimizer=optimizer,
             epoch=self.epoch, step_in_epoch=self.step_in_epoch,
-            # `model.weights` leaves out the dropout layers' random states: without
-            # them a resumed run would draw the masks of step 1 again.
+            # Not in `model.weights`; without them a resumed run redraws step 1's dropout masks.
             random_states=random_states(model), train_seconds=self.train_seconds)
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, writable_dir(directory, chief), max_to_keep=max_to_keep,
             checkpoint_name=filenames.CHECKPOINT_PREFIX)
 
     def restore(self):
-        """Restores the latest readable checkpoint, if any; returns its path or None.
+        """Restores the latest readable checkpoint (of the chief's), if any; returns its path.
 
-        One that cannot be read is skipped, named; the chief moves it aside
-        (`set_aside`). Each is read in full before anything is restored, so
-        that a damaged one never leaves half its values in the model.
+        Each is read in full first (a damaged one never leaves half its values in the model);
+        one that cannot be read is skipped, named, and moved aside by the chief.
         """
-        # Another worker reads the chief's checkpoints (its own are throw-away).
         bad = {}
         for path in reversed(listed_checkpoints(self.directory)):
             bad[path] = unreadable(path)
@@ -78,8 +61,7 @@ class RunCheckpoints:
                 del bad[path]
                 break
         else:
-            # None reads: never start afresh over a run's checkpoints. (Another worker says
-            # step 0 instead, which the check of the restored step turns into one message.)
+            # None reads: refuse to start afresh (other workers' step 0 fails the step check).
             if bad and self.chief:
                 raise UnreadableCheckpoint(
                     f"no checkpoint of {self.directory} can be read ("
@@ -99,23 +81,18 @@ class RunCheckpoints:
     def _restore(self, path):
         try:
             self.checkpoint.restore(path).assert_existing_objects_matched()
-        except AssertionError:
-            self._restore_without_run_state(path)
-
-    def _restore_without_run_state(self, path):
-        """Restores a checkpoint written before random states and training time were saved."""
-        tf.train.Checkpoint(weights=model_weights(self.model), optimizer=self.optimizer,
-                            epoch=self.epoch, step_in_epoch=self.step_in_epoch
-                            ).restore(path).assert_existing_objects_matched()
-        if self.chief:
-            print(f"note: {path} holds no dropout random state or training time (an older "
-                  "checkpoint): dropout masks and the time budget start afresh", flush=True)
+        except AssertionError:  # written before random states and training time were saved
+            tf.train.Checkpoint(weights=model_weights(self.model), optimizer=self.optimizer,
+                                epoch=self.epoch, step_in_epoch=self.step_in_epoch
+                                ).restore(path).assert_existing_objects_matched()
+            if self.chief:
+                print(f"note: {path} holds no dropout random state or training time (an older "
+                      "checkpoint): dropout masks and the time budget start afresh", flush=True)
 
     def save(self, step, train_seconds):
-        """Saves as checkpoint number `step`; returns its path on the chief, else None.
+        """Saves checkpoint number `step`; returns its path on the chief, else None.
 
-        Raises:
-          files.OutOfSpace: The disk filled up; what the save had written is removed.
+        A full disk raises `files.OutOfSpace`, what the save had written removed.
         """
         self.train_seconds.assign(train_seconds)
         try:
@@ -124,9 +101,8 @@ class RunCheckpoints:
             self._remove_partial(step)
             if is_out_of_space(error):
                 latest = listed_checkpoints(self.manager.directory)
-                raise as_out_of_space(
-                    error, self._prefix(step),
-                    needed=checkpoint_bytes(latest[-1]) if latest else None) from None
+                needed = checkpoint_bytes(latest[-1]) if latest else None
+                raise as_out_of_space(error, self._prefix(step), needed=needed) from None
             raise
         return path if self.chief else None
 
@@ -134,7 +110,7 @@ class RunCheckpoints:
         return os.path.join(self.manager.directory, f"{filenames.CHECKPOINT_PREFIX}-{step}")
 
     def _remove_partial(self, step):
-        """Removes what a failed save of checkpoint `step` left (its temporary folder, files)."""
+        """Removes what a failed save of checkpoint `step` left (temporary folder, files)."""
         prefix = self._prefix(step)
         shutil.rmtree(prefix + "_temp", ignore_errors=True)
         # TensorFlow writes the index through a temporary file of its own.
@@ -152,23 +128,15 @@ class RunCheckpoints:
 
 
 def random_states(model):
-    """The random-number states the model's layers draw from (dropout's seed generators).
-
-    Listed in the order of `model.variables`, which depends on the model's
-    structure only (their names also count the generators made before in the
-    process, so they cannot serve as checkpoint keys).
-    """
+    """The dropout layers' seed-generator states in `model.variables` order: it depends on the
+    structure only, unlike their names (which count the process's earlier generators)."""
     weights = {id(weight) for weight in model.weights}
     return [variable for variable in model.variables
             if id(variable) not in weights and "seed_generator" in variable.path]
 
 
 def writable_dir(directory, chief):
-    """`directory` on the chief; a throw-away folder on the other workers.
-
-    Every worker must take part in a save (it is a collective), but only
-    the chief's files are kept.
-    """
+    """`directory` on the chief; a throw-away folder on the others (a save is collective)."""
     if chief:
         os.makedirs(directory, exist_ok=True)
         return directory
@@ -180,8 +148,7 @@ def writable_dir(directory, chief):
 def set_aside(path):
     """Moves checkpoint `path`'s files to `corrupt/` beside it, out of the index; returns where.
 
-    Never deleted; a later save of the same step number or the rotation of
-    old checkpoints cannot reach them there.
+    Never deleted; neither a later save of the same step nor the rotation reaches them there.
     """
     directory, name = os.path.split(path)
     target = os.path.join(directory, filenames.CORRUPT, f"{name}.{time.strftime('%Y%m%d-%H%M%S')}")
@@ -197,12 +164,10 @@ def set_aside(path):
 
 
 def drop_from_index(directory, path):
-    """Rewrites the checkpoint index of `directory` (its `checkpoint` file) without `path`.
+    """Rewrites the checkpoint index of `directory` without `path`, as the manager writes it.
 
-    In the manager's text format, with its names relative to the folder (so
-    that a copied logdir still reads) and its timestamps (without which the
-    manager would neither list nor rotate the others). No index is left when
-    none remains (TensorFlow reads an empty one as broken).
+    Relative names (a copied logdir still reads), timestamps (without them the manager neither
+    lists nor rotates), and no index at all for none (TensorFlow reads an empty one as broken).
     """
     state = tf.train.get_checkpoint_state(directory)
     stamps = list(state.all_model_checkpoint_timestamps)
@@ -225,14 +190,9 @@ def checkpoint_bytes(path):
 
 
 def copy_aside(path, keep=()):
-    """Moves the contents of folder `path` to `<path>.old-<time>` (nothing is deleted).
+    """Moves the contents of folder `path` to `<path>.old-<time>`, returned; deletes nothing.
 
-    Args:
-      path: The folder.
-      keep: Names of entries that stay (the lock of the run that moves the rest).
-
-    Returns:
-      The new folder's name.
+    `keep` names entries that stay (the lock of the run that moves the rest).
     """
     path = os.path.normpath(path)  # "log/x/": the copy goes beside it, not into it
     stem = f"{path}.old-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -1,21 +1,13 @@
 """SIGTERM and SIGINT as requests to stop cleanly: after an update, with a checkpoint.
 
-Schedulers (Kubernetes, Slurm, `docker stop`, spot and preemptible machines)
-send SIGTERM some seconds before they kill a process. While a `StopRequests`
-is active, SIGTERM and SIGINT only note the request; the trainer sees it
-between updates, takes it through its next update (whose all-reduce carries
-it to every worker, so that all of them stop after the same update, see
-`train_step.TrainStep`), saves a checkpoint and returns. A second signal while
-the checkpoint is written is noted too, and interrupts nothing; a third raises
-`KeyboardInterrupt` at once (for a run that hangs: the last complete checkpoint
-stands, as after `kill -9`).
+Schedulers (Kubernetes, Slurm, `docker stop`, spot machines) send SIGTERM some seconds before
+a kill. While a `StopRequests` is active, a signal only notes the request; the trainer passes
+it through its next update, whose all-reduce tells every worker to stop after that same update
+(`train_step.TrainStep`), then saves and returns. A second signal interrupts nothing; a third
+raises `KeyboardInterrupt` at once (for a hung run; the last complete checkpoint stands).
 
-TensorFlow's `tf.distribute.experimental.PreemptionCheckpointHandler` agrees on
-the step through its coordination service instead, but it adds a variable of
-its own to the checkpoint it saves and restores the latest checkpoint when it
-is made (before unreadable ones could be set aside); riding on the step's
-all-reduce, the request here needs neither, and every strategy saves the same
-checkpoint.
+Unlike TensorFlow's `PreemptionCheckpointHandler`, this adds no variable to the checkpoint and
+restores nothing when made (before unreadable checkpoints could be set aside).
 """
 
 import signal
@@ -27,11 +19,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class StopRequests:
     """A context in which SIGTERM and SIGINT are noted, not obeyed at once.
 
-    Attributes:
-      received: The name of the first signal received (``"SIGTERM"``), or None.
-      count: How many were received.
-
-    Outside the main thread (where Python cannot install handlers) it notes nothing.
+    `received` names the first one (``"SIGTERM"``) or is None; `count` counts them. Outside
+    the main thread (where Python cannot install handlers) it notes nothing.
     """
 
     def __init__(self):

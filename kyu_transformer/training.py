@@ -1,19 +1,10 @@
 """The trainer: builds a run's parts and drives them, epoch by epoch.
 
-Each part is its own module: the step under any tf.distribute strategy
-(`train_step`), strategies and the cutting of global batches (`distribution`),
-checkpoints and resumption (`resumption`), the time budget (`time_budget`),
-stopping after an update on SIGTERM or SIGINT (`stop_requests`),
-history, TensorBoard and progress (`training_log`), the dtype policy
-(`precision`) and seeds (`seeding`).
-
-One switch, the ``fast_paths`` hparam (on by default), selects the trainer's
-CPU fast paths: the fused Adam (`optimizers.Adam`), the loss's stated gradient
-(`losses.LabelSmoothedCrossEntropy`) and the loss compiled alone with XLA
-(`train_step.loss_terms_function`, also subject to ``xla_loss``). Off, the
-trainer uses `keras.optimizers.Adam`, automatic differentiation through the
-loss and no separately compiled loss (``jit_compile`` still compiles the
-whole step when asked): the same function on any device.
+Each part is its own module: `train_step`, `distribution`, `resumption`, `time_budget`,
+`stop_requests`, `training_log`, `precision`. The ``fast_paths`` hparam (on by default)
+selects the CPU fast paths: the fused Adam, the loss's stated gradient and the loss compiled
+alone with XLA (also subject to ``xla_loss``); off, `keras.optimizers.Adam` and automatic
+differentiation, the same function on any device (``jit_compile`` still applies).
 """
 
 import hashlib
@@ -67,32 +58,29 @@ class Trainer:
     """Trains a `Transformer` under a strategy, with checkpoints and summaries.
 
     Args:
-      hparams: dict of hyperparameters (see `hparams.py`); ``auto`` precision is
-        resolved per process (on several workers, pass the chief's choice, as train.py).
+      hparams: dict of hyperparameters (see `hparams.py`); ``auto`` precision is resolved
+        per process (on several workers, pass the chief's choice, as train.py does).
       strategy: A `tf.distribute.Strategy`; the default strategy when None.
-      logdir: Where checkpoints, `history.jsonl`, TensorBoard events and plots
-        go; `hparams["logdir"]` when None.
-      hooks: Callables ``hook(trainer, epoch, logs)`` run on the chief after
-        each epoch (e.g. validation BLEU); they may add entries to `logs`.
+      logdir: Where checkpoints, history, TensorBoard events and plots go; default
+        `hparams["logdir"]`.
+      hooks: Callables ``hook(trainer, epoch, logs)`` run on the chief after each epoch
+        (e.g. validation BLEU); they may add entries to `logs`.
       verbose: Whether to show a progress bar.
     """
 
     def __init__(self, hparams, strategy=None, logdir=None, hooks=(), verbose=True):
-        self.hparams = dict(hparams)
+        self.hparams = hparams = dict(hparams)
         self.strategy = strategy or tf.distribute.get_strategy()
         self.logdir = logdir or hparams["logdir"]
-        self.hooks = list(hooks)
-        self.verbose = verbose
+        self.hooks, self.verbose = list(hooks), verbose
         self.chief = is_chief(self.strategy)
         fast_paths = hparams.get("fast_paths", True)
-        hparams = self.hparams  # `auto` resolved (train.py does so before recording the run)
         hparams["mixed_precision"] = resolve_precision(hparams["mixed_precision"], hparams)
         set_precision(hparams["mixed_precision"])
         with self.strategy.scope():
             self.model = Transformer.from_hparams(hparams, name="transformer")
             self.model.build()
-            self.schedule = NoamSchedule(hparams["d_model"], hparams["warmup_steps"],
-                                         hparams["lr"])
+            self.schedule = NoamSchedule(hparams["d_model"], hparams["warmup_steps"], hparams["lr"])
             self.optimizer = make_optimizer(hparams, self.schedule)
             self.optimizer.build(self.model.trainable_variables)
         self.checkpoint_dir = checkpoint_dir(self.logdir)
@@ -104,8 +92,7 @@ class Trainer:
         self.budget = TimeBudget(hparams["max_minutes"], self.strategy)
         self.log = TrainingLog(self.logdir, self.chief)
         self.loss_fn = LabelSmoothedCrossEntropy(hparams["smoothing"], fast_paths=fast_paths)
-        self._loss_terms = loss_terms_function(self.loss_fn,
-                                               xla=fast_paths and hparams["xla_loss"])
+        self._loss_terms = loss_terms_function(self.loss_fn, xla=fast_paths and hparams["xla_loss"])
         self._train_step = TrainStep(self.strategy, self.model, self.optimizer,
                                      self._loss_terms, hparams["jit_compile"])
 
@@ -142,26 +129,22 @@ class Trainer:
             self.model.save(temporary)
         return path
 
-    # ------------------------------------------------------------ the loop
-
     def fit(self, make_epoch_batches, steps_per_epoch=None):
         """Trains until `num_epochs`, `max_minutes` or the end of the data.
 
         Args:
           make_epoch_batches: ``epoch -> tf.data.Dataset`` of global batches
-            ``({"source", "target_in"}, target_out)``, the same every time for
-            the same epoch (so that a resumed run can skip what it has done).
+            ``({"source", "target_in"}, target_out)``, the same for the same epoch
+            (a resumed run skips what it has done).
           steps_per_epoch: Cap on the steps of an epoch (None: the whole data).
 
         Returns:
-          A dict: ``resumed_from``, ``steps``, ``epochs``, ``stopped``
-          (``"done"``, ``"time"``, or the signal that stopped it, ``"SIGTERM"``
-          or ``"SIGINT"``), ``last_loss``, ``train_seconds`` (the run's training
-          time, resumed runs included: what `max_minutes` limits), ``checkpoint``
-          (the last one saved, on the chief).
+          A dict: ``resumed_from``, ``steps``, ``epochs``, ``stopped`` (``"done"``, ``"time"``,
+          ``"SIGTERM"`` or ``"SIGINT"``), ``last_loss``, ``train_seconds`` (resumed runs
+          included: what `max_minutes` limits), ``checkpoint`` (the last saved, on the chief).
 
-        SIGTERM and SIGINT stop it after an update with a checkpoint (`stop_requests`),
-        leaving `model.keras` and the plots to the run that completes it.
+        A signal stops it after an update with a checkpoint, leaving `model.keras` and the
+        plots to the run that completes it.
         """
         self._train_step.stop_requested.assign(0.0)
         with StopRequests() as self._stop_requests:
@@ -198,9 +181,7 @@ class Trainer:
 
         def batches():
             dataset = make_epoch_batches(epoch)
-            if steps_per_epoch:
-                dataset = dataset.take(steps_per_epoch)
-            return dataset.skip(skip)
+            return (dataset.take(steps_per_epoch) if steps_per_epoch else dataset).skip(skip)
 
         iterator = iter(self.distribute(batches))
         progress = Progress(epoch, self.hparams["num_epochs"], skip, steps_per_epoch,
@@ -248,8 +229,7 @@ class Trainer:
             if hparams["checkpoint_every"] and step % hparams["checkpoint_every"] == 0:
                 self.save()
             if self.budget.spent():
-                progress.finish(f"stopping: the budget of {self.budget.minutes} minutes "
-                                "is used")
+                progress.finish(f"stopping: the budget of {self.budget.minutes} minutes is used")
                 return "time", last_loss
 
     def _checked_loss(self, loss_sum, tokens, step):

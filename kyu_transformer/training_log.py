@@ -15,15 +15,13 @@ from kyu_transformer.files import as_out_of_space, drop_torn_last_line, is_out_o
 class TrainingLog:
     """Records to `<logdir>/history.jsonl` and TensorBoard scalars in `<logdir>/train`.
 
-    Only the chief writes; on other workers `write` does nothing. A record is
-    a dict with ``kind`` (``"train"`` or ``"epoch"``), ``step``, ``epoch`` and
-    numbers, each a scalar ``<kind>/<key>`` in TensorBoard.
+    Only the chief writes. A record is a dict of ``kind`` (``"train"``, ``"epoch"``...),
+    ``step``, ``epoch`` and numbers, each a TensorBoard scalar ``<kind>/<key>``.
     """
 
     def __init__(self, logdir, chief):
-        self.logdir, self.chief = logdir, chief
+        self.logdir, self.chief, self.writer = logdir, chief, None
         self.path = os.path.join(logdir, filenames.HISTORY)
-        self.writer = None
 
     def open(self):
         """Creates the logdir and the summary writer (a no-op writer on other workers)."""
@@ -72,8 +70,7 @@ class Progress:
     """A Keras progress bar on a terminal; one line per summary in a log file."""
 
     def __init__(self, epoch, num_epochs, skip, steps_per_epoch, enabled):
-        self.enabled = enabled
-        self.bar, self.minutes_left = None, None
+        self.enabled, self.bar, self.minutes_left = enabled, None, None
         self.totals = Window()
         if not enabled:
             return
@@ -102,8 +99,7 @@ class Progress:
 
     def log(self, record):
         if self.enabled and self.bar is None:
-            left = ("" if self.minutes_left is None else
-                    f", about {self.minutes_left:.1f} min left")
+            left = "" if self.minutes_left is None else f", about {self.minutes_left:.1f} min left"
             print(f"step {record['step']}: loss {record['loss']:.4f}, accuracy "
                   f"{record['accuracy']:.4f}, lr {record['lr']:.2e}, "
                   f"{record['tokens_per_sec']:.0f} target tokens/s{left}", flush=True)
