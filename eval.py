@@ -1,19 +1,13 @@
 """Translates with a trained model and scores the result with sacreBLEU.
 
     python eval.py --logdir log/small --split test_2016_flickr --beam_size 4
-    python eval.py --logdir log/small --src my.de --ref my.en
+    python eval.py --logdir log/small --src my.de --ref my.en --n_best 4
     echo "Ein Hund rennt." | python eval.py --logdir log/small --src -
-    python eval.py --logdir log/small --src my.de --n_best 4
     python eval.py --logdir log/small --src my.de --score my.en
     python eval.py --logdir log/small --ctranslate2 exported/ct2 --beam_size 4
 
-The model, its hyperparameters and its subword model all come from the logdir.
-Translations go to <logdir>/eval/<name>.hyp.txt and, with references, the
-scores to <logdir>/eval/<name>.json; with --n_best, the K best hypotheses and
-their scores to <name>.nbest.jsonl. --score FILE translates nothing: it writes
-the model's score of each line of FILE, as a translation of the same line of
-the source, to <name>.scores.jsonl. --ctranslate2 DIR translates with a
-CTranslate2 model directory written by kyu_transformer.ctranslate2_export.
+The model, its hyperparameters and its subword model come from the logdir; the outputs go to
+<logdir>/eval/<name>.* (hyp.txt, json, nbest.jsonl, scores.jsonl: see docs/evaluation.md).
 """
 
 import filecmp
@@ -50,21 +44,18 @@ def parse_args(argv):
         "n_best": "also write the K best hypotheses of each sentence (with sampling, K "
                   "samples) and their scores to <name>.nbest.jsonl (K at most --beam_size)"})
     parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
-                        help="precision of decoding (default auto: chosen for this machine, "
-                             "whatever the training machine chose; the weights are float32 "
-                             "either way)")
+                        help="precision of decoding (default auto: chosen for this machine; "
+                             "the weights stay float32)")
     parser.add_argument("--plot_attention", type=int, default=0, metavar="K",
                         help="save cross-attention heatmaps of the first K sentences, "
                              "decoded greedily whatever --beam_size")
     parser.add_argument("--score", default=None, metavar="FILE",
-                        help="instead of translating, score the translations in FILE (one "
-                             "per line of --src or --split): log-probability, EOS included, "
-                             "and that divided by GNMT's length penalty with --alpha, to "
-                             "<name>.scores.jsonl")
+                        help="instead of translating, score FILE's translations (one per source "
+                             "line): log-probability with EOS, and that over GNMT's length "
+                             "penalty (--alpha), to <name>.scores.jsonl")
     parser.add_argument("--ctranslate2", default=None, metavar="DIR",
-                        help="translate with this CTranslate2 model directory (written by "
-                             "kyu_transformer.ctranslate2_export.convert) instead of the "
-                             "Keras model; the subword model still comes from --logdir")
+                        help="translate with this CTranslate2 model directory (export.py "
+                             "--format ctranslate2), the subword model still from --logdir")
     parser.add_argument("--name", default=None, help="name of the output files")
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -136,21 +127,17 @@ def write_lines(path, lines):
     write_text(path, "".join(line + "\n" for line in lines))
 
 
-def translate_stdin(translator, subwords):
-    """Translates standard input line by line, as it comes."""
-    for line in sys.stdin:
-        print(translator.translate([data.normalize_line(line)], subwords)[0], flush=True)
-
-
-def plot_attention(model, translator, subwords, sources, count, out_dir, name):
+def plot_attention(model, settings, subwords, sources, count, out_dir, name):
     """Heatmaps of the last decoder block's cross-attention, averaged over heads."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sources = sources[:count]
-    source_ids = subwords.encode(sources)
+    # Coverage is recorded by greedy search.
+    translator = Translator(model, beam_size=1, length_margin=settings.length_margin,
+                            batch_size=settings.batch_size)
+    source_ids = subwords.encode(sources[:count])
     found = translator.translate_ids(source_ids, with_coverage=True)
     outputs, coverages = found.outputs, found.coverages
     paths = []
@@ -159,17 +146,16 @@ def plot_attention(model, translator, subwords, sources, count, out_dir, name):
             continue
         source_pieces = subwords.processor.id_to_piece(ids) + ["</s>"]
         output_pieces = subwords.processor.id_to_piece(output) + ["</s>"]
-        weights = coverage[:len(output_pieces), :len(source_pieces)]
         figure, axes = plt.subplots(figsize=(1 + 0.35 * len(source_pieces),
                                              1 + 0.35 * len(output_pieces)))
-        axes.imshow(weights, cmap="viridis", aspect="auto")
+        axes.imshow(coverage[:len(output_pieces), :len(source_pieces)], cmap="viridis",
+                    aspect="auto")
         axes.set_xticks(range(len(source_pieces)), source_pieces, rotation=90)
         axes.set_yticks(range(len(output_pieces)), output_pieces)
         axes.set_xlabel("source")
         axes.set_ylabel("output")
         figure.tight_layout()
-        plot = filenames.ATTENTION_PLOT.format(index + 1)
-        path = filenames.evaluation_file(out_dir, name, plot)
+        path = filenames.evaluation_file(out_dir, name, filenames.ATTENTION_PLOT.format(index + 1))
         try:
             with replaced_atomically(path) as temporary:
                 figure.savefig(temporary, dpi=80)
@@ -177,17 +163,6 @@ def plot_attention(model, translator, subwords, sources, count, out_dir, name):
             plt.close(figure)
         paths.append(path)
     return paths
-
-
-def print_truncation_notes(translations, translator):
-    """Says how many sources were cut to maxlen1 and outputs to their length limit."""
-    if translations.truncated_sources:
-        print(f"note: {translations.truncated_sources} sentences were longer than maxlen1="
-              f"{translator.maxlen1} subwords and were cut to it")
-    if translations.truncated_outputs:
-        print(f"note: {translations.truncated_outputs} translations reached their length limit "
-              f"(source length + {translator.settings.length_margin} subwords, at most "
-              f"{translator.max_length}) before ending and were cut there")
 
 
 def load_ctranslate2(args):
@@ -218,8 +193,7 @@ def load_ctranslate2(args):
 
 
 def load_translator(args, hparams):
-    """``(translator, facts)``: a Translator of the logdir's model, or of --ctranslate2 DIR;
-    `facts` go to the json."""
+    """``(translator, facts for the json)``: of the logdir's model, or of --ctranslate2 DIR."""
     if args.ctranslate2:
         return load_ctranslate2(args)
     choice = {}
@@ -234,36 +208,16 @@ def load_translator(args, hparams):
                         "checkpoints": checkpoints, "mixed_precision": precision, **choice}
 
 
-def translate(translator, subwords, sources, args):
-    """``(translations, texts, n-best rows or None)``: the `Translations`, the best texts, and
-    with --n_best one row per sentence for <name>.nbest.jsonl."""
-    translations = translator.translate_ids(subwords.encode(sources), n_best=args.n_best)
-    texts = [subwords.decode(ids) for ids in translations.outputs]
-    if not args.n_best:
-        return translations, texts, None
-    rows = []
-    for source, ids_list, sentence_scores in zip(sources, translations.hypotheses,
-                                                 translations.scores):
-        hypotheses = [{"text": subwords.decode(ids), "score": score}
-                      for ids, score in zip(ids_list, sentence_scores)]
-        rows.append({"source": source, "hypotheses": hypotheses})
-    return translations, texts, rows
-
-
-def score_translations(translator, subwords, sources, source_file, args):
-    """The rows of <name>.scores.jsonl: the model's score of each line of --score."""
+def write_scores(translator, subwords, sources, source_file, args, out_dir, name):
+    """Writes <name>.scores.jsonl (the model's score of each --score line) and sums it up."""
     targets = data.read_lines(args.score)
     if len(targets) != len(sources):
         raise data.DataError(f"{args.score} has {len(targets)} lines but {source_file} has "
                              f"{len(sources)}: --score needs one translation per source line")
     scored, truncated_sources = translator.score_ids(subwords.encode(sources),
                                                      subwords.encode(targets))
-    return [{"source": source, "target": target, **result._asdict()}
-            for source, target, result in zip(sources, targets, scored)], truncated_sources
-
-
-def write_scores(rows, truncated_sources, translator, out_dir, name):
-    """Writes <name>.scores.jsonl and says what the scores are."""
+    rows = [{"source": source, "target": target, **result._asdict()}
+            for source, target, result in zip(sources, targets, scored)]
     os.makedirs(out_dir, exist_ok=True)
     path = filenames.evaluation_file(out_dir, name, filenames.SCORES)
     write_json_lines(path, rows)
@@ -295,29 +249,23 @@ def main(argv=None):
         hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
         subwords = data.Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
         translator, facts = load_translator(args, hparams)
-        if args.src == "-":
-            translate_stdin(translator, subwords)
+        if args.src == "-":  # line by line, as it comes
+            for line in sys.stdin:
+                print(translator.translate([data.normalize_line(line)], subwords)[0], flush=True)
             return 0
         name, sources, references, source_file = load_inputs(args, hparams)
         out_dir = os.path.join(args.logdir, filenames.EVAL)
         if args.score:
-            rows, truncated = score_translations(translator, subwords, sources, source_file,
-                                                 args)
-            write_scores(rows, truncated, translator, out_dir, name)
+            write_scores(translator, subwords, sources, source_file, args, out_dir, name)
             return 0
     except (hp.HParamsError, data.DataError, CheckpointError) as error:
         raise SystemExit(f"error: {error}")
     os.makedirs(out_dir, exist_ok=True)
     translations, hypotheses, decode_seconds = write_translations(
         translator, facts, subwords, sources, args, out_dir, name)
-    print_truncation_notes(translations, translator)
     if args.plot_attention:
-        model = translator.model
-        # Coverage is recorded by greedy search.
-        greedy = Translator(model, beam_size=1, length_margin=args.settings.length_margin,
-                            batch_size=args.settings.batch_size)
-        for path in plot_attention(model, greedy, subwords, sources, args.plot_attention,
-                                   out_dir, name):
+        for path in plot_attention(translator.model, args.settings, subwords, sources,
+                                   args.plot_attention, out_dir, name):
             print(f"attention: {path}")
     if references is not None:
         result = score(hypotheses, references)
@@ -326,33 +274,46 @@ def main(argv=None):
                       truncated_outputs=translations.truncated_outputs,
                       num_sentences=len(sources), seconds=round(time.time() - started, 2),
                       decode_seconds=round(decode_seconds, 2))
-        write_result(result, filenames.evaluation_file(out_dir, name, filenames.RESULT))
+        path = filenames.evaluation_file(out_dir, name, filenames.RESULT)
+        write_lines(path, [json.dumps(result, indent=2)])
+        print(result["score_line"])
+        print(f"chrF2 = {result['chrf']:.2f}")
+        print(f"scores: {path}")
     return 0
 
 
-def write_result(result, path):
-    write_lines(path, [json.dumps(result, indent=2)])
-    print(result["score_line"])
-    print(f"chrF2 = {result['chrf']:.2f}")
-    print(f"scores: {path}")
-
-
 def write_translations(translator, facts, subwords, sources, args, out_dir, name):
-    """Translates, writes <name>.hyp.txt (and <name>.nbest.jsonl);
+    """Translates, writes <name>.hyp.txt (and <name>.nbest.jsonl) and says what was cut;
     ``(translations, hypotheses, seconds)``."""
     decode_started = time.time()
-    translations, hypotheses, n_best_rows = translate(translator, subwords, sources, args)
+    translations = translator.translate_ids(subwords.encode(sources), n_best=args.n_best)
+    hypotheses = [subwords.decode(ids) for ids in translations.outputs]
+    if args.n_best:  # the rows of <name>.nbest.jsonl
+        rows = [{"source": source,
+                 "hypotheses": [{"text": subwords.decode(ids), "score": score}
+                                for ids, score in zip(ids_list, scores)]}
+                for source, ids_list, scores in zip(sources, translations.hypotheses,
+                                                    translations.scores)]
     decode_seconds = time.time() - decode_started
     hypothesis_path = filenames.evaluation_file(out_dir, name, filenames.HYPOTHESES)
     write_lines(hypothesis_path, hypotheses)
+    engine = (f"checkpoint {facts['checkpoint']}" if facts["engine"] == "keras"
+              else f"CTranslate2 model {facts['model_dir']}")
     print(f"{len(sources)} sentences translated in {decode_seconds:.1f} s "
           f"({len(sources) / max(decode_seconds, 1e-9):.0f} sentences/s), "
-          f"{describe_search(args.settings)}, {describe_engine(facts)}")
+          f"{describe_search(args.settings)}, {engine}")
     print(f"translations: {hypothesis_path}")
-    if n_best_rows is not None:
+    if args.n_best:
         n_best_path = filenames.evaluation_file(out_dir, name, filenames.N_BEST)
-        write_json_lines(n_best_path, n_best_rows)
+        write_json_lines(n_best_path, rows)
         print(f"the {args.n_best} best hypotheses and their scores: {n_best_path}")
+    if translations.truncated_sources:
+        print(f"note: {translations.truncated_sources} sentences were longer than maxlen1="
+              f"{translator.maxlen1} subwords and were cut to it")
+    if translations.truncated_outputs:
+        print(f"note: {translations.truncated_outputs} translations reached their length limit "
+              f"(source length + {translator.settings.length_margin} subwords, at most "
+              f"{translator.max_length}) before ending and were cut there")
     return translations, hypotheses, decode_seconds
 
 
@@ -371,12 +332,6 @@ def describe_search(settings):
         return (f"sampling top-k {settings.sampling_topk}, top-p {settings.sampling_topp}, "
                 f"temperature {settings.sampling_temperature}, seed {settings.seed}")
     return f"beam {settings.beam_size}"
-
-
-def describe_engine(facts):
-    if facts["engine"] == "keras":
-        return f"checkpoint {facts['checkpoint']}"
-    return f"CTranslate2 model {facts['model_dir']}"
 
 
 if __name__ == "__main__":

@@ -4,13 +4,10 @@
     python export.py --logdir log/small --out export/small --beam_size 4 --n_best 4 --overwrite
     python export.py --logdir log/small --out export/ct2 --format ctranslate2 --quantization int8
 
-The model, its hyperparameters and its subword model all come from the logdir,
-as for eval.py (same checkpoint choice and averaging); it computes in float32
-unless --mixed_precision says otherwise (the serving machine is unknown). The
-SavedModel takes raw sentences and returns translations, with the search
-inside the graph (see kyu_transformer/serving.py). An existing non-empty
---out is replaced only with --overwrite, and only once the new export is
-complete.
+The model, hparams and subword model come from the logdir as for eval.py; decoding is float32
+unless --mixed_precision says otherwise. The SavedModel maps sentences to translations, the search
+in its graph (kyu_transformer/serving.py). --overwrite replaces an earlier export in --out, once
+the new one is complete. docs/export.md describes both formats.
 """
 
 import json
@@ -41,8 +38,7 @@ def parse_args(argv):
     parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
     parser.add_argument("--format", default="saved_model", choices=FORMATS,
                         help="saved_model (TensorFlow, text in and out) or ctranslate2")
-    # A CTranslate2 model holds no search settings (they are given when it
-    # translates), so --format ctranslate2 refuses them rather than ignoring them.
+    # --format ctranslate2 refuses these rather than ignoring them (check_args).
     add_search_arguments(parser, [flag for flag in SEARCH_FLAGS if flag != "seed"], helps={
         "batch_size": "most sentences the SavedModel decodes together (a request of any size "
                       "is decoded in batches of this size)",
@@ -63,11 +59,8 @@ def parse_args(argv):
 
 
 def check_args(parser, args):
-    """Stops with an error naming the flag, for a value out of range or flags that clash.
-
-    Sets `args.settings` and `args.sampling`, the `SearchSettings` of the
-    SavedModel's signatures.
-    """
+    """Stops with an error naming the flag, for a value out of range or flags that clash; sets
+    `args.settings` and `args.sampling`, the `SearchSettings` of the SavedModel's signatures."""
     given = given_search_flags(args)
     if args.format == "ctranslate2" and given:
         parser.error(f"{', '.join('--' + flag for flag in given)} applies to --format "
@@ -76,15 +69,13 @@ def check_args(parser, args):
                      "--beam_size ... --alpha ...)")
     searching = {flag: value for flag, value in given.items() if flag not in SAMPLING_FLAGS}
     args.settings = search_settings(parser, **searching)
-    # The sample signature, with --sampling_topk: the same settings, sampling (its
-    # seed comes with each request).
+    # The sample signature: the same settings, sampling (its seed comes with each request).
     sampling = {flag: value for flag, value in given.items() if flag in SAMPLING_FLAGS}
-    args.sampling = None
     if sampling.get("sampling_topk") == 1:
         parser.error("--sampling_topk 1 does not sample: give 0 (all tokens) or K > 1 for "
                      "the sample signature")
-    if sampling:
-        args.sampling = search_settings(parser, **{**searching, "beam_size": 1, **sampling})
+    args.sampling = (search_settings(parser, **{**searching, "beam_size": 1, **sampling})
+                     if sampling else None)
     check_checkpoint_arguments(parser, args)
     if args.mixed_precision and args.format == "ctranslate2":
         parser.error(f"--mixed_precision ({args.mixed_precision}) applies to --format "
@@ -100,25 +91,9 @@ EXPORT_MARKERS = ((filenames.SAVED_MODEL_GRAPH, filenames.SAVED_MODEL_SETTINGS),
                   (filenames.CTRANSLATE2_MODEL, filenames.CTRANSLATE2_SETTINGS))
 
 
-def is_export(directory):
-    """Whether `directory` holds a SavedModel or a CTranslate2 model written by export.py."""
-    return any(all(os.path.isfile(os.path.join(directory, name)) for name in marker)
-               for marker in EXPORT_MARKERS)
-
-
 def check_out(out, overwrite, logdir):
-    """Refuses an `out` that may not be written.
-
-    Args:
-      out: The --out directory.
-      overwrite: Whether --overwrite was given.
-      logdir: The --logdir read from (never to be replaced).
-
-    Raises:
-      SystemExit: `out` is a file; it is, or holds, the logdir; or it is a
-        non-empty directory that is not an earlier export, or one without
-        `overwrite`.
-    """
+    """Refuses (SystemExit) an `out` that is a file, is or holds the logdir, or is a non-empty
+    directory other than an earlier export, or that without `overwrite`."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise SystemExit(f"error: --out {out} is a file, not a directory")
     out_path, logdir_path = os.path.realpath(out), os.path.realpath(logdir)
@@ -127,7 +102,8 @@ def check_out(out, overwrite, logdir):
                          "export elsewhere (it would replace the logdir)")
     if not (os.path.isdir(out) and os.listdir(out)):
         return
-    if not is_export(out):
+    if not any(all(os.path.isfile(os.path.join(out, name)) for name in marker)
+               for marker in EXPORT_MARKERS):
         raise SystemExit(f"error: --out {out} is a non-empty directory that holds no earlier "
                          "export; --overwrite replaces only an export ("
                          + ", or ".join(" and ".join(marker) for marker in EXPORT_MARKERS) + ")")
@@ -137,36 +113,20 @@ def check_out(out, overwrite, logdir):
 
 
 def staging_dir(out):
-    """A new hidden directory beside `out`, where the export is written first.
-
-    Args:
-      out: The --out directory (its parent is made if missing).
-
-    Returns:
-      The staging directory's path: on the same file system as `out`, so
-      that renaming from it to `out` is atomic.
-    """
-    parent = os.path.dirname(os.path.abspath(out))
+    """A new hidden directory beside `out` (its parent made if missing), to write the export in
+    first: on the same file system, so that renaming from it to `out` is atomic."""
+    parent, base = os.path.split(os.path.abspath(out))
     try:
         os.makedirs(parent, exist_ok=True)
-        return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.export-",
-                                dir=parent)
+        return tempfile.mkdtemp(prefix=f".{base}.export-", dir=parent)
     except OSError as error:
         raise SystemExit(f"error: cannot write beside --out {out} ({error})") from None
 
 
 def put_in_place(new, out, staging):
-    """Moves the complete export `new` to `out`, replacing what was there.
-
-    Args:
-      new: The complete export, inside `staging`.
-      out: Its destination (absent, empty, or an earlier export).
-      staging: The directory beside `out` that holds `new`.
-
-    The old `out` is moved into `staging` first, to be deleted with it;
-    should the second rename fail, it goes back. Only a crash between the
-    two renames leaves no `out`; the old export is then in `staging`.
-    """
+    """Moves the complete export `new` (in `staging`) to `out`. The old `out` goes into `staging`
+    first, to be deleted with it, and back should the second rename fail; only a crash between the
+    renames leaves no `out` (the old one is then in `staging`)."""
     if os.path.isdir(out) and os.listdir(out):
         old = os.path.join(staging, "old")
         os.rename(out, old)
@@ -182,15 +142,8 @@ def put_in_place(new, out, staging):
 
 
 def load(args):
-    """The model and what goes with it, read from --logdir as eval.py reads them.
-
-    Args:
-      args: The parsed flags.
-
-    Returns:
-      ``(hparams, subwords, model, checkpoints, precision)``; the Keras dtype
-      policy is set to `precision` (--mixed_precision, float32 by default).
-    """
+    """``(hparams, subwords, model, checkpoints, precision)`` read from --logdir as eval.py
+    does; the Keras dtype policy is set to `precision` (--mixed_precision, by default float32)."""
     try:
         hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
         subwords = data.Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
@@ -203,20 +156,10 @@ def load(args):
 
 
 def write_saved_model(args, model, subwords, checkpoints, precision, target):
-    """Writes the SavedModel, with a record of its settings (`filenames.SAVED_MODEL_SETTINGS`).
-
-    Args:
-      args: The parsed flags (the search settings).
-      model, subwords: From `load`.
-      checkpoints, precision: From `load`, for the record.
-      target: The directory to write (it must not exist).
-
-    Returns:
-      The names of its signatures (without tensorflow-text, the ids one only).
-    """
-    with_text = serving.import_tensorflow_text() is not None
-    signatures = serving.save(model, subwords.path, args.settings, target,
-                              sampling=args.sampling, with_text=with_text)
+    """Writes the SavedModel to `target` (not existing yet) with a record of its settings;
+    returns the names of its signatures (without tensorflow-text, the ids one only)."""
+    signatures = serving.save(model, subwords.path, args.settings, target, sampling=args.sampling,
+                              with_text=serving.import_tensorflow_text() is not None)
     settings, sampling = args.settings, args.sampling
     record = {"format": "saved_model", "signatures": signatures, "logdir": args.logdir,
               "checkpoint": describe(checkpoints), "checkpoints": checkpoints,
@@ -224,43 +167,17 @@ def write_saved_model(args, model, subwords, checkpoints, precision, target):
               "beam_size": settings.beam_size, "alpha": settings.alpha,
               "n_best": settings.n_best, "length_margin": settings.length_margin,
               "batch_size": settings.batch_size,
-              "sample": sample_record(sampling, signatures),
+              "sample": None if serving.SAMPLE_SIGNATURE not in signatures else {
+                  "sampling_topk": sampling.sampling_topk, "sampling_topp": sampling.sampling_topp,
+                  "sampling_temperature": sampling.sampling_temperature,
+                  "n_best": sampling.n_best},
               "maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
               "subword_model": serving.asset_name(subwords.path)}
     path = os.path.join(target, filenames.SAVED_MODEL_SETTINGS)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(record, handle, indent=2)
-        handle.write("\n")
+        handle.write(json.dumps(record, indent=2) + "\n")
     return signatures
-
-
-def sample_record(sampling, signatures):
-    """What export.json records of the sample signature (None without one)."""
-    if serving.SAMPLE_SIGNATURE not in signatures:
-        return None
-    return {"sampling_topk": sampling.sampling_topk, "sampling_topp": sampling.sampling_topp,
-            "sampling_temperature": sampling.sampling_temperature, "n_best": sampling.n_best}
-
-
-def write_ctranslate2(args, hparams, model, subwords, target):
-    """Writes the CTranslate2 model directory with `ctranslate2_export.convert`.
-
-    Args:
-      args: The parsed flags (--quantization).
-      hparams, model, subwords: From `load`.
-      target: The directory to write (it must not exist).
-
-    Raises:
-      SystemExit: ctranslate2 is missing, or the converter refuses the model or option.
-    """
-    try:
-        ctranslate2_export.convert(model, hparams, subwords, target,
-                                   quantization=args.quantization or "float32")
-    except ctranslate2_export.ExportError as error:
-        raise SystemExit(f"error: --format ctranslate2: {error}") from None
-    except ImportError as error:  # ctranslate2 itself is missing
-        raise SystemExit(f"error: --format ctranslate2: {error}") from None
 
 
 def print_saved_model_usage(out, signatures, args, checkpoints, precision):
@@ -319,7 +236,11 @@ def main(argv=None):
     try:
         target = os.path.join(staging, "new")
         if args.format == "ctranslate2":
-            write_ctranslate2(args, hparams, model, subwords, target)
+            try:
+                ctranslate2_export.convert(model, hparams, subwords, target,
+                                           quantization=args.quantization or "float32")
+            except (ctranslate2_export.ExportError, ImportError) as error:  # or no ctranslate2
+                raise SystemExit(f"error: --format ctranslate2: {error}") from None
         else:
             signatures = write_saved_model(args, model, subwords, checkpoints, precision,
                                            target)

@@ -1,10 +1,7 @@
 """Every hyperparameter in one place: defaults, presets, parsing and validation.
 
-``--hparams`` takes a preset name (``tiny``, ``small``, ``base``), a JSON file,
-or ``key=value,key=value``; several of these may be joined by commas and later
-ones win (``--hparams small,lr=2.0``). Single flags such as ``--batch_size 64``
-override all of them. `train.py` writes the resolved set to
-``<logdir>/hparams.json`` and every later program reading that logdir uses it.
+``--hparams`` joins presets, JSON files and ``key=value`` parts by commas, later ones winning
+(``--hparams small,lr=2.0``); single flags (``--batch_size 64``) override them all.
 """
 
 import argparse
@@ -35,12 +32,10 @@ SPEC = {
     "norm_position": ("post", "layer norm after (post) or before (pre) each sub-layer"),
     "sinusoid": (True, "sinusoid (true) or learned (false) positions"),
     "share_embeddings": (True, "one embedding table for source, target and output"),
-    # kyu_transformer.layers.LAYER_NORM_EPSILON (which says why 1e-6).
-    "epsilon": (1e-6, "layer-norm epsilon"),
-    "fast_paths": (True, "CPU fast paths (layers: kyu_transformer/fast_paths.py; trainer: the "
-                         "loss's stated gradient, the fused Adam, the XLA loss); false: Keras' "
-                         "own layer norm, dropout, autodiff and Adam, the same function on any "
-                         "device"),
+    "epsilon": (1e-6, "layer-norm epsilon"),  # why 1e-6: kyu_transformer.layers
+    "fast_paths": (True, "CPU fast paths (kyu_transformer/fast_paths.py, the loss's stated "
+                         "gradient, fused Adam, XLA loss); false: Keras' own layers, autodiff "
+                         "and Adam, the same function on any device"),
     # training
     "lr": (1.0, "scale of the Noam learning-rate schedule"),
     "warmup_steps": (4000, "warm-up steps of the Noam schedule"),
@@ -49,13 +44,10 @@ SPEC = {
     "steps_per_epoch": (0, "cap on the steps of an epoch; 0: the whole training set"),
     "max_minutes": (0.0, "stop cleanly after this many minutes of training; 0: no limit"),
     "seed": (42, "seed of initialization, shuffling and dropout"),
-    "mixed_precision": ("no", "no, bf16 (CPU/TPU), fp16 (GPU, with loss scaling), or auto: "
-                              "chosen for this machine (GPU: bf16 where native, else fp16; "
-                              "CPU: bf16 where its matrix products measure 1.2x faster) and "
-                              "saved as chosen"),
+    "mixed_precision": ("no", "no, bf16 (CPU/TPU), fp16 (GPU, loss scaling), or auto: chosen "
+                              "for this machine and saved as chosen"),
     "jit_compile": (False, "compile the training step with XLA"),
-    "xla_loss": (True, "compile the loss alone with XLA (fuses its passes over the logits; "
-                       "a fast path: off whenever fast_paths is false)"),
+    "xla_loss": (True, "compile the loss alone with XLA (a fast path: off without fast_paths)"),
     "logdir": ("log/default", "where checkpoints, summaries, plots and the subword model go"),
     "keep_checkpoints": (5, "how many recent checkpoints to keep"),
     "checkpoint_every": (500, "also checkpoint every this many steps; 0: only per epoch"),
@@ -80,9 +72,8 @@ NON_NEGATIVE = ("batch_tokens", "steps_per_epoch", "max_minutes", "checkpoint_ev
 RATES = ("dropout_rate", "smoothing")
 
 PRESETS = {
-    # Trains in seconds: for tests and smoke runs. No `xla_loss`: XLA compiles the
-    # loss once per batch shape, and a run of a few dozen updates meets most of its
-    # shapes once, so the compiling costs more than the fused loss saves.
+    # For tests and smoke runs. No `xla_loss`: in a few dozen updates, compiling the loss
+    # for each new batch shape costs more than the fused loss saves.
     "tiny": dict(vocab_size=400, d_model=32, d_ff=64, num_blocks=1, num_heads=2,
                  maxlen1=48, maxlen2=48, batch_size=32, batch_tokens=1024, dropout_rate=0.0,
                  lr=2.0, warmup_steps=40, num_epochs=1, steps_per_epoch=30, log_every=10,
@@ -102,24 +93,20 @@ class HParamsError(ValueError):
     """A hyperparameter problem; the message lists every problem found."""
 
 
-def _closest(name):
-    match = difflib.get_close_matches(name, list(SPEC), n=1)
+def _closest(name, names=SPEC):
+    match = difflib.get_close_matches(name, list(names), n=1)
     return f" (did you mean `{match[0]}`?)" if match else ""
 
 
 def _convert(name, value):
     """`value` (a string from the command line, or a JSON value) as the type of `name`."""
-    default = DEFAULTS[name]
-    kind = type(default)
+    kind = type(DEFAULTS[name])
     if isinstance(value, str) and kind is not str:
         text = value.strip()
         if kind is bool:
-            lowered = text.lower()
-            if lowered in ("true", "1", "yes"):
-                return True
-            if lowered in ("false", "0", "no"):
-                return False
-            raise HParamsError(f"`{name}` must be true or false, got {value!r}")
+            if text.lower() not in ("true", "1", "yes", "false", "0", "no"):
+                raise HParamsError(f"`{name}` must be true or false, got {value!r}")
+            return text.lower() in ("true", "1", "yes")
         try:
             return kind(float(text)) if kind is int and float(text).is_integer() else kind(text)
         except ValueError:
@@ -153,11 +140,8 @@ def _parse_part(part):
         if not os.path.isfile(part):
             raise HParamsError(f"--hparams: no such JSON file: {part}")
         return _read_json(part)
-    match = difflib.get_close_matches(part, list(PRESETS), n=1)
-    hint = f" (did you mean `{match[0]}`?)" if match else ""
-    raise HParamsError(
-        f"--hparams: {part!r} is neither a preset ({', '.join(PRESETS)}){hint}, a JSON file "
-        "nor key=value")
+    raise HParamsError(f"--hparams: {part!r} is neither a preset ({', '.join(PRESETS)})"
+                       f"{_closest(part, PRESETS)}, a JSON file nor key=value")
 
 
 def parse(spec="", overrides=None):
@@ -207,10 +191,10 @@ def check(hparams):
     if hparams["num_heads"] > 0 and hparams["d_model"] % hparams["num_heads"]:
         problems.append(f"`d_model` ({hparams['d_model']}) must be divisible by `num_heads` "
                         f"({hparams['num_heads']})")
-    if hparams["batch_tokens"] and hparams["batch_tokens"] < max(hparams["maxlen1"],
-                                                                 hparams["maxlen2"]):
+    longest = max(hparams["maxlen1"], hparams["maxlen2"])
+    if hparams["batch_tokens"] and hparams["batch_tokens"] < longest:
         problems.append(f"`batch_tokens` ({hparams['batch_tokens']}) must be 0 or at least the "
-                        f"longest sequence ({max(hparams['maxlen1'], hparams['maxlen2'])})")
+                        f"longest sequence ({longest})")
     return problems
 
 
@@ -232,7 +216,7 @@ def from_args(args):
 
 
 def save(hparams, path):
-    """Writes `hparams` to `path` as JSON, atomically (never a half-written file)."""
+    """Writes `hparams` to `path` as JSON, atomically."""
     write_text(path, json.dumps(hparams, indent=2, sort_keys=True) + "\n")
 
 
@@ -260,11 +244,9 @@ class ArgumentParser(argparse.ArgumentParser):
                     match = difflib.get_close_matches(word.split("=")[0], flags, n=1)
                     hint = f" (did you mean {match[0]}?)" if match else " (see --help)"
                     problems.append(f"unknown flag {word}{hint}")
-                    after_flag = True
                 elif not after_flag:  # a value right after an unknown flag is its value
                     problems.append(f"unexpected argument {word!r}")
-                else:
-                    after_flag = False
+                after_flag = word.startswith("-")
             self.error("; ".join(problems))
         return parsed
 

@@ -2,11 +2,9 @@
 
     python train.py --hparams small --data_dir ../shared/data/multi30k --logdir log/small
 
-Re-running the same command after a crash (or `kill -9`) resumes from the last
-checkpoint. SIGTERM or SIGINT stops the run after an update with a checkpoint
-(exit status 75). A run holds its logdir's lock: a second run on it is
-refused. A logdir trained with other hyperparameters is refused unless
-``--overwrite`` (which moves the old logdir aside; nothing is deleted).
+Re-running the same command after a crash resumes from the last checkpoint; SIGTERM or SIGINT
+stops after an update with a checkpoint (exit status 75). A run holds its logdir's lock. A logdir
+trained with other hyperparameters is refused unless ``--overwrite`` (which moves it aside).
 """
 
 import atexit
@@ -40,19 +38,17 @@ from kyu_transformer.workers import (  # noqa: E402
 RESUMABLE = ("num_epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
              "eval_sentences", "eval_batch_size", "jit_compile", "xla_loss", "steps_per_epoch",
              "fast_paths")
-# The exit status of a run stopped by SIGTERM or SIGINT after saving a checkpoint
-# (EX_TEMPFAIL: run the same command again to resume).
-STOPPED_BY_SIGNAL = 75
+STOPPED_BY_SIGNAL = 75  # after SIGTERM or SIGINT and a checkpoint (EX_TEMPFAIL: run it again)
 _HELD = []  # what this process keeps for its whole life: the logdir's lock
 
 
 def parse_args(argv):
-    parser = hp.argument_parser(__doc__.splitlines()[1])
+    parser = hp.argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--strategy", default="auto", choices=STRATEGIES,
                         help="tf.distribute strategy (multi_worker reads TF_CONFIG)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="start afresh in a logdir trained with other hyperparameters "
-                             "(the old logdir is moved to <logdir>.old-<time>)")
+                        help="start afresh in a logdir trained otherwise (moving the old one to "
+                             "<logdir>.old-<time>)")
     parser.add_argument("--deterministic", action="store_true",
                         help="TensorFlow op determinism: identical runs for the same seed")
     return parser.parse_args(argv)
@@ -69,11 +65,8 @@ def hold_logdir(logdir):
 
 
 def settle_logdir(hparams, overwrite):
-    """The hparams to train with: the logdir's own when resuming, else the given ones.
-
-    A logdir trained with other hyperparameters, or on another corpus, is
-    refused; with `overwrite` it is moved aside (nothing is deleted).
-    """
+    """The hparams to train with: the logdir's own when resuming, else the given ones. A logdir
+    of other hyperparameters or another corpus is refused, or with `overwrite` moved aside."""
     logdir = hparams["logdir"]
     if overwrite and set(os.listdir(logdir)) - {filenames.LOCK}:
         print(f"--overwrite: moved the old logdir to {copy_aside(logdir, keep=(filenames.LOCK,))}")
@@ -109,23 +102,6 @@ def corpus_fingerprint(hparams):
     return data.fingerprint(hparams["data_dir"], "train", hparams["src_lang"], hparams["tgt_lang"])
 
 
-def record_run(hparams):
-    """Writes `hparams.json` and `corpus.json` (the training files' digests) the first time."""
-    records = ((filenames.HPARAMS, hparams), (filenames.CORPUS, corpus_fingerprint(hparams)))
-    for name, value in records:
-        path = os.path.join(hparams["logdir"], name)
-        if not os.path.isfile(path):
-            hp.save(value, path)
-
-
-def prepare_data_dir(data_dir):
-    if not os.path.exists(data_dir) and os.path.normpath(data_dir) == os.path.normpath(
-            hp.DEFAULTS["data_dir"]):
-        print(f"{data_dir} is missing: downloading Multi30k")
-        data.ensure_multi30k(data_dir)
-    data.check_data_dir(data_dir)
-
-
 def subword_dir(logdir, chief):
     """Where the subword model is read or trained: the logdir, except on a worker that
     cannot see one there yet (it trains the same model, deterministically, apart)."""
@@ -139,43 +115,40 @@ def subword_dir(logdir, chief):
 def prepare_run(args, strategy, chief):
     """``(hparams, corpus)``: the logdir settled, the subword model ready.
 
-    The chief goes first: it takes the logdir's lock (held until the process
-    ends), and it alone downloads a missing corpus, moves an old
-    logdir aside (``--overwrite``) and writes the subword model and
-    `hparams.json`; the other workers wait for it, then read what it wrote
-    (on a shared file system) or make the same themselves, and every worker
-    checks that it agrees with the chief. A worker that fails on the way
-    says so at the next barrier, so that none waits for it in a collective.
+    The chief goes first: it alone takes the lock (until the process ends), downloads a missing
+    corpus, moves an old logdir aside and writes the subword model and `hparams.json`; then the
+    others read or remake them, and all check that they agree with it. A worker that fails says
+    so at the next barrier, so that none waits for it in a collective.
     """
     state = {}
 
     def chief_part():
-        state["hparams"] = hp.from_args(args)
+        state["hparams"] = hparams = hp.from_args(args)
         if chief:
-            state["lock"] = hold_logdir(state["hparams"]["logdir"])
-            prepare_data_dir(state["hparams"]["data_dir"])
-            state["hparams"], state["corpus"] = prepare_logdir(state["hparams"], args.overwrite,
-                                                               chief)
+            state["lock"] = hold_logdir(hparams["logdir"])
+            state["hparams"], state["corpus"] = prepare_logdir(hparams, args.overwrite, True)
 
     def worker_part():
         if not chief:
-            prepare_data_dir(state["hparams"]["data_dir"])
-            state["hparams"], state["corpus"] = prepare_logdir(state["hparams"], False, chief)
+            state["hparams"], state["corpus"] = prepare_logdir(state["hparams"], False, False)
 
     barrier(strategy, failure_of(chief_part, strategy))  # the chief has written what it had to
     barrier(strategy, failure_of(worker_part, strategy))  # every worker has hparams and subwords
     hparams, corpus = state["hparams"], state["corpus"]
     _HELD.append(state.get("lock"))  # the lock lives as long as the process
     if is_multi_worker(strategy):
-        # A worker that cannot read the chief's hparams.json still has `auto`: it takes
-        # the chief's choice (every worker joins the collective).
+        # A worker without the chief's hparams.json still has `auto`: it takes the chief's choice.
         chosen = chief_choice(strategy, hparams["mixed_precision"], hp.CHOICES["mixed_precision"])
         if hparams["mixed_precision"] == AUTO:
             hparams["mixed_precision"] = chosen
         digests = {f"hyperparameter {key}": short_digest(json.dumps(value))
                    for key, value in sorted(hparams.items()) if key not in ("logdir", "data_dir")}
         digests["corpus"] = short_digest(json.dumps(corpus_fingerprint(hparams), sort_keys=True))
-        digests["subword vocabulary"] = subword_digest(corpus.subwords)
+        # Pieces and scores: the model file also holds the path it was trained in, which differs.
+        processor = corpus.subwords.processor
+        digests["subword vocabulary"] = short_digest(json.dumps(
+            [(processor.id_to_piece(i), processor.get_score(i))
+             for i in range(processor.get_piece_size())]))
         check_agreement(strategy, digests=digests)
     return hparams, corpus
 
@@ -196,29 +169,27 @@ def failure_of(step, strategy):
     return None
 
 
-def subword_digest(subwords):
-    """A digest of the subword vocabulary (pieces and scores; the model file also holds
-    the path it was trained in, which differs between workers)."""
-    processor = subwords.processor
-    return short_digest(json.dumps([(processor.id_to_piece(i), processor.get_score(i))
-                                    for i in range(processor.get_piece_size())]))
-
-
 def prepare_logdir(hparams, overwrite, chief):
+    """``(hparams, corpus)``: the data folder checked (the default one downloaded if missing),
+    the logdir settled; the chief also writes `hparams.json` and `corpus.json` the first time."""
+    data_dir = hparams["data_dir"]
+    if not os.path.exists(data_dir) and os.path.normpath(data_dir) == os.path.normpath(
+            hp.DEFAULTS["data_dir"]):
+        print(f"{data_dir} is missing: downloading Multi30k")
+        data.ensure_multi30k(data_dir)
+    data.check_data_dir(data_dir)
     hparams = settle_logdir(hparams, overwrite)
-    logdir = hparams["logdir"]
     if chief:  # the others take the chief's choice (`prepare_run`)
         hparams["mixed_precision"] = resolve_precision(hparams["mixed_precision"], hparams)
-    corpus = Corpus(hparams["data_dir"], subword_dir(logdir, chief), hparams)
-    if chief:
-        record_run(hparams)
+    corpus = Corpus(hparams["data_dir"], subword_dir(hparams["logdir"], chief), hparams)
+    if not chief:
+        return hparams, corpus
+    for name, value in ((filenames.HPARAMS, hparams),
+                        (filenames.CORPUS, corpus_fingerprint(hparams))):
+        path = os.path.join(hparams["logdir"], name)
+        if not os.path.isfile(path):
+            hp.save(value, path)
     return hparams, corpus
-
-
-def resume_command(argv):
-    """The command that resumes this run (without --overwrite, which would start afresh)."""
-    arguments = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg != "--overwrite"]
-    return shlex.join(["python", sys.argv[0] if argv is None else "train.py", *arguments])
 
 
 def make_trainer(hparams, corpus, strategy, deterministic):
@@ -245,8 +216,7 @@ def out_of_space_line(error, logdir):
 
 
 def main(argv=None):
-    # Before training (and after it), SIGTERM stops the run as Ctrl-C does; while
-    # training, the trainer takes both as requests to stop after an update.
+    # Outside training SIGTERM acts as Ctrl-C; in it, both ask the trainer to stop after an update.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return train(argv)
@@ -289,8 +259,12 @@ def report(result, trainer, logdir, minutes, argv):
         print(f"resumed from {result['resumed_from']}")
     if result["stopped"] not in ("done", "time"):
         saved = result["checkpoint"] or "the chief's checkpoint"
+        # The command that resumes: without --overwrite, which would start afresh.
+        arguments = [arg for arg in (sys.argv[1:] if argv is None else argv)
+                     if arg != "--overwrite"]
+        resume = shlex.join(["python", sys.argv[0] if argv is None else "train.py", *arguments])
         print(f"stopped by {result['stopped']} after step {result['steps']}; saved {saved}. "
-              f"Resume with: {resume_command(argv)}", flush=True)
+              f"Resume with: {resume}", flush=True)
         return STOPPED_BY_SIGNAL
     print(f"{result['stopped']}: {result['epochs']} epochs, {result['steps']} steps in "
           f"{minutes:.1f} min; last loss {result['last_loss']}; logdir {logdir}")
