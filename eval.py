@@ -7,7 +7,7 @@
     python eval.py --logdir log/small --ctranslate2 exported/ct2 --beam_size 4
 
 The model, its hyperparameters and its subword model come from the logdir; the outputs go to
-<logdir>/eval/<name>.* (hyp.txt, json, nbest.jsonl, scores.jsonl: see docs/evaluation.md).
+<logdir>/eval/<name>.* (hyp.txt, json, nbest.jsonl, scores.jsonl: README and docs/evaluation.md).
 """
 
 import filecmp

@@ -44,8 +44,10 @@ SPEC = {
     "steps_per_epoch": (0, "cap on the steps of an epoch; 0: the whole training set"),
     "max_minutes": (0.0, "stop cleanly after this many minutes of training; 0: no limit"),
     "seed": (42, "seed of initialization, shuffling and dropout"),
-    "mixed_precision": ("no", "no, bf16 (CPU/TPU), fp16 (GPU, loss scaling), or auto: chosen "
-                              "for this machine and saved as chosen"),
+    "mixed_precision": ("no", "no, bf16 (CPU/TPU), fp16 (GPU, with loss scaling), or auto: "
+                              "chosen for this machine (GPU: bf16 where native, else fp16; "
+                              "CPU: bf16 where its matrix products measure 1.2x faster) and "
+                              "saved as chosen"),
     "jit_compile": (False, "compile the training step with XLA"),
     "xla_loss": (True, "compile the loss alone with XLA (a fast path: off without fast_paths)"),
     "logdir": ("log/default", "where checkpoints, summaries, plots and the subword model go"),

@@ -107,8 +107,9 @@ def main():
     require_data(args.data_dir)
 
     import hparams as hp
+    from kyu_transformer import filenames
 
-    hparams = hp.load(os.path.join(args.logdir, "hparams.json"))
+    hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
     sources = load_split(args)[0]
     exports = tempfile.mkdtemp(prefix="export-speed-")
     try:
@@ -151,7 +152,7 @@ def measure(args):
     from kyu_transformer import data, filenames
 
     name, exports = args.measure.split(":", 1)
-    hparams = hp.load(os.path.join(args.logdir, "hparams.json"))
+    hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
     subwords = data.Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
     sources, references = load_split(args)
     if name == "ours (Translator)":

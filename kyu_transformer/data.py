@@ -226,7 +226,7 @@ class Subwords:
                 pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
                 num_threads=2, minloglevel=2)
             # The .vocab first, the .model last: a model file only ever stands complete.
-            os.replace(prefix + ".vocab", path[:-len(".model")] + ".vocab")
+            os.replace(prefix + ".vocab", os.path.join(directory, filenames.SUBWORDS_VOCABULARY))
             os.replace(prefix + ".model", path)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

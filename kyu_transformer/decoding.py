@@ -52,7 +52,7 @@ def _limits(max_length, batch):
 
 # Beam layout: a sentence's `K` hypotheses share its self-attention cache, slot ``l * K + j``
 # holding position `l` of the hypothesis `j`-th when made. The cache is never reordered;
-# `history` `(N, K, l * K)`, the slots each hypothesis descends from, is (`_self_mask`).
+# `history` `(N, K, l * K)` marks the slots each hypothesis descends from (`_self_mask`).
 
 
 def own_history(length, hypotheses):

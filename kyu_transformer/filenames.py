@@ -1,9 +1,11 @@
 """Every file and folder name the programs write (and the libraries' names they look for).
 
-A training logdir (train.py) holds `HPARAMS`, `CORPUS`, `SUBWORDS`, `CHECKPOINTS/`, `BEST_WEIGHTS`
-with `BEST_RECORD`, `HISTORY`, `TENSORBOARD/`, `MODEL`, the `PLOTS` and `LOCK`; eval.py writes into
-`EVAL/` the files `evaluation_file` names; export.py writes a SavedModel with `SAVED_MODEL_SETTINGS`
-or a CTranslate2 model with `CTRANSLATE2_SETTINGS` and `SUBWORDS`.
+A training logdir (train.py) holds `HPARAMS`, `CORPUS`, `SUBWORDS` (and `SUBWORDS_VOCABULARY`),
+`CHECKPOINTS/`, `BEST_WEIGHTS` with `BEST_RECORD`, `HISTORY`, `TENSORBOARD/`, `MODEL`, the `PLOTS`
+and `LOCK` (`ASIDE`: where --overwrite moves it); eval.py writes into `EVAL/` the files
+`evaluation_file` names; export.py writes a SavedModel with `SAVED_MODEL_SETTINGS` or a
+CTranslate2 model with `CTRANSLATE2_SETTINGS` and `SUBWORDS`. Temporary names (staging folders
+renamed into place) stay beside the code that makes and renames them.
 """
 
 import os
@@ -11,11 +13,12 @@ import os
 HPARAMS = "hparams.json"  # the run's hyperparameters, read by eval.py and export.py
 CORPUS = "corpus.json"  # digests of the training files, checked when a run resumes
 SUBWORDS = "subwords.model"  # the sentencepiece model
+SUBWORDS_VOCABULARY = "subwords.vocab"  # its pieces and scores, readable, beside it
 SUBWORDS_PREFIX = "subwords"  # sentencepiece's model_prefix while it trains
 CHECKPOINTS = "checkpoints"  # the rolling checkpoints
 CHECKPOINT_PREFIX = "ckpt"  # TensorFlow's CheckpointManager names them ckpt-<step>
 CHECKPOINT_INDEX = "checkpoint"  # ... and lists them in this file
-CORRUPT = "corrupt"  # inside CHECKPOINTS: unreadable checkpoints moved aside
+CORRUPT = "corrupt"  # inside CHECKPOINTS: unreadable checkpoints moved aside as <name>.<time>
 BEST_WEIGHTS = "best.weights.h5"  # the weights of the best validation BLEU
 BEST_RECORD = "best.json"  # which step and BLEU they are
 HISTORY = "history.jsonl"  # one record per logged step and evaluation
@@ -23,6 +26,7 @@ TENSORBOARD = "train"  # TensorBoard's event files
 MODEL = "model.keras"  # the trained model, saved by Keras
 PLOTS = {"loss": "loss.png", "lr": "lr.png", "bleu": "bleu.png"}
 LOCK = ".lock"  # held while a run writes the logdir
+ASIDE = "{}.old-{}"  # train.py --overwrite moves a logdir's contents to <logdir>.old-<time>
 EVAL = "eval"  # eval.py's outputs
 
 # eval.py's files for an evaluation <name> (`evaluation_file`).

@@ -195,7 +195,7 @@ def copy_aside(path, keep=()):
     `keep` names entries that stay (the lock of the run that moves the rest).
     """
     path = os.path.normpath(path)  # "log/x/": the copy goes beside it, not into it
-    stem = f"{path}.old-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = filenames.ASIDE.format(path, time.strftime('%Y%m%d-%H%M%S'))
     aside, number = stem, 1
     while os.path.exists(aside):  # twice in one second: never move into the older copy
         number += 1
