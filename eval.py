@@ -8,6 +8,8 @@
 
 The model, its hyperparameters and its subword model come from the logdir; the outputs go to
 <logdir>/eval/<name>.* (hyp.txt, json, nbest.jsonl, scores.jsonl: README and docs/evaluation.md).
+The flags, the logdir's files and the inputs are checked before the model and TensorFlow load
+(`load_translator`): a mistake costs no start-up.
 """
 
 import filecmp
@@ -21,13 +23,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
 from kyu_transformer import data, filenames  # noqa: E402
-from kyu_transformer.checkpoints import (  # noqa: E402
-    CheckpointError, add_checkpoint_arguments, check_checkpoint_arguments, describe, load_model)
-from kyu_transformer.translation import (  # noqa: E402
-    Translator, add_search_arguments, given_search_flags, search_settings)
-from kyu_transformer.evaluation import score  # noqa: E402
 from kyu_transformer.files import (  # noqa: E402
     replaced_atomically, stops_cleanly_when_full, write_text)
+from kyu_transformer.flags import (  # noqa: E402
+    add_checkpoint_arguments, add_search_arguments, check_checkpoint_arguments,
+    given_search_flags, search_settings)
 from kyu_transformer.precision import AUTO, resolve_precision, set_precision  # noqa: E402
 
 
@@ -134,6 +134,8 @@ def plot_attention(model, settings, subwords, sources, count, out_dir, name):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from kyu_transformer.translation import Translator
+
     # Coverage is recorded by greedy search.
     translator = Translator(model, beam_size=1, length_margin=settings.length_margin,
                             batch_size=settings.batch_size)
@@ -196,24 +198,35 @@ def load_translator(args, hparams):
     """``(translator, facts for the json)``: of the logdir's model, or of --ctranslate2 DIR."""
     if args.ctranslate2:
         return load_ctranslate2(args)
+    from kyu_transformer.checkpoints import CheckpointError, describe, load_model
+    from kyu_transformer.translation import Translator
+
     choice = {}
     # On standard error: with `--src -`, standard output holds the translations only.
     precision = resolve_precision(args.mixed_precision or AUTO, hparams,
                                   log=lambda line: choice.update(precision_choice=line) or
                                   print(line, file=sys.stderr))
     set_precision(precision)
-    model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
+    try:
+        model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
+    except CheckpointError as error:
+        raise data.DataError(str(error)) from None
     translator = Translator(model, args.settings)
     return translator, {"engine": "keras", "checkpoint": describe(checkpoints),
                         "checkpoints": checkpoints, "mixed_precision": precision, **choice}
 
 
-def write_scores(translator, subwords, sources, source_file, args, out_dir, name):
-    """Writes <name>.scores.jsonl (the model's score of each --score line) and sums it up."""
+def read_score_file(args, sources, source_file):
+    """The lines of --score FILE, one per source line."""
     targets = data.read_lines(args.score)
     if len(targets) != len(sources):
         raise data.DataError(f"{args.score} has {len(targets)} lines but {source_file} has "
                              f"{len(sources)}: --score needs one translation per source line")
+    return targets
+
+
+def write_scores(translator, subwords, sources, targets, out_dir, name):
+    """Writes <name>.scores.jsonl (the model's score of each --score line) and sums it up."""
     scored, truncated_sources = translator.score_ids(subwords.encode(sources),
                                                      subwords.encode(targets))
     rows = [{"source": source, "target": target, **result._asdict()}
@@ -248,18 +261,20 @@ def main(argv=None):
     try:
         hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
         subwords = data.Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
+        if args.src != "-":
+            name, sources, references, source_file = load_inputs(args, hparams)
+            targets = read_score_file(args, sources, source_file) if args.score else None
         translator, facts = load_translator(args, hparams)
-        if args.src == "-":  # line by line, as it comes
-            for line in sys.stdin:
-                print(translator.translate([data.normalize_line(line)], subwords)[0], flush=True)
-            return 0
-        name, sources, references, source_file = load_inputs(args, hparams)
-        out_dir = os.path.join(args.logdir, filenames.EVAL)
-        if args.score:
-            write_scores(translator, subwords, sources, source_file, args, out_dir, name)
-            return 0
-    except (hp.HParamsError, data.DataError, CheckpointError) as error:
+    except (hp.HParamsError, data.DataError) as error:
         raise SystemExit(f"error: {error}")
+    if args.src == "-":  # line by line, as it comes
+        for line in sys.stdin:
+            print(translator.translate([data.normalize_line(line)], subwords)[0], flush=True)
+        return 0
+    out_dir = os.path.join(args.logdir, filenames.EVAL)
+    if args.score:
+        write_scores(translator, subwords, sources, targets, out_dir, name)
+        return 0
     os.makedirs(out_dir, exist_ok=True)
     translations, hypotheses, decode_seconds = write_translations(
         translator, facts, subwords, sources, args, out_dir, name)
@@ -268,6 +283,8 @@ def main(argv=None):
                                    args.plot_attention, out_dir, name):
             print(f"attention: {path}")
     if references is not None:
+        from kyu_transformer.evaluation import score
+
         result = score(hypotheses, references)
         result.update(**facts, **search_record(args.settings), n_best=args.n_best,
                       truncated_sources=translations.truncated_sources,

@@ -7,7 +7,8 @@
 The model, hparams and subword model come from the logdir as for eval.py; decoding is float32
 unless --mixed_precision says otherwise. The SavedModel maps sentences to translations, the search
 in its graph (kyu_transformer/serving.py). --overwrite replaces an earlier export in --out, once
-the new one is complete. docs/export.md describes both formats.
+the new one is complete. docs/export.md describes both formats. The flags, --out and the logdir's
+files are checked before the model and TensorFlow load (`load`).
 """
 
 import json
@@ -19,12 +20,11 @@ import tempfile
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import ctranslate2_export, data, filenames, serving  # noqa: E402
-from kyu_transformer.checkpoints import (  # noqa: E402
-    CheckpointError, add_checkpoint_arguments, check_checkpoint_arguments, describe, load_model)
-from kyu_transformer.translation import (  # noqa: E402
-    SAMPLING_FLAGS, SEARCH_FLAGS, add_search_arguments, given_search_flags, search_settings)
+from kyu_transformer import data, filenames  # noqa: E402
 from kyu_transformer.files import stops_cleanly_when_full  # noqa: E402
+from kyu_transformer.flags import (  # noqa: E402
+    QUANTIZATIONS, SAMPLING_FLAGS, SEARCH_FLAGS, add_checkpoint_arguments, add_search_arguments,
+    check_checkpoint_arguments, given_search_flags, search_settings)
 from kyu_transformer.precision import (  # noqa: E402
     PRECISION_POLICIES, resolve_precision, set_precision)
 
@@ -49,7 +49,7 @@ def parse_args(argv):
     parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
                         help="precision of decoding (default no: float32, since the serving "
                              "machine is not known; auto chooses for this machine)")
-    parser.add_argument("--quantization", default=None, choices=ctranslate2_export.QUANTIZATIONS,
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                         help="weight type of --format ctranslate2 (default float32)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty --out (once the new export is complete)")
@@ -147,10 +147,15 @@ def load(args):
     try:
         hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
         subwords = data.Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
-        precision = resolve_precision(args.mixed_precision or "no", hparams)
-        set_precision(precision)
+    except (hp.HParamsError, data.DataError) as error:
+        raise SystemExit(f"error: {error}") from None
+    from kyu_transformer.checkpoints import CheckpointError, load_model
+
+    precision = resolve_precision(args.mixed_precision or "no", hparams)
+    set_precision(precision)
+    try:
         model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
-    except (hp.HParamsError, data.DataError, CheckpointError) as error:
+    except CheckpointError as error:
         raise SystemExit(f"error: {error}") from None
     return hparams, subwords, model, checkpoints, precision
 
@@ -158,6 +163,9 @@ def load(args):
 def write_saved_model(args, model, subwords, checkpoints, precision, target):
     """Writes the SavedModel to `target` (not existing yet) with a record of its settings;
     returns the names of its signatures (without tensorflow-text, the ids one only)."""
+    from kyu_transformer import serving
+    from kyu_transformer.checkpoints import describe
+
     signatures = serving.save(model, subwords.path, args.settings, target, sampling=args.sampling,
                               with_text=serving.import_tensorflow_text() is not None)
     settings, sampling = args.settings, args.sampling
@@ -182,6 +190,9 @@ def write_saved_model(args, model, subwords, checkpoints, precision, target):
 
 def print_saved_model_usage(out, signatures, args, checkpoints, precision):
     """Says what was written and how to call it, load it and serve it."""
+    from kyu_transformer import serving
+    from kyu_transformer.checkpoints import describe
+
     settings, sampling = args.settings, args.sampling
     search = (f"beam {settings.beam_size}, alpha {settings.alpha}" if settings.beam_size > 1
               else f"greedy, alpha {settings.alpha} for the scores")
@@ -214,6 +225,8 @@ def print_saved_model_usage(out, signatures, args, checkpoints, precision):
 
 def print_ctranslate2_usage(out, args, checkpoints):
     """Says what was written and how to translate with it."""
+    from kyu_transformer.checkpoints import describe
+
     print(f"wrote a CTranslate2 model to {out}: checkpoint {describe(checkpoints)}, weights "
           f"{args.quantization or 'float32'}")
     print("translate and score a split or a file with it (search settings given here):")
@@ -232,6 +245,8 @@ def main(argv=None):
     args = parse_args(argv)
     check_out(args.out, args.overwrite, args.logdir)
     hparams, subwords, model, checkpoints, precision = load(args)
+    from kyu_transformer import ctranslate2_export
+
     staging = staging_dir(args.out)
     try:
         target = os.path.join(staging, "new")

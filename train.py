@@ -5,6 +5,9 @@
 Re-running the same command after a crash resumes from the last checkpoint; SIGTERM or SIGINT
 stops after an update with a checkpoint (exit status 75). A run holds its logdir's lock. A logdir
 trained with other hyperparameters is refused unless ``--overwrite`` (which moves it aside).
+Flags, hparams, the data folder and the logdir are checked before TensorFlow loads
+(`check_before_tensorflow`; the modules on TensorFlow are imported in the functions that use
+them): a mistake costs no start-up.
 """
 
 import atexit
@@ -21,18 +24,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
 from kyu_transformer import data, filenames  # noqa: E402
-from kyu_transformer.corpus import Corpus  # noqa: E402
-from kyu_transformer.checkpoints import CheckpointError, list_checkpoints  # noqa: E402
-from kyu_transformer.evaluation import ValidationBleu  # noqa: E402
-from kyu_transformer.files import as_out_of_space, is_out_of_space  # noqa: E402
+from kyu_transformer.files import as_out_of_space, copy_aside, is_out_of_space  # noqa: E402
+from kyu_transformer.flags import STRATEGIES  # noqa: E402
 from kyu_transformer.logdir_lock import LogdirBusy, LogdirLock  # noqa: E402
 from kyu_transformer.precision import AUTO, resolve_precision  # noqa: E402
-from kyu_transformer.distribution import STRATEGIES, is_chief, make_strategy  # noqa: E402
-from kyu_transformer.resumption import copy_aside  # noqa: E402
-from kyu_transformer.seeding import seed_everything  # noqa: E402
-from kyu_transformer.training import Trainer, TrainingError, weights_digest  # noqa: E402
-from kyu_transformer.workers import (  # noqa: E402
-    WorkerDisagreement, barrier, check_agreement, chief_choice, is_multi_worker, short_digest)
 
 # Hyperparameters that may change when a run is resumed: none changes the model or the data.
 RESUMABLE = ("num_epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
@@ -120,6 +115,9 @@ def prepare_run(args, strategy, chief):
     others read or remake them, and all check that they agree with it. A worker that fails says
     so at the next barrier, so that none waits for it in a collective.
     """
+    from kyu_transformer.workers import (
+        barrier, check_agreement, chief_choice, is_multi_worker, short_digest)
+
     state = {}
 
     def chief_part():
@@ -155,6 +153,8 @@ def prepare_run(args, strategy, chief):
 
 def failure_of(step, strategy):
     """Runs `step()`; returns None, or the message of the error that stopped it."""
+    from kyu_transformer.workers import is_multi_worker
+
     try:
         step()
     except SystemExit as error:
@@ -172,9 +172,10 @@ def failure_of(step, strategy):
 def prepare_logdir(hparams, overwrite, chief):
     """``(hparams, corpus)``: the data folder checked (the default one downloaded if missing),
     the logdir settled; the chief also writes `hparams.json` and `corpus.json` the first time."""
+    from kyu_transformer.corpus import Corpus
+
     data_dir = hparams["data_dir"]
-    if not os.path.exists(data_dir) and os.path.normpath(data_dir) == os.path.normpath(
-            hp.DEFAULTS["data_dir"]):
+    if to_download(data_dir):
         print(f"{data_dir} is missing: downloading Multi30k")
         data.ensure_multi30k(data_dir)
     data.check_data_dir(data_dir)
@@ -193,6 +194,10 @@ def prepare_logdir(hparams, overwrite, chief):
 
 
 def make_trainer(hparams, corpus, strategy, deterministic):
+    from kyu_transformer.evaluation import ValidationBleu
+    from kyu_transformer.seeding import seed_everything
+    from kyu_transformer.training import Trainer
+
     seed_everything(hparams["seed"], deterministic)
     print(f"strategy: {type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)")
     hooks = []
@@ -206,6 +211,8 @@ def make_trainer(hparams, corpus, strategy, deterministic):
 
 def out_of_space_line(error, logdir):
     """The one line a run stopped by a full disk ends with."""
+    from kyu_transformer.checkpoints import list_checkpoints
+
     try:
         newest = list_checkpoints(logdir) if logdir and os.path.isdir(logdir) else []
     except ValueError:  # an index cut short
@@ -233,8 +240,35 @@ def main(argv=None):
                 lock.release()
 
 
+def check_before_tensorflow(args):
+    """Refuses at once what a run of one process would refuse as it starts: its hparams, its
+    data folder, a logdir trained otherwise. (In a cluster each worker reports its own at a
+    barrier instead, so that none waits for another.)"""
+    try:
+        hparams = hp.from_args(args)
+        if not to_download(hparams["data_dir"]):
+            data.check_data_dir(hparams["data_dir"])
+        if not args.overwrite and os.path.isdir(hparams["logdir"]):
+            settle_logdir(hparams, overwrite=False)
+    except (hp.HParamsError, data.DataError) as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+def to_download(data_dir):
+    """Whether `data_dir` is the default one and missing: Multi30k is downloaded there."""
+    return not os.path.exists(data_dir) and (
+        os.path.normpath(data_dir) == os.path.normpath(hp.DEFAULTS["data_dir"]))
+
+
 def train(argv):
     args = parse_args(argv)
+    if args.strategy != "multi_worker":
+        check_before_tensorflow(args)
+    from kyu_transformer.checkpoints import CheckpointError
+    from kyu_transformer.distribution import is_chief, make_strategy
+    from kyu_transformer.training import TrainingError
+    from kyu_transformer.workers import WorkerDisagreement
+
     # Multi-worker collectives must be set up before TensorFlow runs anything else.
     strategy = make_strategy(args.strategy)
     chief, hparams = is_chief(strategy), {}
@@ -255,6 +289,8 @@ def train(argv):
 
 def report(result, trainer, logdir, minutes, argv):
     """Prints how the run ended; returns the exit status."""
+    from kyu_transformer.training import weights_digest
+
     if result["resumed_from"]:
         print(f"resumed from {result['resumed_from']}")
     if result["stopped"] not in ("done", "time"):

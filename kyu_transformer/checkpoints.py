@@ -54,26 +54,6 @@ def model_weights(model):
     return {variable.path.split("/", 1)[1]: variable for variable in model.weights}
 
 
-def add_checkpoint_arguments(parser):
-    """The flags by which eval.py and export.py choose a logdir's weights (an argparse parser)."""
-    parser.add_argument("--logdir", required=True, help="a logdir written by train.py")
-    parser.add_argument("--ckpt", default=None,
-                        help="checkpoint path, or 'best' (best validation BLEU); "
-                             "default: the latest")
-    parser.add_argument("--average_last", type=int, default=0, metavar="N",
-                        help="average the weights of the last N checkpoints (all N must "
-                             "exist; not with --ckpt)")
-
-
-def check_checkpoint_arguments(parser, args):
-    """Stops with the parser's error for checkpoint flags that `load_model` would refuse."""
-    if args.average_last < 0:
-        parser.error(f"--average_last must be at least 0, got {args.average_last}")
-    if args.ckpt and args.average_last:
-        parser.error(f"--ckpt ({args.ckpt}) and --average_last ({args.average_last}) exclude "
-                     "each other: give one checkpoint, or the number of last ones to average")
-
-
 def checkpoint_dir(logdir):
     return os.path.join(logdir, filenames.CHECKPOINTS)
 

@@ -1,6 +1,6 @@
 """A parallel corpus made ready for training: subwords, ids, batches."""
 
-from kyu_transformer import data
+from kyu_transformer import data, pipeline
 
 
 class Corpus:
@@ -30,7 +30,7 @@ class Corpus:
     def train_batches(self, epoch):
         """The global batches of `epoch`: shuffled with ``seed + epoch``."""
         sources, targets_in, targets_out, _ = self.train
-        return data.make_dataset(
+        return pipeline.make_dataset(
             sources, targets_in, targets_out, self.hparams["batch_size"],
             self.hparams["batch_tokens"], max(self.hparams["maxlen1"], self.hparams["maxlen2"]),
             shuffle=True, seed=self.hparams["seed"] + epoch)

@@ -22,16 +22,16 @@ import uuid
 import keras
 import numpy as np
 
-# Named apart: `length_penalty` is also CTranslate2's own option in this module.
 from kyu_transformer import filenames
 from kyu_transformer.decoding import NO_HYPOTHESIS_SCORE
+# Named apart: `length_penalty` is also CTranslate2's own option in this module.
 from kyu_transformer.decoding import length_penalty as gnmt_penalty
+from kyu_transformer.flags import QUANTIZATIONS
 from kyu_transformer.layers import ScaledDotProductAttention, sinusoid_table
+from kyu_transformer.search_settings import SearchSettings
 from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from kyu_transformer.translation import Engine, SearchSettings
+from kyu_transformer.translation import Engine
 
-# The weight types of CTranslate2's CPU wheel.
-QUANTIZATIONS = ("float32", "int8", "int8_float32")
 # Feed-forward activations by Keras name, and CTranslate2's name of each
 # (`ctranslate2.specs.Activation`; Keras' gelu is the exact, erf one).
 ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "silu": "SWISH", "swish": "SWISH"}

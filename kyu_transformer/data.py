@@ -1,9 +1,10 @@
-"""Parallel text in, batches of padded subword ids out.
+"""Parallel text in, subword ids out.
 
 Sentence-aligned text, plain or ``.gz`` (`read_lines`, `read_parallel`); a corpus folder's
 splits in the plain layout (``<split>.<lang>[.gz]``, e.g. Multi30k) or IWSLT 2016's
 (`load_split`); the Multi30k download (`ensure_multi30k`); a joint SentencePiece model
-(`Subwords`); the tf.data pipeline (`make_dataset`).
+(`Subwords`); pairs marked for training (`add_markers`; batched by `pipeline`). No TensorFlow:
+the programs read and check text before it loads.
 """
 
 import glob
@@ -17,9 +18,7 @@ import shutil
 import tempfile
 import urllib.request
 
-import numpy as np
 import sentencepiece
-import tensorflow as tf
 
 from kyu_transformer import filenames
 from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401
@@ -254,46 +253,3 @@ def add_markers(source_ids, target_ids, maxlen1, maxlen2):
         targets_in.append([BOS_ID] + list(target))
         targets_out.append(list(target) + [EOS_ID])
     return sources, targets_in, targets_out, dropped
-
-
-def _padded(sequences):
-    """`(num, longest)` int32 array padded with 0, and the lengths."""
-    lengths = np.array([len(s) for s in sequences], dtype=np.int32)
-    padded = np.zeros((len(sequences), lengths.max()), dtype=np.int32)
-    for row, sequence in enumerate(sequences):
-        padded[row, :len(sequence)] = sequence
-    return padded, lengths
-
-
-def bucket_plan(maxlen, batch_size, batch_tokens, width=8):
-    """Bucket boundaries every `width` tokens and each bucket's batch size: for lengths up to L,
-    ``min(batch_size, batch_tokens // L)`` (at most `batch_tokens` padded tokens a side)."""
-    boundaries = list(range(width + 1, maxlen + 1, width))  # bucket i: length < boundary i
-    upper_lengths = [b - 1 for b in boundaries] + [maxlen]
-    sizes = [max(1, min(batch_size, batch_tokens // length)) if batch_tokens else batch_size
-             for length in upper_lengths]
-    return boundaries, sizes
-
-
-def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, maxlen=None,
-                 shuffle=True, seed=0):
-    """Batches ``({"source", "target_in"}, target_out)`` of int32 ids padded with 0.
-
-    Pairs are bucketed by their longer side. With a fixed `seed` the batches and their order
-    are the same every time: a resumed run skips exactly those it had trained on.
-    """
-    maxlen = maxlen or max(max(len(s) for s in sources), max(len(t) for t in targets_in))
-    columns = [_padded(sequences) for sequences in (sources, targets_in, targets_out)]
-    dataset = tf.data.Dataset.from_tensor_slices(tuple(columns))
-    # Each element back to its own length; the batches are padded again below.
-    dataset = dataset.map(lambda *columns: tuple(ids[:length] for ids, length in columns))
-    if shuffle:
-        dataset = dataset.shuffle(len(sources), seed=seed, reshuffle_each_iteration=False)
-    boundaries, sizes = bucket_plan(maxlen, batch_size, batch_tokens)
-    dataset = dataset.bucket_by_sequence_length(
-        element_length_func=lambda s, t_in, t_out: tf.maximum(tf.shape(s)[0], tf.shape(t_in)[0]),
-        bucket_boundaries=boundaries, bucket_batch_sizes=sizes, padding_values=PAD_ID)
-    if shuffle:  # buckets emit in length order within a window: mix the batches too
-        dataset = dataset.shuffle(256, seed=seed + 1, reshuffle_each_iteration=False)
-    dataset = dataset.map(lambda s, t_in, t_out: ({"source": s, "target_in": t_in}, t_out))
-    return dataset.prefetch(tf.data.AUTOTUNE)

@@ -420,6 +420,17 @@ def _uniforms(seed, sentences, n, step):
     return tf.cast(tf.bitwise.right_shift(hash_, 8), tf.float32) / float(1 << 24)
 
 
+def strategy_for(settings, n_best, scores=True, seed=0, sentences=None):
+    """The strategy of `SearchSettings` for `n_best` hypotheses (`scores`: greedy only)."""
+    if settings.sampling:
+        return SamplingSearch(settings.sampling_topk, settings.sampling_topp,
+                              settings.sampling_temperature, n_best, settings.alpha, seed,
+                              sentences)
+    if settings.beam_size == 1:
+        return GreedySearch(settings.alpha, scores)
+    return BeamSearch(settings.beam_size, settings.alpha, n_best)
+
+
 def greedy_search(model, source, max_length):
     """`search` with unscored `GreedySearch`: ``(ids (N, L), coverage (N, L, S))``."""
     found = search(model, source, max_length, GreedySearch(alpha=0.0, scores=False))

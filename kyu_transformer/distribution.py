@@ -8,7 +8,7 @@ import os
 
 import tensorflow as tf
 
-STRATEGIES = ("auto", "default", "mirrored", "multi_worker")
+from kyu_transformer.flags import STRATEGIES
 
 
 def make_strategy(name="auto"):

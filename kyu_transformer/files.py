@@ -3,6 +3,7 @@
 Whole files are written under a temporary name in their folder and renamed into place
 (atomically: a reader sees the old file or the new one); a failed write removes its temporary
 file. A failure for lack of space becomes an `OutOfSpace`, which the programs print as one line.
+A folder to be replaced is moved aside whole (`copy_aside`), never deleted.
 """
 
 import contextlib
@@ -10,6 +11,10 @@ import errno
 import functools
 import os
 import re
+import shutil
+import time
+
+from kyu_transformer import filenames
 
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
@@ -94,3 +99,20 @@ def drop_torn_last_line(path):
             return False
         handle.truncate(data.rfind(b"\n") + 1)
     return True
+
+
+def copy_aside(path, keep=()):
+    """Moves the contents of folder `path` to `<path>.old-<time>`, returned; deletes nothing.
+
+    `keep` names entries that stay (the lock of the run that moves the rest).
+    """
+    path = os.path.normpath(path)  # "log/x/": the copy goes beside it, not into it
+    stem = filenames.ASIDE.format(path, time.strftime('%Y%m%d-%H%M%S'))
+    aside, number = stem, 1
+    while os.path.exists(aside):  # twice in one second: never move into the older copy
+        number += 1
+        aside = f"{stem}-{number}"
+    os.mkdir(aside)
+    for name in sorted(set(os.listdir(path)) - set(keep)):
+        shutil.move(os.path.join(path, name), os.path.join(aside, name))
+    return aside

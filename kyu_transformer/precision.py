@@ -4,11 +4,12 @@
 On a CPU bfloat16 pays only with fast units (AMX, AVX512-BF16), so the model's matrix
 products are timed in both dtypes and bfloat16 is taken if `BFLOAT16_MARGIN` times faster.
 Models under `MIN_PROBE_FLOPS` (op launches, not arithmetic, set their time) stay float32.
+Keras, and so TensorFlow, loads only to set a policy or time the products: the programs read
+these names and check their flags before it loads.
 """
 
 import time
 
-import keras
 import numpy as np
 
 # The `mixed_precision` hparam's values and the Keras dtype policies they name.
@@ -23,6 +24,8 @@ RUNS_PER_PRODUCT = 4
 
 def set_precision(mixed_precision):
     """Sets the global Keras dtype policy for ``no`` / ``bf16`` / ``fp16`` (before the model)."""
+    import keras  # pylint: disable=import-outside-toplevel
+
     keras.config.set_dtype_policy(PRECISION_POLICIES[mixed_precision])
 
 
@@ -94,6 +97,8 @@ def time_matmuls(hparams, repeats=5):
     The fastest, as interference only slows a repeat down (a median of few flips near the
     margin). A repeat runs each product up to `RUNS_PER_PRODUCT` times, scaled to its count.
     """
+    import keras  # pylint: disable=import-outside-toplevel
+
     rows, shapes = PROBE_ROWS, probe_shapes(hparams)
     generator = np.random.default_rng(0)
     timings = {}

@@ -187,20 +187,3 @@ def drop_from_index(directory, path):
 def checkpoint_bytes(path):
     """The size of checkpoint `path`'s files (what another one of it needs)."""
     return sum(os.path.getsize(name) for name in glob.glob(glob.escape(path) + ".*"))
-
-
-def copy_aside(path, keep=()):
-    """Moves the contents of folder `path` to `<path>.old-<time>`, returned; deletes nothing.
-
-    `keep` names entries that stay (the lock of the run that moves the rest).
-    """
-    path = os.path.normpath(path)  # "log/x/": the copy goes beside it, not into it
-    stem = filenames.ASIDE.format(path, time.strftime('%Y%m%d-%H%M%S'))
-    aside, number = stem, 1
-    while os.path.exists(aside):  # twice in one second: never move into the older copy
-        number += 1
-        aside = f"{stem}-{number}"
-    os.mkdir(aside)
-    for name in sorted(set(os.listdir(path)) - set(keep)):
-        shutil.move(os.path.join(path, name), os.path.join(aside, name))
-    return aside

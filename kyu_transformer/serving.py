@@ -23,9 +23,9 @@ import os
 import tensorflow as tf
 
 from kyu_transformer.decoding import NO_HYPOTHESIS_SCORE, output_limit
+from kyu_transformer.search_settings import SEED_LIMIT
 from kyu_transformer.special_ids import BOS_ID, PAD_ID
-from kyu_transformer.translation import (SEED_LIMIT, Translator, decoding_order, encoder_inputs,
-                                         strip)
+from kyu_transformer.translation import Translator, decoding_order, encoder_inputs, strip
 
 TEXT_SIGNATURE = "serving_default"
 IDS_SIGNATURE = "ids"

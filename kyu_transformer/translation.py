@@ -1,6 +1,6 @@
-"""Translation for every engine: the search settings, and sources in, translations out.
+"""Translation for every engine: sources in, translations out, as `SearchSettings` say.
 
-`SearchSettings` defines how to search, its defaults, checks and flags. The front end
+The front end
 (TensorFlow ops, run in the SavedModel's graph and eagerly by the engines) adds EOS to each
 source and cuts it to ``maxlen1`` (`encoder_inputs`), limits each output on its own
 (`decoding.output_limit`), batches sentences of similar length (`decoding_order`) and strips
@@ -9,137 +9,15 @@ decodes one batch (`_decode`); `Engine.translate_ids` does the rest.
 """
 
 import collections
-import dataclasses
 import functools
-import re
 
 import numpy as np
 import tensorflow as tf
 
 from kyu_transformer.decoding import (
-    _NEG_INF, BeamSearch, GreedySearch, SamplingSearch, length_penalty, output_limit, search,
-    sequence_log_probs)
+    _NEG_INF, length_penalty, output_limit, search, sequence_log_probs, strategy_for)
+from kyu_transformer.search_settings import SearchSettings
 from kyu_transformer.special_ids import EOS_ID, PAD_ID
-
-
-SEED_LIMIT = 2**32 - 1
-_TINY = float(np.finfo(np.float32).tiny)
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchSettings:
-    """How to search, checked when made (ValueError naming the setting).
-
-    The fields are the flags of `_FLAGS`, and `max_length`: the most output tokens of any
-    sentence (default the model's maxlen2). `sampling_topk` 1 is no sampling, as in
-    OpenNMT-tf and CTranslate2; `seed` is below 2**32 - 1 (CTranslate2's seeds are 32-bit,
-    its last value "none").
-    """
-
-    beam_size: int = None
-    alpha: float = 0.6
-    n_best: int = 1
-    length_margin: int = 16
-    batch_size: int = 128
-    max_length: int = None
-    sampling_topk: int = 1
-    sampling_topp: float = 1.0
-    sampling_temperature: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.beam_size is None:
-            object.__setattr__(self, "beam_size", 1 if self.sampling else 4)
-        least = {"beam_size": 1, "n_best": 1, "length_margin": 0, "batch_size": 1,
-                 "sampling_topk": 0, "seed": 0}
-        for name, value in least.items():
-            if getattr(self, name) < value:
-                raise ValueError(f"`{name}` must be at least {value}, got {getattr(self, name)}")
-        if self.seed >= SEED_LIMIT:
-            raise ValueError(f"`seed` must be below {SEED_LIMIT}, got {self.seed}")
-        if self.max_length is not None and self.max_length < 1:
-            raise ValueError(f"`max_length` must be at least 1, got {self.max_length}")
-        if not 0.0 < self.sampling_topp <= 1.0:
-            raise ValueError(f"`sampling_topp` must be in (0, 1], got {self.sampling_topp}")
-        if not self.sampling_temperature >= _TINY:
-            raise ValueError(f"`sampling_temperature` must be at least {_TINY:.2g} (float32's "
-                             f"smallest normal number), got {self.sampling_temperature}")
-        for name in ("sampling_topp", "sampling_temperature"):
-            if not self.sampling and getattr(self, name) != 1.0:
-                raise ValueError(f"`{name}` applies to sampling: give `sampling_topk` K (0 for "
-                                 "all tokens, 1 does not sample)")
-        if self.sampling and self.beam_size > 1:
-            raise ValueError(f"`sampling_topk` {self.sampling_topk} samples one token at a "
-                             f"time: `beam_size` must be 1 with it, got {self.beam_size}")
-        if not self.sampling and self.n_best > self.beam_size:
-            raise ValueError(f"`n_best` ({self.n_best}) must be at most `beam_size` "
-                             f"({self.beam_size}): the search keeps only `beam_size` hypotheses")
-
-    @property
-    def sampling(self):
-        return self.sampling_topk != 1
-
-    def replace(self, **fields):
-        """These settings with `fields` changed (the beam's default follows sampling's)."""
-        if "sampling_topk" in fields:
-            fields.setdefault("beam_size", None)
-        return dataclasses.replace(self, **fields)
-
-    def strategy(self, n_best, scores=True, seed=0, sentences=None):
-        """The `decoding` strategy of `n_best` hypotheses; `scores` for greedy search only."""
-        if self.sampling:
-            return SamplingSearch(self.sampling_topk, self.sampling_topp,
-                                  self.sampling_temperature, n_best, self.alpha, seed, sentences)
-        if self.beam_size == 1:
-            return GreedySearch(self.alpha, scores)
-        return BeamSearch(self.beam_size, self.alpha, n_best)
-
-
-# Each search flag's value letter and help (the default is added from the field).
-_FLAGS = {
-    "beam_size": ("K", "1 for greedy search (1 with sampling)"),
-    "alpha": ("A", "length-penalty exponent of beam search and of every score"),
-    "n_best": ("K", "hypotheses per sentence, best first (at most --beam_size; with sampling, "
-                    "that many samples)"),
-    "length_margin": ("M", "a translation has at most its source's length + M subwords (EOS "
-                           "included, at most maxlen2)"),
-    "batch_size": ("N", "most sentences decoded together"),
-    "sampling_topk": ("K", "sample each token from the K most likely (0: from all); 1 does not "
-                           "sample"),
-    "sampling_topp": ("P", "then from the fewest of them whose probability reaches P (1: no cut)"),
-    "sampling_temperature": ("T", "logits are divided by T before sampling"),
-    "seed": ("S", "of sampling: sentence i draws its sample j from a random stream of (S, i, j)"),
-}
-SEARCH_FLAGS = tuple(_FLAGS)
-SAMPLING_FLAGS = ("sampling_topk", "sampling_topp", "sampling_temperature", "seed")
-DEFAULTS = SearchSettings()
-
-
-def add_search_arguments(parser, names=SEARCH_FLAGS, helps=None):
-    """Adds the flags of these `SearchSettings` fields, default None (= the field's default)."""
-    types = {field.name: field.type for field in dataclasses.fields(SearchSettings)}
-    for name in names:
-        letter, text = _FLAGS[name]
-        text = (helps or {}).get(name, text)
-        parser.add_argument(f"--{name}", type=types[name], default=None, metavar=letter,
-                            help=f"{text} (default {getattr(DEFAULTS, name)})")
-
-
-def given_search_flags(args, names=SEARCH_FLAGS):
-    """The search flags given on the command line, as `SearchSettings` fields."""
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-
-
-def search_settings(parser, **fields):
-    """`SearchSettings(**fields)`, or the parser's error naming the flags (also for a
-    ``--seed`` without sampling, which `SearchSettings` cannot tell from its default)."""
-    if fields.get("sampling_topk", 1) == 1 and "seed" in fields:
-        parser.error("--seed applies to sampling: give --sampling_topk K (0 for all tokens, 1 "
-                     "does not sample)")
-    try:
-        return SearchSettings(**fields)
-    except ValueError as error:
-        parser.error(re.sub(r"`(\w+)`", r"--\1", str(error)))
 
 
 # ------------------------------------------------------------------ front end
@@ -322,7 +200,7 @@ class Translator(Engine):
         key = (n_best, scores or self.settings.beam_size > 1 or self.settings.sampling)
         if key not in self._searches:
             def run(source, limits, sentences, seed):
-                strategy = self.settings.strategy(n_best, key[1], seed, sentences)
+                strategy = strategy_for(self.settings, n_best, key[1], seed, sentences)
                 return search(self.model, source, limits, strategy)
 
             self._searches[key] = self._compiled(run, input_signature=[

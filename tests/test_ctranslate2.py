@@ -13,8 +13,9 @@ ctranslate2 = pytest.importorskip("ctranslate2")
 
 from kyu_transformer import data, filenames  # noqa: E402
 from kyu_transformer.ctranslate2_export import (  # noqa: E402
-    QUANTIZATIONS, CTranslate2Translator, ExportError, convert)
+    CTranslate2Translator, ExportError, convert)
 from kyu_transformer.decoding import output_limit, sequence_log_probs  # noqa: E402
+from kyu_transformer.flags import QUANTIZATIONS  # noqa: E402
 from kyu_transformer.translation import Translator  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
 from tests.conftest import load_logdir  # noqa: E402

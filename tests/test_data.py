@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from kyu_transformer import data
+from kyu_transformer import data, pipeline
 
 # The first lines of Multi30k's splits, shipped with the tests (see tests/data/README.md).
 MULTI30K = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "multi30k")
@@ -222,7 +222,7 @@ def collect(dataset):
 
 def test_batches_respect_token_budget_and_padding(rng):
     sources, targets_in, targets_out = make_pairs(rng)
-    batches = collect(data.make_dataset(sources, targets_in, targets_out, batch_size=64,
+    batches = collect(pipeline.make_dataset(sources, targets_in, targets_out, batch_size=64,
                                         batch_tokens=400, seed=3))
     assert sum(len(s) for s, _, _ in batches) == len(sources)  # every pair, once
     for source, target_in, target_out in batches:
@@ -240,7 +240,7 @@ def test_batches_respect_token_budget_and_padding(rng):
 
 def test_same_seed_same_batches_other_seed_other_order(rng):
     sources, targets_in, targets_out = make_pairs(rng)
-    make = functools.partial(data.make_dataset, sources, targets_in, targets_out, 32, 600)
+    make = functools.partial(pipeline.make_dataset, sources, targets_in, targets_out, 32, 600)
     first, again, other = collect(make(seed=1)), collect(make(seed=1)), collect(make(seed=2))
     assert len(first) == len(again)
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(first, again))

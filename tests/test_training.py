@@ -111,7 +111,7 @@ def test_a_64_pair_subset_is_learnt(tmp_path, multi30k_tiny):
     subset = [part[:64] for part in (sources, targets_in, targets_out)]
     hparams = tiny(tmp_path, d_model=64, d_ff=128, num_heads=4, lr=1.0, warmup_steps=30,
                    log_every=1000)
-    from kyu_transformer.data import make_dataset
+    from kyu_transformer.pipeline import make_dataset
 
     def batches(epoch):
         return make_dataset(*subset, batch_size=64, batch_tokens=0, seed=epoch).repeat(200)
@@ -212,6 +212,52 @@ def test_eval_and_export_do_not_import_the_trainer():
     assert "'kyu_transformer.precision'" in modules
     assert "'kyu_transformer.training'" not in modules, modules
 
+
+
+REFUSALS_SCRIPT = r"""
+import contextlib, io, json, runpy, sys
+sys.path.insert(0, sys.argv[1])
+for program, arguments in json.loads(sys.argv[2]):
+    sys.argv, errors = [program, *arguments], io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        try:
+            runpy.run_path(program, run_name="__main__")
+        except SystemExit as stop:
+            print(json.dumps([program, errors.getvalue() + str(stop.code),
+                              "tensorflow" in sys.modules, "keras" in sys.modules]))
+"""
+
+
+def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
+    """Flags, hparams, data folders, logdirs trained otherwise and inputs are checked first:
+    a mistake is refused without loading TensorFlow (seconds), in the order users make them."""
+    logdir, missing = tmp_path / "log", str(tmp_path / "missing")
+    logdir.mkdir()
+    trained = hp.parse("tiny", {"data_dir": MULTI30K, "logdir": str(logdir), "d_model": 64})
+    hp.save(trained, str(logdir / "hparams.json"))
+    train = ["--hparams", "tiny", "--data_dir", MULTI30K, "--logdir", str(logdir)]
+    cases = [
+        ("train.py", [*train, "--num_heads", "3"], "must be divisible by `num_heads` (3)"),
+        ("train.py", [*train[:3], missing, *train[4:]], f"error: {missing}: no such data folder"),
+        ("train.py", train, "was trained with other hyperparameters (d_model: 64 -> 32)"),
+        ("train.py", [*train, "--batch_szie", "8"], "(did you mean --batch_size?)"),
+        ("eval.py", ["--logdir", missing], "hparams.json: no such file"),
+        ("eval.py", ["--logdir", str(logdir), "--ckpt", "best", "--average_last", "2"],
+         "--ckpt (best) and --average_last (2) exclude each other"),
+        ("eval.py", ["--logdir", str(logdir), "--n_best", "5"], "--n_best (5) must be at most"),
+        ("export.py", ["--logdir", missing, "--out", str(tmp_path / "out")],
+         "hparams.json: no such file"),
+        ("export.py", ["--logdir", str(logdir), "--out", str(logdir)], "is or holds the --logdir"),
+    ]
+    output = subprocess.run(
+        [sys.executable, "-c", REFUSALS_SCRIPT, ROOT, json.dumps([case[:2] for case in cases])],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert output.returncode == 0, output.stderr[-3000:]
+    results = [json.loads(line) for line in output.stdout.splitlines() if line.startswith("[")]
+    assert len(results) == len(cases), output.stdout[-3000:]
+    for (program, arguments, message), (_, error, tensorflow, keras) in zip(cases, results):
+        assert message in error, (program, arguments, error)
+        assert not tensorflow and not keras, (program, arguments, "loaded TensorFlow")
 
 MIRRORED_SCRIPT = r"""
 import json, os, sys

@@ -1,0 +1,79 @@
+"""The flags the programs share, each defined once: which checkpoint, how to search, which
+distribution strategy and CTranslate2 weight type. Free of TensorFlow, so that a program refuses
+a wrong flag before TensorFlow loads (seconds)."""
+
+import dataclasses
+import re
+
+from kyu_transformer.search_settings import SearchSettings
+
+STRATEGIES = ("auto", "default", "mirrored", "multi_worker")
+# The weight types of CTranslate2's CPU wheel.
+QUANTIZATIONS = ("float32", "int8", "int8_float32")
+
+
+def add_checkpoint_arguments(parser):
+    """The flags by which eval.py and export.py choose a logdir's weights (an argparse parser)."""
+    parser.add_argument("--logdir", required=True, help="a logdir written by train.py")
+    parser.add_argument("--ckpt", default=None,
+                        help="checkpoint path, or 'best' (best validation BLEU); "
+                             "default: the latest")
+    parser.add_argument("--average_last", type=int, default=0, metavar="N",
+                        help="average the weights of the last N checkpoints (all N must "
+                             "exist; not with --ckpt)")
+
+
+def check_checkpoint_arguments(parser, args):
+    """Stops with the parser's error for checkpoint flags that `load_model` would refuse."""
+    if args.average_last < 0:
+        parser.error(f"--average_last must be at least 0, got {args.average_last}")
+    if args.ckpt and args.average_last:
+        parser.error(f"--ckpt ({args.ckpt}) and --average_last ({args.average_last}) exclude "
+                     "each other: give one checkpoint, or the number of last ones to average")
+
+
+# Each search flag's value letter and help (the default is added from the field).
+_FLAGS = {
+    "beam_size": ("K", "1 for greedy search (1 with sampling)"),
+    "alpha": ("A", "length-penalty exponent of beam search and of every score"),
+    "n_best": ("K", "hypotheses per sentence, best first (at most --beam_size; with sampling, "
+                    "that many samples)"),
+    "length_margin": ("M", "a translation has at most its source's length + M subwords (EOS "
+                           "included, at most maxlen2)"),
+    "batch_size": ("N", "most sentences decoded together"),
+    "sampling_topk": ("K", "sample each token from the K most likely (0: from all); 1 does not "
+                           "sample"),
+    "sampling_topp": ("P", "then from the fewest of them whose probability reaches P (1: no cut)"),
+    "sampling_temperature": ("T", "logits are divided by T before sampling"),
+    "seed": ("S", "of sampling: sentence i draws its sample j from a random stream of (S, i, j)"),
+}
+SEARCH_FLAGS = tuple(_FLAGS)
+SAMPLING_FLAGS = ("sampling_topk", "sampling_topp", "sampling_temperature", "seed")
+DEFAULTS = SearchSettings()
+
+
+def add_search_arguments(parser, names=SEARCH_FLAGS, helps=None):
+    """Adds the flags of these `SearchSettings` fields, default None (= the field's default)."""
+    types = {field.name: field.type for field in dataclasses.fields(SearchSettings)}
+    for name in names:
+        letter, text = _FLAGS[name]
+        text = (helps or {}).get(name, text)
+        parser.add_argument(f"--{name}", type=types[name], default=None, metavar=letter,
+                            help=f"{text} (default {getattr(DEFAULTS, name)})")
+
+
+def given_search_flags(args, names=SEARCH_FLAGS):
+    """The search flags given on the command line, as `SearchSettings` fields."""
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def search_settings(parser, **fields):
+    """`SearchSettings(**fields)`, or the parser's error naming the flags (also for a
+    ``--seed`` without sampling, which `SearchSettings` cannot tell from its default)."""
+    if fields.get("sampling_topk", 1) == 1 and "seed" in fields:
+        parser.error("--seed applies to sampling: give --sampling_topk K (0 for all tokens, 1 "
+                     "does not sample)")
+    try:
+        return SearchSettings(**fields)
+    except ValueError as error:
+        parser.error(re.sub(r"`(\w+)`", r"--\1", str(error)))

@@ -1,0 +1,49 @@
+"""The tf.data pipeline: marked subword ids in, shuffled batches of padded ids out."""
+
+import numpy as np
+import tensorflow as tf
+
+from kyu_transformer.special_ids import PAD_ID
+
+
+def _padded(sequences):
+    """`(num, longest)` int32 array padded with 0, and the lengths."""
+    lengths = np.array([len(s) for s in sequences], dtype=np.int32)
+    padded = np.zeros((len(sequences), lengths.max()), dtype=np.int32)
+    for row, sequence in enumerate(sequences):
+        padded[row, :len(sequence)] = sequence
+    return padded, lengths
+
+
+def bucket_plan(maxlen, batch_size, batch_tokens, width=8):
+    """Bucket boundaries every `width` tokens and each bucket's batch size: for lengths up to L,
+    ``min(batch_size, batch_tokens // L)`` (at most `batch_tokens` padded tokens a side)."""
+    boundaries = list(range(width + 1, maxlen + 1, width))  # bucket i: length < boundary i
+    upper_lengths = [b - 1 for b in boundaries] + [maxlen]
+    sizes = [max(1, min(batch_size, batch_tokens // length)) if batch_tokens else batch_size
+             for length in upper_lengths]
+    return boundaries, sizes
+
+
+def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, maxlen=None,
+                 shuffle=True, seed=0):
+    """Batches ``({"source", "target_in"}, target_out)`` of int32 ids padded with 0.
+
+    Pairs are bucketed by their longer side. With a fixed `seed` the batches and their order
+    are the same every time: a resumed run skips exactly those it had trained on.
+    """
+    maxlen = maxlen or max(max(len(s) for s in sources), max(len(t) for t in targets_in))
+    columns = [_padded(sequences) for sequences in (sources, targets_in, targets_out)]
+    dataset = tf.data.Dataset.from_tensor_slices(tuple(columns))
+    # Each element back to its own length; the batches are padded again below.
+    dataset = dataset.map(lambda *columns: tuple(ids[:length] for ids, length in columns))
+    if shuffle:
+        dataset = dataset.shuffle(len(sources), seed=seed, reshuffle_each_iteration=False)
+    boundaries, sizes = bucket_plan(maxlen, batch_size, batch_tokens)
+    dataset = dataset.bucket_by_sequence_length(
+        element_length_func=lambda s, t_in, t_out: tf.maximum(tf.shape(s)[0], tf.shape(t_in)[0]),
+        bucket_boundaries=boundaries, bucket_batch_sizes=sizes, padding_values=PAD_ID)
+    if shuffle:  # buckets emit in length order within a window: mix the batches too
+        dataset = dataset.shuffle(256, seed=seed + 1, reshuffle_each_iteration=False)
+    dataset = dataset.map(lambda s, t_in, t_out: ({"source": s, "target_in": t_in}, t_out))
+    return dataset.prefetch(tf.data.AUTOTUNE)
