@@ -169,8 +169,6 @@ def plot_attention(model, settings, subwords, sources, count, out_dir, name):
 
 def load_ctranslate2(args):
     """``(translator, facts)`` of --ctranslate2 DIR, checked against the logdir's subwords."""
-    from kyu_transformer.ctranslate2_export import CTranslate2Translator, ExportError
-
     model_dir = args.ctranslate2
     if not os.path.isdir(model_dir):
         raise data.DataError(f"--ctranslate2 {model_dir}: no such directory")
@@ -180,6 +178,8 @@ def load_ctranslate2(args):
         raise data.DataError(f"{model_dir} was converted with another subword model than "
                              f"{ours}: convert this logdir's model, or give the logdir it "
                              "came from")
+    from kyu_transformer.ctranslate2_export import CTranslate2Translator, ExportError
+
     try:
         translator = CTranslate2Translator(model_dir, args.settings)
         translator.load()

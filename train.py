@@ -246,8 +246,9 @@ def check_before_tensorflow(args):
     barrier instead, so that none waits for another.)"""
     try:
         hparams = hp.from_args(args)
-        if not to_download(hparams["data_dir"]):
-            data.check_data_dir(hparams["data_dir"])
+        if to_download(hparams["data_dir"]):
+            return  # the corpus comes first: `prepare_logdir` downloads it, then checks the rest
+        data.check_data_dir(hparams["data_dir"])
         if not args.overwrite and os.path.isdir(hparams["logdir"]):
             settle_logdir(hparams, overwrite=False)
     except (hp.HParamsError, data.DataError) as error:

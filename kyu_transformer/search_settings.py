@@ -12,8 +12,8 @@ _TINY = float(np.finfo(np.float32).tiny)
 class SearchSettings:
     """How to search, checked when made (ValueError naming the setting).
 
-    The fields are the flags of `flags.add_search_arguments`, and `max_length`: the most output tokens of any
-    sentence (default the model's maxlen2). `sampling_topk` 1 is no sampling, as in
+    The fields are the flags of `flags.add_search_arguments`, and `max_length`: the most output
+    tokens of any sentence (default the model's maxlen2). `sampling_topk` 1 is no sampling, as in
     OpenNMT-tf and CTranslate2; `seed` is below 2**32 - 1 (CTranslate2's seeds are 32-bit,
     its last value "none").
     """

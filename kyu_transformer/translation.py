@@ -1,8 +1,7 @@
 """Translation for every engine: sources in, translations out, as `SearchSettings` say.
 
-The front end
-(TensorFlow ops, run in the SavedModel's graph and eagerly by the engines) adds EOS to each
-source and cuts it to ``maxlen1`` (`encoder_inputs`), limits each output on its own
+The front end (TensorFlow ops, run in the SavedModel's graph and eagerly by the engines) adds
+EOS to each source and cuts it to ``maxlen1`` (`encoder_inputs`), limits each output on its own
 (`decoding.output_limit`), batches sentences of similar length (`decoding_order`) and strips
 outputs (`strip`). An engine (`Translator`, `ctranslate2_export.CTranslate2Translator`)
 decodes one batch (`_decode`); `Engine.translate_ids` does the rest.

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import hparams as hp
+from kyu_transformer import data
 from kyu_transformer.checkpoints import model_weights
 from kyu_transformer.corpus import Corpus
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
@@ -213,7 +214,6 @@ def test_eval_and_export_do_not_import_the_trainer():
     assert "'kyu_transformer.training'" not in modules, modules
 
 
-
 REFUSALS_SCRIPT = r"""
 import contextlib, io, json, runpy, sys
 sys.path.insert(0, sys.argv[1])
@@ -231,11 +231,18 @@ for program, arguments in json.loads(sys.argv[2]):
 def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
     """Flags, hparams, data folders, logdirs trained otherwise and inputs are checked first:
     a mistake is refused without loading TensorFlow (seconds), in the order users make them."""
-    logdir, missing = tmp_path / "log", str(tmp_path / "missing")
-    logdir.mkdir()
+    logdir, bare, missing = tmp_path / "log", tmp_path / "bare", str(tmp_path / "missing")
     trained = hp.parse("tiny", {"data_dir": MULTI30K, "logdir": str(logdir), "d_model": 64})
-    hp.save(trained, str(logdir / "hparams.json"))
+    for folder in (logdir, bare):  # `bare`: no subword model
+        folder.mkdir()
+        hp.save(trained, str(folder / "hparams.json"))
+    sources, targets, _ = data.load_split(MULTI30K, "val")
+    data.Subwords.train_or_load(str(logdir), sources + targets, 200, trained["subword_model_type"])
+    texts = {name: tmp_path / name for name in ("empty.de", "one.en", "two.de")}
+    for name, lines in (("empty.de", ""), ("one.en", "A dog.\n"), ("two.de", "Ein Hund.\nJa.\n")):
+        texts[name].write_text(lines, encoding="utf-8")
     train = ["--hparams", "tiny", "--data_dir", MULTI30K, "--logdir", str(logdir)]
+    evaluate = ["--logdir", str(logdir)]
     cases = [
         ("train.py", [*train, "--num_heads", "3"], "must be divisible by `num_heads` (3)"),
         ("train.py", [*train[:3], missing, *train[4:]], f"error: {missing}: no such data folder"),
@@ -244,13 +251,24 @@ def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
         ("eval.py", ["--logdir", missing], "hparams.json: no such file"),
         ("eval.py", ["--logdir", str(logdir), "--ckpt", "best", "--average_last", "2"],
          "--ckpt (best) and --average_last (2) exclude each other"),
-        ("eval.py", ["--logdir", str(logdir), "--n_best", "5"], "--n_best (5) must be at most"),
+        ("eval.py", [*evaluate, "--n_best", "5"], "--n_best (5) must be at most"),
+        ("eval.py", ["--logdir", str(bare)], "subwords.model: no subword model"),
+        ("eval.py", [*evaluate, "--src", missing], f"error: {missing}: no such file"),
+        ("eval.py", [*evaluate, "--src", texts["empty.de"]], "no sentence to translate"),
+        ("eval.py", [*evaluate, "--src", texts["two.de"], "--ref", texts["one.en"]],
+         "two.de has 2 lines but"),
+        ("eval.py", [*evaluate, "--src", texts["two.de"], "--score", texts["one.en"]],
+         "--score needs one translation per source line"),
+        ("eval.py", [*evaluate, "--ctranslate2", missing], f"--ctranslate2 {missing}: no such"),
+        ("export.py", ["--logdir", str(bare), "--out", str(tmp_path / "out")],
+         "no subword model"),
         ("export.py", ["--logdir", missing, "--out", str(tmp_path / "out")],
          "hparams.json: no such file"),
         ("export.py", ["--logdir", str(logdir), "--out", str(logdir)], "is or holds the --logdir"),
     ]
     output = subprocess.run(
-        [sys.executable, "-c", REFUSALS_SCRIPT, ROOT, json.dumps([case[:2] for case in cases])],
+        [sys.executable, "-c", REFUSALS_SCRIPT, ROOT,
+         json.dumps([(program, list(map(str, arguments))) for program, arguments, _ in cases])],
         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert output.returncode == 0, output.stderr[-3000:]
     results = [json.loads(line) for line in output.stdout.splitlines() if line.startswith("[")]
@@ -258,6 +276,7 @@ def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
     for (program, arguments, message), (_, error, tensorflow, keras) in zip(cases, results):
         assert message in error, (program, arguments, error)
         assert not tensorflow and not keras, (program, arguments, "loaded TensorFlow")
+
 
 MIRRORED_SCRIPT = r"""
 import json, os, sys
