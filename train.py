@@ -123,7 +123,8 @@ def prepare_run(args, strategy, chief):
     def chief_part():
         state["hparams"] = hparams = hp.from_args(args)
         if chief:
-            state["lock"] = hold_logdir(hparams["logdir"])
+            if not _HELD:  # not taken yet by `check_before_tensorflow`
+                _HELD.append(hold_logdir(hparams["logdir"]))
             state["hparams"], state["corpus"] = prepare_logdir(hparams, args.overwrite, True)
 
     def worker_part():
@@ -133,7 +134,6 @@ def prepare_run(args, strategy, chief):
     barrier(strategy, failure_of(chief_part, strategy))  # the chief has written what it had to
     barrier(strategy, failure_of(worker_part, strategy))  # every worker has hparams and subwords
     hparams, corpus = state["hparams"], state["corpus"]
-    _HELD.append(state.get("lock"))  # the lock lives as long as the process
     if is_multi_worker(strategy):
         # A worker without the chief's hparams.json still has `auto`: it takes the chief's choice.
         chosen = chief_choice(strategy, hparams["mixed_precision"], hp.CHOICES["mixed_precision"])
@@ -241,11 +241,16 @@ def main(argv=None):
 
 
 def check_before_tensorflow(args):
-    """Refuses at once what a run of one process would refuse as it starts: its hparams, its
+    """Refuses at once what a run of one process would refuse as it starts, in its order: its
+    hparams, a busy or unwritable logdir (the lock is taken here, for the whole process), its
     data folder, a logdir trained otherwise. (In a cluster each worker reports its own at a
     barrier instead, so that none waits for another.)"""
     try:
         hparams = hp.from_args(args)
+    except hp.HParamsError as error:
+        raise SystemExit(f"error: {error}") from None
+    _HELD.append(hold_logdir(hparams["logdir"]))  # the lock lives as long as the process
+    try:
         if to_download(hparams["data_dir"]):
             return  # the corpus comes first: `prepare_logdir` downloads it, then checks the rest
         data.check_data_dir(hparams["data_dir"])

@@ -15,6 +15,7 @@ import hparams as hp
 from kyu_transformer import data
 from kyu_transformer.checkpoints import model_weights
 from kyu_transformer.corpus import Corpus
+from kyu_transformer.logdir_lock import LogdirLock
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.metrics import masked_accuracy
 from kyu_transformer.schedules import NoamSchedule
@@ -232,6 +233,7 @@ def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
     """Flags, hparams, data folders, logdirs trained otherwise and inputs are checked first:
     a mistake is refused without loading TensorFlow (seconds), in the order users make them."""
     logdir, bare, missing = tmp_path / "log", tmp_path / "bare", str(tmp_path / "missing")
+    busy_dir = tmp_path / "busy"
     trained = hp.parse("tiny", {"data_dir": MULTI30K, "logdir": str(logdir), "d_model": 64})
     for folder in (logdir, bare):  # `bare`: no subword model
         folder.mkdir()
@@ -248,6 +250,7 @@ def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
         ("train.py", [*train[:3], missing, *train[4:]], f"error: {missing}: no such data folder"),
         ("train.py", train, "was trained with other hyperparameters (d_model: 64 -> 32)"),
         ("train.py", [*train, "--batch_szie", "8"], "(did you mean --batch_size?)"),
+        ("train.py", [*train[:5], str(busy_dir)], f"error: {busy_dir} is in use by another"),
         ("eval.py", ["--logdir", missing], "hparams.json: no such file"),
         ("eval.py", ["--logdir", str(logdir), "--ckpt", "best", "--average_last", "2"],
          "--ckpt (best) and --average_last (2) exclude each other"),
@@ -266,10 +269,12 @@ def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
          "hparams.json: no such file"),
         ("export.py", ["--logdir", str(logdir), "--out", str(logdir)], "is or holds the --logdir"),
     ]
+    busy = LogdirLock(str(busy_dir)).acquire()  # as a run in another process holds it
     output = subprocess.run(
         [sys.executable, "-c", REFUSALS_SCRIPT, ROOT,
          json.dumps([(program, list(map(str, arguments))) for program, arguments, _ in cases])],
         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    busy.release()
     assert output.returncode == 0, output.stderr[-3000:]
     results = [json.loads(line) for line in output.stdout.splitlines() if line.startswith("[")]
     assert len(results) == len(cases), output.stdout[-3000:]
