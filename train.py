@@ -110,10 +110,11 @@ def subword_dir(logdir, chief):
 def prepare_run(args, strategy, chief):
     """``(hparams, corpus)``: the logdir settled, the subword model ready.
 
-    The chief goes first: it alone takes the lock (until the process ends), downloads a missing
-    corpus, moves an old logdir aside and writes the subword model and `hparams.json`; then the
-    others read or remake them, and all check that they agree with it. A worker that fails says
-    so at the next barrier, so that none waits for it in a collective.
+    The chief goes first: it alone takes the lock (until the process ends; a run of one process
+    took it in `check_before_tensorflow`), downloads a missing corpus, moves an old logdir aside
+    and writes the subword model and `hparams.json`; then the others read or remake them, and
+    all check that they agree with it. A worker that fails says so at the next barrier, so that
+    none waits for it in a collective.
     """
     from kyu_transformer.workers import (
         barrier, check_agreement, chief_choice, is_multi_worker, short_digest)
@@ -254,7 +255,7 @@ def check_before_tensorflow(args):
         if to_download(hparams["data_dir"]):
             return  # the corpus comes first: `prepare_logdir` downloads it, then checks the rest
         data.check_data_dir(hparams["data_dir"])
-        if not args.overwrite and os.path.isdir(hparams["logdir"]):
+        if not args.overwrite:
             settle_logdir(hparams, overwrite=False)
     except (hp.HParamsError, data.DataError) as error:
         raise SystemExit(f"error: {error}") from None

@@ -230,8 +230,9 @@ for program, arguments in json.loads(sys.argv[2]):
 
 
 def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
-    """Flags, hparams, data folders, logdirs trained otherwise and inputs are checked first:
-    a mistake is refused without loading TensorFlow (seconds), in the order users make them."""
+    """Flags, hparams, busy logdirs, data folders, logdirs trained otherwise and inputs are
+    checked first: a mistake is refused without loading TensorFlow (seconds), in the order of a
+    run that loads it (a busy logdir before a missing data folder)."""
     logdir, bare, missing = tmp_path / "log", tmp_path / "bare", str(tmp_path / "missing")
     busy_dir = tmp_path / "busy"
     trained = hp.parse("tiny", {"data_dir": MULTI30K, "logdir": str(logdir), "d_model": 64})
@@ -250,7 +251,8 @@ def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
         ("train.py", [*train[:3], missing, *train[4:]], f"error: {missing}: no such data folder"),
         ("train.py", train, "was trained with other hyperparameters (d_model: 64 -> 32)"),
         ("train.py", [*train, "--batch_szie", "8"], "(did you mean --batch_size?)"),
-        ("train.py", [*train[:5], str(busy_dir)], f"error: {busy_dir} is in use by another"),
+        ("train.py", [*train[:3], missing, "--logdir", str(busy_dir)],
+         f"error: {busy_dir} is in use by another"),
         ("eval.py", ["--logdir", missing], "hparams.json: no such file"),
         ("eval.py", ["--logdir", str(logdir), "--ckpt", "best", "--average_last", "2"],
          "--ckpt (best) and --average_last (2) exclude each other"),
@@ -270,11 +272,13 @@ def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
         ("export.py", ["--logdir", str(logdir), "--out", str(logdir)], "is or holds the --logdir"),
     ]
     busy = LogdirLock(str(busy_dir)).acquire()  # as a run in another process holds it
-    output = subprocess.run(
-        [sys.executable, "-c", REFUSALS_SCRIPT, ROOT,
-         json.dumps([(program, list(map(str, arguments))) for program, arguments, _ in cases])],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
-    busy.release()
+    try:
+        output = subprocess.run(
+            [sys.executable, "-c", REFUSALS_SCRIPT, ROOT,
+             json.dumps([(program, list(map(str, arguments))) for program, arguments, _ in cases])],
+            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    finally:
+        busy.release()
     assert output.returncode == 0, output.stderr[-3000:]
     results = [json.loads(line) for line in output.stdout.splitlines() if line.startswith("[")]
     assert len(results) == len(cases), output.stdout[-3000:]
