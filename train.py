@@ -248,10 +248,7 @@ def check_before_tensorflow(args):
     barrier instead, so that none waits for another.)"""
     try:
         hparams = hp.from_args(args)
-    except hp.HParamsError as error:
-        raise SystemExit(f"error: {error}") from None
-    _HELD.append(hold_logdir(hparams["logdir"]))  # the lock lives as long as the process
-    try:
+        _HELD.append(hold_logdir(hparams["logdir"]))  # the lock lives as long as the process
         if to_download(hparams["data_dir"]):
             return  # the corpus comes first: `prepare_logdir` downloads it, then checks the rest
         data.check_data_dir(hparams["data_dir"])
