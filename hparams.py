@@ -41,7 +41,10 @@ SPEC = {
     "warmup_steps": (4000, "warm-up steps of the Noam schedule"),
     "smoothing": (0.1, "label smoothing"),
     "num_epochs": (20, "epochs to train"),
-    "steps_per_epoch": (0, "cap on the steps of an epoch; 0: the whole training set"),
+    "steps_per_epoch": (0, "cap on the steps (updates) of an epoch; 0: the whole training set"),
+    "accumulate_steps": (1, "batches per update (gradient accumulation): their gradients are "
+                            "summed, the loss normalized by all their tokens, as for one batch "
+                            "that many times as large"),
     "max_minutes": (0.0, "stop cleanly after this many minutes of training; 0: no limit"),
     "seed": (42, "seed of initialization, shuffling and dropout"),
     "mixed_precision": ("no", "no, bf16 (CPU/TPU), fp16 (GPU, with loss scaling), or auto: "
@@ -68,7 +71,7 @@ CHOICES = {
 }
 POSITIVE = ("vocab_size", "maxlen1", "maxlen2", "batch_size", "d_model", "d_ff", "num_blocks",
             "num_heads", "lr", "warmup_steps", "num_epochs", "keep_checkpoints", "log_every",
-            "epsilon", "eval_batch_size")
+            "epsilon", "eval_batch_size", "accumulate_steps")
 NON_NEGATIVE = ("batch_tokens", "steps_per_epoch", "max_minutes", "checkpoint_every",
                 "eval_sentences", "seed")
 RATES = ("dropout_rate", "smoothing")
@@ -146,13 +149,18 @@ def _parse_part(part):
                        f"{_closest(part, PRESETS)}, a JSON file nor key=value")
 
 
-def parse(spec="", overrides=None):
-    """Resolves a `--hparams` string and a dict of overrides into validated hparams."""
+def _given(spec="", overrides=None):
+    """The values a `--hparams` string and overrides give (later ones winning), unconverted."""
     values = {}
     for part in filter(None, (p.strip() for p in (spec or "").split(","))):
         values.update(_parse_part(part))
     values.update(overrides or {})
-    return resolve(values)
+    return values
+
+
+def parse(spec="", overrides=None):
+    """Resolves a `--hparams` string and a dict of overrides into validated hparams."""
+    return resolve(_given(spec, overrides))
 
 
 def resolve(values):
@@ -211,10 +219,19 @@ def add_arguments(parser):
     return parser
 
 
+def _overrides(args):
+    return {name: getattr(args, name) for name in SPEC if getattr(args, name) is not None}
+
+
 def from_args(args):
     """The hparams given by parsed `add_arguments` flags."""
-    overrides = {name: getattr(args, name) for name in SPEC if getattr(args, name) is not None}
-    return parse(args.hparams, overrides)
+    return parse(args.hparams, _overrides(args))
+
+
+def given_keys(args):
+    """The names the flags set explicitly (by a preset, a JSON file, key=value or a flag), as
+    opposed to those left at their defaults."""
+    return set(_given(args.hparams, _overrides(args)))
 
 
 def save(hparams, path):

@@ -58,13 +58,22 @@ def replica_slices(dataset, num_replicas, first_replica, local_replicas):
     return dataset.flat_map(pieces)
 
 
-def distribute_batches(strategy, make_global_batches):
-    """A distributed dataset from `make_global_batches()`, each global batch cut per replica."""
+def distribute_batches(strategy, make_global_batches, endless=False):
+    """A distributed dataset from `make_global_batches()`, each global batch cut per replica.
+
+    `endless`: then empty batches (no rows) for ever, for a step that takes several batches
+    at once: it needs no condition on each, and tells the end of the data by their rows.
+    """
 
     def dataset_fn(context):
         local = strategy.num_replicas_in_sync // context.num_input_pipelines
-        return replica_slices(make_global_batches(), strategy.num_replicas_in_sync,
-                              context.input_pipeline_id * local, local)
+        slices = replica_slices(make_global_batches(), strategy.num_replicas_in_sync,
+                                context.input_pipeline_id * local, local)
+        if not endless:
+            return slices
+        empty = tf.nest.map_structure(lambda spec: tf.zeros([0] * spec.shape.rank, spec.dtype),
+                                      slices.element_spec)
+        return slices.concatenate(tf.data.Dataset.from_tensors(empty).repeat())
 
     options = tf.distribute.InputOptions(experimental_fetch_to_device=False)
     return strategy.distribute_datasets_from_function(dataset_fn, options)

@@ -59,7 +59,7 @@ class UpdatePlan:
 
     Args:
       epochs: Epochs of the run.
-      per_epoch: Updates of an epoch (its batches, at most `steps_per_epoch`).
+      per_epoch: Updates of an epoch (at most `steps_per_epoch`).
       done: Updates made before this process (a resumed run).
     """
 
@@ -72,12 +72,14 @@ class UpdatePlan:
         self._mark = None  # (step, time) once warmed up
 
     @classmethod
-    def of_run(cls, first_epoch, epochs, steps_per_epoch, done):
+    def of_run(cls, first_epoch, epochs, steps_per_epoch, done, per_update=1):
         """The plan of a run whose first epoch is the dataset `first_epoch`, counted (a second
-        or two; later epochs may bucket into a few batches more or less)."""
+        or two; later epochs may bucket into a few batches more or less), of `per_update`
+        batches an update (the last of an epoch takes those left)."""
         if steps_per_epoch:
-            first_epoch = first_epoch.take(steps_per_epoch)
-        return cls(epochs, int(first_epoch.reduce(0, lambda count, _: count + 1)), done)
+            first_epoch = first_epoch.take(steps_per_epoch * per_update)
+        batches = int(first_epoch.reduce(0, lambda count, _: count + 1))
+        return cls(epochs, math.ceil(batches / per_update), done)
 
     def line(self, minutes=0):
         """What the run says at its start (`minutes`: its time budget, if any)."""

@@ -1,13 +1,17 @@
 """One training step under any tf.distribute strategy.
 
 Keras 3's ``fit`` fails under ``MultiWorkerMirroredStrategy`` (keras-team/keras#20585), so
-the step is our own: the loss summed over tokens, divided by the *global* batch's count.
+the step is our own: the loss summed over tokens, divided by the *global* batch's count. With
+``accumulate_steps`` N, a step is one update on N batches: their gradients summed, each loss
+divided by the count of all N, the update of one batch made of them all.
 """
 
 import keras
 import tensorflow as tf
 
+from kyu_transformer.distribution import distribute_batches
 from kyu_transformer.metrics import masked_accuracy_counts
+from kyu_transformer.special_ids import PAD_ID
 
 
 def loss_terms_function(loss_fn, xla=True):
@@ -26,7 +30,7 @@ def loss_terms_function(loss_fn, xla=True):
 
 
 class TrainStep:
-    """``step(iterator)`` -> ``(has_batch, loss_sum, correct, tokens, stops)`` on the next batch.
+    """``step(iterator)`` -> ``(batches, loss_sum, correct, tokens, stops)``: one update.
 
     Args:
       strategy: The `tf.distribute.Strategy` the model and optimizer live in.
@@ -34,22 +38,31 @@ class TrainStep:
       optimizer: A Keras optimizer (a `LossScaleOptimizer` scales the loss).
       loss_terms: A function from `loss_terms_function`.
       jit_compile: Whether to compile the whole step with XLA.
+      accumulate_steps: Batches per update; the iterator comes from `distribute`.
 
-    ``has_batch`` is False (and the sums 0) at the end of the data. ``stops`` counts the
-    replicas whose process called `request_stop`: it rides on the token count's all-reduce,
-    so every worker learns of any stop after the same update, at no cost.
+    ``batches`` counts the batches the update took: `accumulate_steps`, fewer at the end of
+    the data, 0 (and the sums 0) once it has ended. ``stops`` counts the replicas whose
+    process called `request_stop`: it rides on the token count's all-reduce, so every
+    worker learns of any stop after the same update, at no cost.
     """
 
-    def __init__(self, strategy, model, optimizer, loss_terms, jit_compile=False):
+    def __init__(self, strategy, model, optimizer, loss_terms, jit_compile=False,
+                 accumulate_steps=1):
         self.strategy, self.model = strategy, model
         self.optimizer, self.loss_terms = optimizer, loss_terms
+        self.accumulate_steps = accumulate_steps
         # This process's request, outside the strategy: every worker has its own.
         self.stop_requested = tf.Variable(0.0, trainable=False, name="stop_requested")
-        self.function = tf.function(self._distributed_step, jit_compile=jit_compile or None,
-                                    reduce_retracing=True)
+        step = self._distributed_step if accumulate_steps == 1 else self._accumulated_step
+        self.function = tf.function(step, jit_compile=jit_compile or None, reduce_retracing=True)
 
     def __call__(self, iterator):
         return self.function(iterator)
+
+    def distribute(self, make_global_batches):
+        """The distributed dataset the step takes (endless when it takes several batches)."""
+        return distribute_batches(self.strategy, make_global_batches,
+                                  endless=self.accumulate_steps > 1)
 
     def request_stop(self):
         """Asks every worker to stop after the next step (see ``stops``)."""
@@ -64,21 +77,83 @@ class TrainStep:
                 tf.distribute.ReduceOp.SUM,
                 tf.stack([tokens, tf.cast(self.stop_requested, tokens.dtype)]))  # (2,)
             loss = loss_sum / tf.maximum(tokens_and_stops[0], 1.0)
-            scaled_loss = (self.optimizer.scale_loss(loss)
-                           if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
-                           else loss)
+            scaled_loss = self._scaled(loss)
         gradients = tape.gradient(scaled_loss, self.model.trainable_variables)
         self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
         return loss_sum, correct, tokens, tokens_and_stops[1]
+
+    def _scaled(self, loss):
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            return self.optimizer.scale_loss(loss)
+        return loss
 
     def _distributed_step(self, iterator):
         """One step on the next global batch (a bare `next()` would raise at the end only
         after the optimizer counted one more iteration)."""
         batch = iterator.get_next_as_optional()
         if not batch.has_value():
-            return (tf.constant(False), *[tf.constant(0.0)] * 4)
+            return (tf.constant(0), *[tf.constant(0.0)] * 4)
         *sums, stops = self.strategy.run(self._replica_step, args=batch.get_value())
         totals = [self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
                   for value in sums]
         # Already summed over all replicas: every replica holds the same count.
-        return (tf.constant(True), *totals, self.strategy.experimental_local_results(stops)[0])
+        return (tf.constant(1), *totals, self.strategy.experimental_local_results(stops)[0])
+
+    def _accumulated_step(self, iterator):
+        """One update on the next `accumulate_steps` batches of an endless iterator (see
+        `distribute`). Their tokens are counted first, so each batch's gradient is taken of its
+        loss divided by the count of all: their sum is the gradient of the batches' union."""
+        micro_batches = [next(iterator) for _ in range(self.accumulate_steps)]
+        counts = self.strategy.run(self._counts, args=(micro_batches,))
+        tokens_stops_rows = self.strategy.experimental_local_results(counts)[0]
+        # The data ended where the batches have no rows (no real global batch is empty).
+        batches = tf.reduce_sum(tf.cast(tokens_stops_rows[2:] > 0, tf.int32))
+        if batches == 0:
+            return (batches, *[tf.constant(0.0)] * 3, tokens_stops_rows[1])
+        sums = self.strategy.run(self._replica_update, args=(micro_batches, counts))
+        totals = [self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+                  for value in sums]
+        return (batches, *totals, tokens_stops_rows[1])
+
+    def _counts(self, micro_batches):
+        """``[tokens, stops, rows of each batch]`` summed over replicas (one all-reduce). A
+        token is a label that is not padding, as the loss counts them."""
+        tokens = tf.add_n([tf.reduce_sum(tf.cast(tf.not_equal(labels, PAD_ID), tf.float32))
+                           for _, labels in micro_batches])
+        rows = [tf.cast(tf.shape(labels)[0], tf.float32) for _, labels in micro_batches]
+        return tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM,
+            tf.stack([tokens, tf.cast(self.stop_requested, tf.float32), *rows]))
+
+    def _replica_update(self, micro_batches, counts):
+        """The gradients of `micro_batches`, one batch after another, summed and applied once."""
+        variables, gradients, sums = self.model.trainable_variables, None, []
+        for features, labels in micro_batches:
+            if gradients is not None:  # a batch's forward pass waits for the last one's gradients
+                with tf.control_dependencies(_tensors(gradients)):
+                    features, labels = tf.nest.map_structure(tf.identity, (features, labels))
+            with tf.GradientTape() as tape:
+                logits = self.model(features, training=True)  # (n, T, V)
+                loss_sum, correct, tokens = self.loss_terms(labels, logits)
+                scaled_loss = self._scaled(loss_sum / tf.maximum(counts[0], 1.0))
+            batch_gradients = tape.gradient(scaled_loss, variables)
+            gradients = (batch_gradients if gradients is None else
+                         [_added(total, more) for total, more in zip(gradients, batch_gradients)])
+            sums.append((loss_sum, correct, tokens))
+        self.optimizer.apply_gradients(zip(gradients, variables))
+        return [tf.add_n(list(column)) for column in zip(*sums)]
+
+
+def _added(total, more):
+    """Two gradients of one variable summed (sparse ones stay sparse: their rows joined)."""
+    if total is None or more is None:
+        return more if total is None else total
+    if isinstance(total, tf.IndexedSlices) and isinstance(more, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([total.values, more.values], 0),
+                                tf.concat([total.indices, more.indices], 0), total.dense_shape)
+    return tf.convert_to_tensor(total) + tf.convert_to_tensor(more)
+
+
+def _tensors(gradients):
+    return [tensor for tensor in tf.nest.flatten(gradients, expand_composites=True)
+            if tensor is not None]

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from kyu_transformer import filenames
 from kyu_transformer.checkpoints import checkpoint_dir
-from kyu_transformer.distribution import distribute_batches, is_chief
+from kyu_transformer.distribution import is_chief
 from kyu_transformer.files import replaced_atomically
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
@@ -66,13 +66,16 @@ class Trainer:
       hooks: Callables ``hook(trainer, epoch, logs)`` run on the chief after each epoch
         (e.g. validation BLEU); they may add entries to `logs`.
       verbose: Whether to show a progress bar.
+      initialize: ``initialize(trainer)``, run when there is no checkpoint to resume from,
+        sets the starting weights (fine-tuning's `fine_tuning.Source.initialize`).
     """
 
-    def __init__(self, hparams, strategy=None, logdir=None, hooks=(), verbose=True):
+    def __init__(self, hparams, strategy=None, logdir=None, hooks=(), verbose=True,
+                 initialize=None):
         self.hparams = hparams = dict(hparams)
         self.strategy = strategy or tf.distribute.get_strategy()
         self.logdir = logdir or hparams["logdir"]
-        self.hooks, self.verbose = list(hooks), verbose
+        self.hooks, self.verbose, self.initialize = list(hooks), verbose, initialize
         self.chief = is_chief(self.strategy)
         fast_paths = hparams.get("fast_paths", True)
         hparams["mixed_precision"] = resolve_precision(hparams["mixed_precision"], hparams)
@@ -87,14 +90,14 @@ class Trainer:
         self.checkpoints = RunCheckpoints(self.strategy, self.model, self.optimizer,
                                           self.checkpoint_dir, hparams["keep_checkpoints"],
                                           self.chief)
-        self.last_saved, self.plan = None, None
+        self.last_saved, self.plan, self.per_update = None, None, hparams.get("accumulate_steps", 1)
         self._stop_requests = StopRequests()
         self.budget = TimeBudget(hparams["max_minutes"], self.strategy)
         self.log = TrainingLog(self.logdir, self.chief)
         self.loss_fn = LabelSmoothedCrossEntropy(hparams["smoothing"], fast_paths=fast_paths)
         self._loss_terms = loss_terms_function(self.loss_fn, xla=fast_paths and hparams["xla_loss"])
-        self._train_step = TrainStep(self.strategy, self.model, self.optimizer,
-                                     self._loss_terms, hparams["jit_compile"])
+        self._train_step = TrainStep(self.strategy, self.model, self.optimizer, self._loss_terms,
+                                     hparams["jit_compile"], self.per_update)
 
     # The run state, as the checkpoints hold it.
     epoch = property(lambda self: self.checkpoints.epoch)
@@ -108,12 +111,15 @@ class Trainer:
         return int(self.optimizer.iterations.value.numpy())
 
     def distribute(self, make_global_batches):
-        """A distributed dataset from `make_global_batches()` (global batches)."""
-        return distribute_batches(self.strategy, make_global_batches)
+        """A distributed dataset from `make_global_batches()` (global batches), for the step."""
+        return self._train_step.distribute(make_global_batches)
 
     def restore(self):
-        """Restores the latest readable checkpoint, if any; returns its path or None."""
-        return self.checkpoints.restore()
+        """Restores the latest readable checkpoint (returns its path), else runs `initialize`."""
+        path = self.checkpoints.restore()
+        if path is None and self.initialize is not None:
+            self.initialize(self)
+        return path
 
     def save(self):
         """Saves a checkpoint of the run; returns its path on the chief (else None)."""
@@ -136,7 +142,7 @@ class Trainer:
           make_epoch_batches: ``epoch -> tf.data.Dataset`` of global batches
             ``({"source", "target_in"}, target_out)``, the same for the same epoch
             (a resumed run skips what it has done).
-          steps_per_epoch: Cap on the steps of an epoch (None: the whole data).
+          steps_per_epoch: Cap on the steps (updates) of an epoch (None: the whole data).
 
         Returns:
           A dict: ``resumed_from``, ``steps``, ``epochs``, ``stopped`` (``"done"``, ``"time"``,
@@ -150,7 +156,7 @@ class Trainer:
         with StopRequests() as self._stop_requests:
             resumed_from = self._resume()
             self.plan = UpdatePlan.of_run(make_epoch_batches(0), self.hparams["num_epochs"],
-                                          steps_per_epoch, self.global_step())
+                                          steps_per_epoch, self.global_step(), self.per_update)
             if self.chief and self.verbose:
                 print(self.plan.line(self.budget.minutes), flush=True)
             # A run killed after its budget was spent (and saved) trains no further.
@@ -166,9 +172,9 @@ class Trainer:
                 "train_seconds": self.budget.used(), "checkpoint": self.last_saved}
 
     def _resume(self):
-        """Opens the log, restores the latest checkpoint and the clock; returns its path."""
-        self.log.open()
+        """Restores the latest checkpoint, then opens the log and the clock; returns its path."""
         resumed_from = self.restore()
+        self.log.open()
         check_agreement(self.strategy, values={"restored step": self.global_step()})
         self.budget.start(float(self.train_seconds.numpy()))
         if resumed_from and self.chief:
@@ -180,12 +186,12 @@ class Trainer:
         epoch, skip = int(self.epoch.numpy()), int(self.step_in_epoch.numpy())
 
         def batches():
-            dataset = make_epoch_batches(epoch)
-            return (dataset.take(steps_per_epoch) if steps_per_epoch else dataset).skip(skip)
+            dataset, most = make_epoch_batches(epoch), (steps_per_epoch or 0) * self.per_update
+            return (dataset.take(most) if most else dataset).skip(skip)
 
         iterator = iter(self.distribute(batches))
-        progress = Progress(epoch, self.hparams["num_epochs"], skip, steps_per_epoch,
-                            enabled=self.verbose and self.chief)
+        progress = Progress(epoch, self.hparams["num_epochs"], math.ceil(skip / self.per_update),
+                            steps_per_epoch, enabled=self.verbose and self.chief)
         stopped, last_loss = self._run_steps(iterator, epoch, skip, progress)
         if stopped == "done":
             self.epoch.assign_add(1)
@@ -204,17 +210,17 @@ class Trainer:
         while True:
             if self._stop_requests.received:  # the next step tells every worker
                 self._train_step.request_stop()
-            has_batch, *sums, stops = self._train_step(iterator)
-            if not bool(has_batch):
+            batches, *sums, stops = self._train_step(iterator)
+            if not int(batches):
                 progress.finish()
                 return "done", last_loss
             loss_sum, correct, tokens = (float(value) for value in sums)
-            step, done = self.global_step(), done + 1
+            step, done = self.global_step(), done + int(batches)  # `done`: the epoch's batches
             self.step_in_epoch.assign(done)
             last_loss = self._checked_loss(loss_sum, tokens, step)
             window.add(loss_sum, correct, tokens)
             estimate = self.plan.seconds_left(step, self.budget.left())
-            progress.update(done, loss_sum, correct, tokens, estimate)
+            progress.update(math.ceil(done / self.per_update), loss_sum, correct, tokens, estimate)
             progress.say(self.plan.estimate_line(step, estimate, self.budget.left()))
             if step % hparams["log_every"] == 0:
                 record = {"kind": "train", "step": step, "epoch": epoch + 1,

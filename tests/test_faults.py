@@ -141,6 +141,33 @@ def test_same_seed_deterministic_runs_are_bit_identical(tmp_path):
     assert digest(other_seed.stdout) != digest(first.stdout)
 
 
+def test_a_run_killed_within_an_accumulated_update_resumes_bit_identical(tmp_path):
+    """With `--accumulate_steps 2` a step is an update of two batches, and checkpoints fall
+    between updates: a run killed within one retakes it from the last checkpoint and ends
+    as an uninterrupted run, bit for bit (dropout on). Steps, the cap and the plan count
+    updates."""
+    flags = ["--num_epochs", "2", "--steps_per_epoch", "10", "--checkpoint_every", "3",
+             "--accumulate_steps", "2", "--dropout_rate", "0.1", "--deterministic"]
+    straight = run_train(tmp_path / "straight", *flags, wait=False)
+    logdir = tmp_path / "log"
+    process = run_train(logdir, *flags, wait=False)
+    wait_for(lambda: (logdir / "checkpoints" / "checkpoint").exists(), process)
+    process.send_signal(signal.SIGKILL)
+    output = process.stdout.read()
+    assert process.wait() == -signal.SIGKILL, output
+    resumed = run_train(logdir, *flags)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    step = re.search(r"resuming from \S+ckpt-(\d+) at step (\d+),", resumed.stdout)
+    assert step and step.group(1) == step.group(2), resumed.stdout
+    if int(step.group(1)) < 10:  # the data position: twice as many batches, said in steps
+        assert f"epoch 1/2 (resuming after {step.group(1)} steps)" in resumed.stdout
+    assert "done: 2 epochs, 20 steps" in resumed.stdout
+    straight_output = straight.communicate(timeout=600)[0]
+    assert straight.returncode == 0, straight_output
+    assert "plan: 2 epochs of about 10 updates, about 20 updates\n" in straight_output
+    assert digest(resumed.stdout) == digest(straight_output) != []
+
+
 def test_unwritable_logdir_fails_at_start(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

@@ -47,6 +47,10 @@ def test_flags_override_hparams():
     ("", {"smoothing": -0.1}, "`smoothing` must be in [0, 1)"),
     ("", {"norm_position": "middle"}, "`norm_position` must be one of post, pre"),
     ("", {"batch_tokens": 10}, "`batch_tokens` (10) must be 0 or at least"),
+    ("", {"accumulate_steps": 0}, "`accumulate_steps` must be positive, got 0"),
+    ("", {"accumulate_steps": "-1"}, "`accumulate_steps` must be positive, got -1"),
+    ("", {"accumulate_steps": "1.5"}, "`accumulate_steps` must be int, got '1.5'"),
+    ("", {"accumulate_steps": 1.5}, "`accumulate_steps` must be int, got 1.5"),
     ("missing.json", None, "no such JSON file: missing.json"),
 ])
 def test_validation_errors(spec, overrides, message):
@@ -67,6 +71,14 @@ def test_hparams_written_before_the_switch_load_with_fast_paths_on(tmp_path):
     path = tmp_path / "hparams.json"
     hp.save(resolved, str(path))
     assert hp.load(str(path))["fast_paths"] is True
+
+
+def test_hparams_written_before_accumulation_load_with_one_batch_an_update(tmp_path):
+    resolved = hp.parse("tiny")
+    del resolved["accumulate_steps"]
+    path = tmp_path / "hparams.json"
+    hp.save(resolved, str(path))
+    assert hp.load(str(path))["accumulate_steps"] == 1
 
 
 def test_every_problem_is_reported_at_once():

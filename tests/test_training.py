@@ -203,6 +203,125 @@ def test_trainer_fast_paths_switch_trains_the_same_steps(tmp_path):
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
 
 
+def micro_batches():
+    """Five batches of unlike rows, lengths and padding (the one-row batch leaves one of two
+    replicas an empty slice)."""
+    rng = np.random.default_rng(3)
+    batches = []
+    for rows, source_length, target_length in ((6, 9, 8), (3, 12, 6), (5, 7, 10), (4, 8, 8),
+                                               (1, 6, 5)):
+        source = rng.integers(4, 400, size=(rows, source_length)).astype("int32")
+        source[0, -3:] = 0
+        target = rng.integers(4, 400, size=(rows, target_length)).astype("int32")
+        target[-1, 2:] = 0
+        batches.append(({"source": source, "target_in": target}, np.roll(target, -1, axis=1)))
+    return batches
+
+
+def unions(batches, size):
+    """Each `size` consecutive batches joined into one, padded to the longest."""
+    def joined(arrays):
+        length = max(array.shape[1] for array in arrays)
+        return np.concatenate([np.pad(array, ((0, 0), (0, length - array.shape[1])))
+                               for array in arrays])
+
+    groups = [batches[start:start + size] for start in range(0, len(batches), size)]
+    return [({key: joined([features[key] for features, _ in group])
+              for key in ("source", "target_in")}, joined([labels for _, labels in group]))
+            for group in groups]
+
+
+def train_to_the_end(batches, logdir, strategy=None, **overrides):
+    """Steps a tiny model (dropout 0) through `batches` to their end; ``(batches taken by
+    each step, losses, weights, stops after a stop request)``."""
+    import keras
+
+    keras.utils.set_random_seed(7)
+    hparams = hp.parse("tiny", {"logdir": str(logdir), "dropout_rate": 0.0, **overrides})
+    trainer = Trainer(hparams, strategy, verbose=False)
+
+    def dataset():
+        return tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=(
+            {"source": tf.TensorSpec((None, None), tf.int32),
+             "target_in": tf.TensorSpec((None, None), tf.int32)},
+            tf.TensorSpec((None, None), tf.int32)))
+
+    iterator, taken, losses = iter(trainer.distribute(dataset)), [], []
+    while taken[-1:] != [0] and len(taken) < 10:
+        count, loss_sum, _, tokens, _ = trainer._train_step(iterator)
+        taken.append(int(count))
+        losses.append(float(loss_sum) / max(float(tokens), 1.0))
+    assert trainer.global_step() == len(taken) - 1  # a step is an update
+    weights = {weight.path: weight.numpy() for weight in trainer.model.weights}
+    trainer._train_step.request_stop()
+    stops = float(trainer._train_step(iter(trainer.distribute(dataset)))[-1])
+    return taken, losses[:-1], weights, stops
+
+
+def assert_same_weights(actual, expected):
+    # Key biases are left out: their true gradient is zero, so Adam steps them by rounding
+    # noise alone (see `test_mirrored_two_devices_equals_default_strategy`).
+    assert set(actual) == set(expected)
+    for name in expected:
+        if "key_dense/bias" not in name:
+            np.testing.assert_allclose(actual[name], expected[name], rtol=1e-4, atol=1e-6,
+                                       err_msg=name)
+
+
+ACCUMULATION_SCRIPT = r"""
+import os, sys
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+sys.path.insert(0, sys.argv[1])
+from tests.test_training import micro_batches, train_to_the_end
+
+mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+for fast_paths in (True, False):
+    taken, losses, weights, stops = train_to_the_end(
+        micro_batches(), os.path.join(sys.argv[2], f"mirrored-{fast_paths}"), mirrored,
+        fast_paths=fast_paths, accumulate_steps=2)
+    np.savez(os.path.join(sys.argv[2], f"mirrored-{fast_paths}.npz"), taken=taken,
+             losses=losses, stops=stops,
+             **{key.replace("/", "|"): value for key, value in weights.items()})
+"""
+
+
+@pytest.mark.slow
+def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
+    """`accumulate_steps` 2: each update is the one of its two batches joined (the last, of
+    the one batch left), with the fused Adam and with Keras' (`fast_paths` off), on one device
+    and under `MirroredStrategy` on two logical CPUs (in a process of its own, run meanwhile;
+    one replica's slice of the one-row batch is empty)."""
+    with open(tmp_path / "mirrored.log", "w") as log:
+        mirrored = subprocess.Popen(
+            [sys.executable, "-c", ACCUMULATION_SCRIPT, ROOT, str(tmp_path)], stdout=log,
+            stderr=subprocess.STDOUT, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    batches, joined = micro_batches(), {}
+    for fast_paths in (True, False):
+        taken, losses, weights, stops = train_to_the_end(
+            batches, tmp_path / f"accumulated-{fast_paths}", fast_paths=fast_paths,
+            accumulate_steps=2)
+        assert taken == [2, 2, 1, 0] and stops == 1.0
+        joined_taken, *joined[fast_paths], _ = train_to_the_end(
+            unions(batches, 2), tmp_path / f"joined-{fast_paths}", fast_paths=fast_paths)
+        assert joined_taken == [1, 1, 1, 0]
+        np.testing.assert_allclose(losses, joined[fast_paths][0], rtol=1e-5)
+        assert_same_weights(weights, joined[fast_paths][1])
+    # Updates on the batches one by one end elsewhere: the test can fail.
+    _, _, one_by_one, _ = train_to_the_end(batches, tmp_path / "one-by-one")
+    assert max(np.abs(one_by_one[name] - weights[name]).max() for name in weights) > 1e-3
+
+    assert mirrored.wait(timeout=300) == 0, (tmp_path / "mirrored.log").read_text()[-3000:]
+    for fast_paths in (True, False):
+        results = {key.replace("|", "/"): value
+                   for key, value in np.load(tmp_path / f"mirrored-{fast_paths}.npz").items()}
+        assert list(results.pop("taken")) == [2, 2, 1, 0]
+        assert results.pop("stops") == 2.0  # a stop rides on both replicas' token count
+        np.testing.assert_allclose(results.pop("losses"), joined[fast_paths][0], rtol=1e-5)
+        assert_same_weights(results, joined[fast_paths][1])
+
+
 def test_eval_and_export_do_not_import_the_trainer():
     script = ("import sys; sys.path.insert(0, sys.argv[1]); import eval, export; "
               "print(sorted(m for m in sys.modules if m.startswith('kyu_transformer')))")
@@ -458,6 +577,10 @@ def test_the_plan_counts_an_epochs_updates_and_its_estimate_keeps_to_the_budget(
     epoch = tf.data.Dataset.range(59).batch(2)  # 30 batches
     assert UpdatePlan.of_run(epoch, 3, 0, 0).total == 90
     assert UpdatePlan.of_run(epoch, 3, 5, 0).total == 15  # steps_per_epoch caps each epoch
+    # updates of 4 batches: 8 an epoch, the last of 2; the cap counts updates
+    assert UpdatePlan.of_run(epoch, 3, 0, 0, per_update=4).total == 24
+    assert UpdatePlan.of_run(epoch, 3, 5, 0, per_update=4).total == 15
+    assert UpdatePlan.of_run(epoch, 3, 8, 0, per_update=4).total == 24
     resumed = UpdatePlan.of_run(epoch, 3, 0, 20)
     assert resumed.line(40) == ("plan: 3 epochs of about 30 updates, about 90 updates "
                                 "(70 to go), or 40 min of training")
