@@ -5,6 +5,7 @@
 Re-running the same command after a crash resumes from the last checkpoint; SIGTERM or SIGINT
 stops after an update with a checkpoint (exit status 75). A run holds its logdir's lock. A logdir
 trained with other hyperparameters is refused unless ``--overwrite`` (which moves it aside).
+``--init_from LOGDIR`` starts from another run's weights (fine-tuning: docs/fine_tuning.md).
 Flags, hparams, the data folder and the logdir are checked before TensorFlow loads
 (`check_before_tensorflow`; the modules on TensorFlow are imported in the functions that use
 them): a mistake costs no start-up.
@@ -25,7 +26,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import hparams as hp  # noqa: E402
 from kyu_transformer import data, filenames  # noqa: E402
 from kyu_transformer.files import as_out_of_space, copy_aside, is_out_of_space  # noqa: E402
-from kyu_transformer.flags import STRATEGIES  # noqa: E402
+from kyu_transformer.fine_tuning import (  # noqa: E402
+    FineTuningError, check_source, copy_subwords, has_own_checkpoint, with_architecture)
+from kyu_transformer.flags import (  # noqa: E402
+    STRATEGIES, add_checkpoint_arguments, check_checkpoint_arguments)
 from kyu_transformer.logdir_lock import LogdirBusy, LogdirLock  # noqa: E402
 from kyu_transformer.precision import AUTO, resolve_precision  # noqa: E402
 
@@ -46,7 +50,59 @@ def parse_args(argv):
                              "<logdir>.old-<time>)")
     parser.add_argument("--deterministic", action="store_true",
                         help="TensorFlow op determinism: identical runs for the same seed")
-    return parser.parse_args(argv)
+    fine_tuning = parser.add_argument_group("fine-tuning (docs/fine_tuning.md)")
+    add_checkpoint_arguments(fine_tuning, prefix="init_")
+    fine_tuning.add_argument("--init_optimizer", action="store_true",
+                             help="also take the source checkpoint's optimizer moments (its "
+                                  "step counter still starts at 0)")
+    args = parser.parse_args(argv)
+    check_checkpoint_arguments(parser, args, prefix="init_")
+    if args.init_optimizer and not args.init_from:
+        parser.error("--init_optimizer takes the optimizer of --init_from LOGDIR, which is not "
+                     "given")
+    if args.init_optimizer and (args.init_ckpt == "best" or args.init_average_last > 1):
+        given = ("--init_ckpt best" if args.init_ckpt == "best"
+                 else f"--init_average_last {args.init_average_last}")
+        parser.error(f"--init_optimizer needs one checkpoint of train.py's; {given} has no "
+                     "optimizer state (best.weights.h5 holds weights only; an average has none)")
+    return args
+
+
+def run_hparams(args):
+    """The run's hparams: its flags', and for a fine-tuning run (--init_from) the source's
+    architecture, which values given again must equal. A run resuming from checkpoints of its own
+    takes the architecture from its own hparams.json: the source is not read again."""
+    hparams = hp.from_args(args)
+    if not args.init_from:
+        return hparams
+    own = hparams["logdir"]
+    try:
+        if not args.overwrite and has_own_checkpoint(own) and os.path.isfile(
+                os.path.join(own, filenames.HPARAMS)):
+            origin = os.path.join(own, filenames.HPARAMS)
+        else:
+            origin = check_source(args.init_from, args.init_ckpt)
+        return hp.resolve(with_architecture(hparams, hp.given_keys(args), hp.load(origin),
+                                            args.init_from))
+    except FineTuningError as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+def read_source(args, hparams, chief):
+    """The source of a fine-tuning run that starts now, its weights read before anything is
+    written; None without --init_from, or when the run resumes from its own checkpoints."""
+    from kyu_transformer.checkpoints import list_checkpoints
+    from kyu_transformer.fine_tuning import Source
+
+    if not args.init_from:
+        return None
+    if not args.overwrite and list_checkpoints(hparams["logdir"]):
+        if chief:
+            print(f"note: {hparams['logdir']} has checkpoints of its own: it resumes from them, "
+                  f"and --init_from {args.init_from} is not read", flush=True)
+        return None
+    return Source(args.init_from, hp.load(os.path.join(args.init_from, filenames.HPARAMS)),
+                  args.init_ckpt, args.init_average_last, args.init_optimizer)
 
 
 def hold_logdir(logdir):
@@ -108,7 +164,8 @@ def subword_dir(logdir, chief):
 
 
 def prepare_run(args, strategy, chief):
-    """``(hparams, corpus)``: the logdir settled, the subword model ready.
+    """``(hparams, corpus, source)``: the logdir settled, the subword model ready, and a
+    fine-tuning run's `fine_tuning.Source` (None when there is none to read).
 
     The chief goes first: it alone takes the lock (until the process ends; a run of one process
     took it in `check_before_tensorflow`), downloads a missing corpus, moves an old logdir aside
@@ -122,15 +179,18 @@ def prepare_run(args, strategy, chief):
     state = {}
 
     def chief_part():
-        state["hparams"] = hparams = hp.from_args(args)
+        state["hparams"] = hparams = run_hparams(args)
+        state["source"] = read_source(args, hparams, chief)  # also checks it: before any write
         if chief:
             if not _HELD:  # not taken yet by `check_before_tensorflow`
                 _HELD.append(hold_logdir(hparams["logdir"]))
-            state["hparams"], state["corpus"] = prepare_logdir(hparams, args.overwrite, True)
+            state["hparams"], state["corpus"] = prepare_logdir(
+                hparams, args.overwrite, True, state["source"])
 
     def worker_part():
         if not chief:
-            state["hparams"], state["corpus"] = prepare_logdir(state["hparams"], False, False)
+            state["hparams"], state["corpus"] = prepare_logdir(
+                state["hparams"], False, False, state["source"])
 
     barrier(strategy, failure_of(chief_part, strategy))  # the chief has written what it had to
     barrier(strategy, failure_of(worker_part, strategy))  # every worker has hparams and subwords
@@ -149,18 +209,19 @@ def prepare_run(args, strategy, chief):
             [(processor.id_to_piece(i), processor.get_score(i))
              for i in range(processor.get_piece_size())]))
         check_agreement(strategy, digests=digests)
-    return hparams, corpus
+    return hparams, corpus, state["source"]
 
 
 def failure_of(step, strategy):
     """Runs `step()`; returns None, or the message of the error that stopped it."""
+    from kyu_transformer.checkpoints import CheckpointError
     from kyu_transformer.workers import is_multi_worker
 
     try:
         step()
     except SystemExit as error:
         return str(error).removeprefix("error: ")
-    except (hp.HParamsError, data.DataError) as error:
+    except (hp.HParamsError, data.DataError, CheckpointError, FineTuningError) as error:
         return str(error)
     except Exception as error:  # pylint: disable=broad-except
         if not is_multi_worker(strategy):
@@ -170,9 +231,10 @@ def failure_of(step, strategy):
     return None
 
 
-def prepare_logdir(hparams, overwrite, chief):
+def prepare_logdir(hparams, overwrite, chief, source=None):
     """``(hparams, corpus)``: the data folder checked (the default one downloaded if missing),
-    the logdir settled; the chief also writes `hparams.json` and `corpus.json` the first time."""
+    the logdir settled; the chief also writes `hparams.json` and `corpus.json` the first time.
+    A fine-tuning run's corpus is encoded with its `source`'s subword model, copied first."""
     from kyu_transformer.corpus import Corpus
 
     data_dir = hparams["data_dir"]
@@ -183,7 +245,12 @@ def prepare_logdir(hparams, overwrite, chief):
     hparams = settle_logdir(hparams, overwrite)
     if chief:  # the others take the chief's choice (`prepare_run`)
         hparams["mixed_precision"] = resolve_precision(hparams["mixed_precision"], hparams)
-    corpus = Corpus(hparams["data_dir"], subword_dir(hparams["logdir"], chief), hparams)
+    if chief and not os.path.isfile(os.path.join(hparams["logdir"], filenames.CORPUS)):
+        refuse_weights_only(hparams["logdir"])  # an imported logdir: before anything is written
+    model_dir = subword_dir(hparams["logdir"], chief)
+    if source is not None:
+        copy_subwords(source.logdir, model_dir)
+    corpus = Corpus(hparams["data_dir"], model_dir, hparams)
     if not chief:
         return hparams, corpus
     for name, value in ((filenames.HPARAMS, hparams),
@@ -194,7 +261,18 @@ def prepare_logdir(hparams, overwrite, chief):
     return hparams, corpus
 
 
-def make_trainer(hparams, corpus, strategy, deterministic):
+def refuse_weights_only(logdir):
+    """A `CheckpointError` if the latest checkpoint of `logdir` holds weights without a run state
+    (`RunCheckpoints.restore` refuses it too, but only after the run has written its files)."""
+    from kyu_transformer.checkpoints import list_checkpoints, unreadable
+    from kyu_transformer.resumption import refuse_weights_only as refuse
+
+    for path in list_checkpoints(logdir)[-1:]:
+        if unreadable(path) is None:  # an unreadable one is the restore's to set aside
+            refuse(path)
+
+
+def make_trainer(hparams, corpus, strategy, deterministic, source=None):
     from kyu_transformer.evaluation import ValidationBleu
     from kyu_transformer.seeding import seed_everything
     from kyu_transformer.training import Trainer
@@ -205,7 +283,8 @@ def make_trainer(hparams, corpus, strategy, deterministic):
     if hparams["eval_sentences"]:
         hooks.append(ValidationBleu(corpus.val_sources, corpus.val_targets, corpus.subwords,
                                     hparams["eval_sentences"], hparams["eval_batch_size"]))
-    trainer = Trainer(hparams, strategy, hparams["logdir"], hooks=hooks)
+    trainer = Trainer(hparams, strategy, hparams["logdir"], hooks=hooks,
+                      initialize=source.initialize if source is not None else None)
     print(f"model: {trainer.model.count_params():,} parameters")
     return trainer
 
@@ -247,7 +326,7 @@ def check_before_tensorflow(args):
     data folder, a logdir trained otherwise. (In a cluster each worker reports its own at a
     barrier instead, so that none waits for another.)"""
     try:
-        hparams = hp.from_args(args)
+        hparams = run_hparams(args)
         _HELD.append(hold_logdir(hparams["logdir"]))  # the lock lives as long as the process
         if to_download(hparams["data_dir"]):
             return  # the corpus comes first: `prepare_logdir` downloads it, then checks the rest
@@ -278,8 +357,8 @@ def train(argv):
     chief, hparams = is_chief(strategy), {}
     started = time.time()
     try:
-        hparams, corpus = prepare_run(args, strategy, chief)
-        trainer = make_trainer(hparams, corpus, strategy, args.deterministic)
+        hparams, corpus, source = prepare_run(args, strategy, chief)
+        trainer = make_trainer(hparams, corpus, strategy, args.deterministic, source)
         started = time.time()
         result = trainer.fit(corpus.train_batches, hparams["steps_per_epoch"] or None)
     except (TrainingError, WorkerDisagreement, CheckpointError) as error:

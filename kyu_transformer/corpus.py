@@ -9,7 +9,8 @@ class Corpus:
     The subword model lives in `model_dir` (the logdir), trained there on both sides of the
     training split the first time. `hparams` holds `src_lang`, `tgt_lang`, `vocab_size`,
     `subword_model_type`, `maxlen1`, `maxlen2`, `batch_size`, `batch_tokens` and `seed`;
-    `log` takes one line of report.
+    `log` takes two lines of report (the second counts the unknown pieces: a subword model of
+    another corpus, as when fine-tuning, may lack some of its characters).
     """
 
     def __init__(self, data_dir, model_dir, hparams, log=print):
@@ -19,12 +20,16 @@ class Corpus:
         sources, targets, empty = data.load_split(data_dir, "train", *languages)
         self.subwords = data.Subwords.train_or_load(
             model_dir, sources + targets, hparams["vocab_size"], hparams["subword_model_type"])
-        self.train = data.add_markers(self.subwords.encode(sources), self.subwords.encode(targets),
-                                      hparams["maxlen1"], hparams["maxlen2"])
+        source_ids, target_ids = self.subwords.encode(sources), self.subwords.encode(targets)
+        self.train = data.add_markers(source_ids, target_ids, hparams["maxlen1"],
+                                      hparams["maxlen2"])
+        self.unknown = count_unknown(source_ids + target_ids)
         log(f"train: {len(sources)} pairs from {data_dir}; {empty} with an empty side and "
             f"{self.train[3]} longer than maxlen1={hparams['maxlen1']}/maxlen2="
             f"{hparams['maxlen2']} dropped; {len(self.train[0])} kept; subword vocabulary "
             f"{self.subwords.vocab_size} ({self.subwords.path})")
+        log("unknown subwords: {sentences} of {of} training sentences (both sides) hold one; "
+            "{pieces} of {total} pieces ({share:.2%})".format(**self.unknown))
         self.val_sources, self.val_targets, _ = data.load_split(data_dir, "val", *languages)
 
     def train_batches(self, epoch):
@@ -34,3 +39,12 @@ class Corpus:
             sources, targets_in, targets_out, self.hparams["batch_size"],
             self.hparams["batch_tokens"], max(self.hparams["maxlen1"], self.hparams["maxlen2"]),
             shuffle=True, seed=self.hparams["seed"] + epoch)
+
+
+def count_unknown(sentences):
+    """How many of `sentences` (subword ids) hold the unknown id, and how many of all pieces are
+    it: ``{"sentences", "of", "pieces", "total", "share"}``."""
+    unknown = [sum(1 for piece in ids if piece == data.UNK_ID) for ids in sentences]
+    total = sum(len(ids) for ids in sentences)
+    return {"sentences": sum(1 for count in unknown if count), "of": len(unknown),
+            "pieces": sum(unknown), "total": total, "share": sum(unknown) / max(total, 1)}

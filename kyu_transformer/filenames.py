@@ -1,16 +1,18 @@
 """Every file and folder name the programs write (and the libraries' names they look for).
 
-A training logdir (train.py) holds `HPARAMS`, `CORPUS`, `SUBWORDS` (and `SUBWORDS_VOCABULARY`),
-`CHECKPOINTS/`, `BEST_WEIGHTS` with `BEST_RECORD`, `HISTORY`, `TENSORBOARD/`, `MODEL`, the `PLOTS`
-and `LOCK` (`ASIDE`: where --overwrite moves it); eval.py writes into `EVAL/` the files
-`evaluation_file` names; export.py writes a SavedModel with `SAVED_MODEL_SETTINGS` or a
-CTranslate2 model with `CTRANSLATE2_SETTINGS` and `SUBWORDS`. Temporary names (staging folders
-renamed into place) stay beside the code that makes and renames them.
+A training logdir (train.py) holds `HPARAMS` (and, fine-tuned, `INIT_FROM`), `CORPUS`,
+`SUBWORDS` (and `SUBWORDS_VOCABULARY`), `CHECKPOINTS/`, `BEST_WEIGHTS` with `BEST_RECORD`,
+`HISTORY`, `TENSORBOARD/`, `MODEL`, the `PLOTS` and `LOCK` (`ASIDE`: where --overwrite moves
+it); eval.py writes into `EVAL/` the files `evaluation_file` names; export.py writes a
+SavedModel with `SAVED_MODEL_SETTINGS` or a CTranslate2 model with `CTRANSLATE2_SETTINGS` and
+`SUBWORDS`. Temporary names (staging folders renamed into place) stay beside the code that makes
+and renames them.
 """
 
 import os
 
 HPARAMS = "hparams.json"  # the run's hyperparameters, read by eval.py and export.py
+INIT_FROM = "init_from.json"  # a fine-tuning run's source: logdir, checkpoint, sha256s
 CORPUS = "corpus.json"  # digests of the training files, checked when a run resumes
 SUBWORDS = "subwords.model"  # the sentencepiece model
 SUBWORDS_VOCABULARY = "subwords.vocab"  # its pieces and scores, readable, beside it

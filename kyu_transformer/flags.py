@@ -12,24 +12,40 @@ STRATEGIES = ("auto", "default", "mirrored", "multi_worker")
 QUANTIZATIONS = ("float32", "int8", "int8_float32")
 
 
-def add_checkpoint_arguments(parser):
-    """The flags by which eval.py and export.py choose a logdir's weights (an argparse parser)."""
-    parser.add_argument("--logdir", required=True, help="a logdir written by train.py")
-    parser.add_argument("--ckpt", default=None,
+def add_checkpoint_arguments(parser, prefix=""):
+    """The flags by which a program chooses a logdir's weights (an argparse parser).
+
+    eval.py and export.py: ``--logdir`` (required), ``--ckpt``, ``--average_last``. With a
+    `prefix` (train.py's ``init_``): the logdir is ``--<prefix>from`` (optional) and the others
+    take the prefix, ``--init_ckpt`` and ``--init_average_last``.
+    """
+    if prefix:
+        parser.add_argument(f"--{prefix}from", default=None, metavar="LOGDIR",
+                            help="a trained run's logdir: start from its architecture, subword "
+                                 "model and weights, with a fresh optimizer and schedule")
+    else:
+        parser.add_argument("--logdir", required=True, help="a logdir written by train.py")
+    parser.add_argument(f"--{prefix}ckpt", default=None,
                         help="checkpoint path, or 'best' (best validation BLEU); "
                              "default: the latest")
-    parser.add_argument("--average_last", type=int, default=0, metavar="N",
+    parser.add_argument(f"--{prefix}average_last", type=int, default=0, metavar="N",
                         help="average the weights of the last N checkpoints (all N must "
-                             "exist; not with --ckpt)")
+                             f"exist; not with --{prefix}ckpt)")
 
 
-def check_checkpoint_arguments(parser, args):
-    """Stops with the parser's error for checkpoint flags that `load_model` would refuse."""
-    if args.average_last < 0:
-        parser.error(f"--average_last must be at least 0, got {args.average_last}")
-    if args.ckpt and args.average_last:
-        parser.error(f"--ckpt ({args.ckpt}) and --average_last ({args.average_last}) exclude "
-                     "each other: give one checkpoint, or the number of last ones to average")
+def check_checkpoint_arguments(parser, args, prefix=""):
+    """Stops with the parser's error for checkpoint flags that `load_model` would refuse (and,
+    with a `prefix`, for ``--<prefix>ckpt`` or ``--<prefix>average_last`` without its logdir)."""
+    ckpt, average_last = getattr(args, f"{prefix}ckpt"), getattr(args, f"{prefix}average_last")
+    if average_last < 0:
+        parser.error(f"--{prefix}average_last must be at least 0, got {average_last}")
+    if ckpt and average_last:
+        parser.error(f"--{prefix}ckpt ({ckpt}) and --{prefix}average_last ({average_last}) "
+                     "exclude each other: give one checkpoint, or the number of last ones to "
+                     "average")
+    if prefix and not getattr(args, f"{prefix}from") and (ckpt or average_last):
+        given = f"--{prefix}ckpt" if ckpt else f"--{prefix}average_last"
+        parser.error(f"{given} chooses a checkpoint of --{prefix}from LOGDIR, which is not given")
 
 
 # Each search flag's value letter and help (the default is added from the field).

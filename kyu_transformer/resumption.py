@@ -17,8 +17,12 @@ import tensorflow as tf
 
 from kyu_transformer import filenames
 from kyu_transformer.checkpoints import (
-    UnreadableCheckpoint, listed_checkpoints, model_weights, unreadable)
+    CheckpointError, UnreadableCheckpoint, listed_checkpoints, model_weights, unreadable)
 from kyu_transformer.files import as_out_of_space, is_out_of_space, write_text
+
+
+# The objects every run checkpoint holds beside the weights (older ones lack the others).
+RUN_STATE = ("optimizer", "epoch", "step_in_epoch")
 
 
 class RunCheckpoints:
@@ -68,6 +72,7 @@ class RunCheckpoints:
                     + "; ".join(f"{os.path.basename(p)}: {reason}" for p, reason in bad.items())
                     + "); nothing was moved. Copy them again, or start afresh with --overwrite")
             return None
+        refuse_weights_only(path)
         for bad_path, reason in bad.items() if self.chief else ():
             print(f"note: {bad_path} cannot be read ({reason}); moved to "
                   f"{set_aside(bad_path)}; resuming from {path}", flush=True)
@@ -125,6 +130,18 @@ class RunCheckpoints:
         """Removes a worker's throw-away checkpoints (its part of the collective saves)."""
         if not self.chief:
             shutil.rmtree(self.manager.directory, ignore_errors=True)
+
+
+def refuse_weights_only(path):
+    """A `CheckpointError` for a checkpoint of weights without a run's state (no optimizer,
+    epoch or data position: an imported or hand-made one), which no run can resume from."""
+    keys = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    if not all(any(key.startswith(f"{name}/") for key in keys) for name in RUN_STATE):
+        logdir = os.path.dirname(os.path.dirname(path))
+        raise CheckpointError(
+            f"{path} holds weights without a run state (no optimizer, epoch or data position): "
+            f"a run cannot resume from it. To train from these weights, start a new run: "
+            f"--init_from {logdir} with a new --logdir")
 
 
 def random_states(model):

@@ -22,6 +22,8 @@ TENSORFLOW_ONLY_MODULES = {
     "test_export.py": "the export.py program and TensorFlow SavedModels",
     "test_eval.py": "the eval.py program (n-best, scoring, CTranslate2) on TensorFlow checkpoints",
     "test_faults.py": "the training and eval.py programs",
+    "test_fine_tuning.py": "train.py --init_from, on TensorFlow checkpoints",
+    "test_import_tf1.py": "TensorFlow 1 checkpoints, made in a tf.compat.v1 graph",
     "test_multi_worker.py": "tf.distribute multi-worker training",
     "test_optimizers.py": "the fused TensorFlow Adam kernel, tf.function and tf.distribute",
     "test_training.py": "the tf.distribute training loop",

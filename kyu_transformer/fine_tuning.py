@@ -1,0 +1,168 @@
+"""Fine-tuning: a run that starts from another run's weights (``train.py --init_from LOGDIR``).
+
+The new run takes the source's architecture, its subword model (copied, byte-identical: the
+embeddings are indexed by its pieces) and its weights, with a fresh optimizer (or, asked, the
+source's Adam moments), step counter and learning-rate schedule. From its first checkpoint on
+it is a run like any other: it resumes from its own checkpoints and never reads the source again.
+TensorFlow is imported by the parts that need it, so that train.py refuses a wrong source before
+TensorFlow loads.
+"""
+
+import filecmp
+import glob
+import hashlib
+import json
+import os
+import shutil
+
+from kyu_transformer import filenames
+from kyu_transformer.files import replaced_atomically, write_text
+
+# What the weights and the subword model depend on: the source's, never the command line's.
+ARCHITECTURE = ("vocab_size", "subword_model_type", "d_model", "d_ff", "num_blocks", "num_heads",
+                "maxlen1", "maxlen2", "norm_position", "sinusoid", "share_embeddings", "epsilon")
+# A checkpoint holding this key holds a run's state (train.py's); without it, weights only.
+OPTIMIZER_KEY = "optimizer/"
+
+
+class FineTuningError(ValueError):
+    """A source that cannot be fine-tuned from, or flags that contradict it; one line."""
+
+
+def has_own_checkpoint(logdir):
+    """Whether `logdir` lists checkpoints of its own (it resumes from them); without TensorFlow."""
+    return os.path.isfile(os.path.join(logdir, filenames.CHECKPOINTS, filenames.CHECKPOINT_INDEX))
+
+
+def check_source(logdir, ckpt=None):
+    """The path of the source's hparams.json, or a FineTuningError: no such folder, not a
+    trained run's logdir (no hparams.json, subword model or, unless `ckpt` names one,
+    checkpoint)."""
+    flag = f"--init_from {logdir}"
+    if not os.path.exists(logdir):
+        raise FineTuningError(f"{flag}: no such folder")
+    if not os.path.isdir(logdir):
+        raise FineTuningError(f"{flag}: is a file, expected the logdir of a trained run")
+    path = os.path.join(logdir, filenames.HPARAMS)
+    if not os.path.isfile(path):
+        raise FineTuningError(f"{flag}: not a logdir of train.py (no {filenames.HPARAMS}); "
+                              "give the logdir of a trained run")
+    if not os.path.isfile(os.path.join(logdir, filenames.SUBWORDS)):
+        raise FineTuningError(f"{flag}: no subword model ({filenames.SUBWORDS}) to encode the "
+                              "new corpus with")
+    if not ckpt and not has_own_checkpoint(logdir):
+        raise FineTuningError(f"{flag}: no checkpoint in {filenames.CHECKPOINTS}/ (has it been "
+                              "trained?)")
+    return path
+
+
+def with_architecture(hparams, given, source, source_logdir):
+    """`hparams` with the `source` hparams' architecture; a FineTuningError naming every
+    architecture value in `given` (the names set on the command line) that contradicts it."""
+    conflicts = [f"{key}: {hparams[key]!r} given, {source[key]!r} in the source"
+                 for key in ARCHITECTURE if key in given and hparams[key] != source[key]]
+    if conflicts:
+        raise FineTuningError(
+            f"--init_from {source_logdir}: a fine-tuning run keeps the source run's "
+            f"architecture, which the command line contradicts ({'; '.join(conflicts)}). Leave "
+            "these out, or give the source's values")
+    return {**hparams, **{key: source[key] for key in ARCHITECTURE}}
+
+
+def copy_subwords(source_logdir, directory):
+    """Copies the source's subword model (and its .vocab) into `directory`, byte for byte;
+    one already there must be the same (else FineTuningError)."""
+    model = os.path.join(directory, filenames.SUBWORDS)
+    theirs = os.path.join(source_logdir, filenames.SUBWORDS)
+    if os.path.isfile(model):
+        if not filecmp.cmp(model, theirs, shallow=False):
+            raise FineTuningError(
+                f"{model} is not the subword model of --init_from {source_logdir}: use another "
+                "--logdir (or --overwrite to move this one aside)")
+        return
+    os.makedirs(directory, exist_ok=True)
+    # The .vocab first, the .model last: a model file only ever stands complete, as trained.
+    for name in (filenames.SUBWORDS_VOCABULARY, filenames.SUBWORDS):
+        if os.path.isfile(os.path.join(source_logdir, name)):
+            with replaced_atomically(os.path.join(directory, name)) as temporary:
+                shutil.copyfile(os.path.join(source_logdir, name), temporary)
+
+
+def checkpoint_files(path):
+    """The files of checkpoint `path`: a .h5 file, or a prefix's .index and .data-* files."""
+    if path.endswith(".h5"):
+        return [path]
+    return sorted(glob.glob(glob.escape(path) + ".index")
+                  + glob.glob(glob.escape(path) + ".data-*"))
+
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Source:
+    """A source run's weights, read (and checked against its hparams) before the new run writes
+    anything; `initialize` sets a trainer to them.
+
+    Args:
+      logdir, hparams: The source's logdir and its hparams.
+      ckpt, average_last: Which of its checkpoints, as `checkpoints.load_model` takes them.
+      optimizer: Also take its optimizer's moments (a single checkpoint of train.py's).
+    """
+
+    def __init__(self, logdir, hparams, ckpt=None, average_last=0, optimizer=False):
+        from kyu_transformer.checkpoints import load_model, model_weights
+
+        self.logdir, self.optimizer = logdir, optimizer
+        model, self.paths = load_model(hparams, logdir, ckpt, average_last)
+        self.weights = {key: variable.numpy() for key, variable in model_weights(model).items()}
+        if optimizer:
+            self._check_optimizer_state()
+        self.record = {
+            "logdir": os.path.abspath(logdir), "ckpt": ckpt or "latest",
+            "average_last": int(average_last or 0),
+            "checkpoints": [os.path.abspath(path) for path in self.paths],
+            "sha256": {os.path.basename(name): sha256(name)
+                       for path in self.paths for name in checkpoint_files(path)},
+            "optimizer": bool(optimizer)}
+
+    def _check_optimizer_state(self):
+        import tensorflow as tf
+
+        from kyu_transformer.checkpoints import CheckpointError
+
+        path = self.paths[0]
+        if len(self.paths) > 1 or path.endswith(".h5") or not any(
+                key.startswith(OPTIMIZER_KEY)
+                for key in tf.train.load_checkpoint(path).get_variable_to_shape_map()):
+            raise CheckpointError(f"--init_optimizer: {path} holds no optimizer state (weights "
+                                  "only); leave --init_optimizer out to start a fresh optimizer")
+
+    def initialize(self, trainer):
+        """Sets `trainer`'s weights (and optimizer moments, its step counter back at 0) to the
+        source's; the chief records where they came from (`filenames.INIT_FROM`)."""
+        import tensorflow as tf
+
+        from kyu_transformer.checkpoints import CheckpointError, model_weights
+
+        for key, variable in model_weights(trainer.model).items():
+            variable.assign(self.weights[key])
+        if self.optimizer:
+            try:
+                tf.train.Checkpoint(optimizer=trainer.optimizer).restore(self.paths[0]) \
+                    .expect_partial().assert_existing_objects_matched()
+            except (AssertionError, ValueError) as error:  # e.g. fp16's loss-scale optimizer
+                raise CheckpointError(
+                    f"--init_optimizer: the optimizer state of {self.paths[0]} does not fit "
+                    f"this run's ({str(error).strip().splitlines()[0][:200]})") from None
+            trainer.optimizer.iterations.assign(0)  # a fresh step counter and schedule
+        if trainer.chief:
+            write_text(os.path.join(trainer.logdir, filenames.INIT_FROM),
+                       json.dumps(self.record, indent=2) + "\n")
+            taken = "weights and optimizer moments" if self.optimizer else "weights"
+            print(f"fine-tuning: the {taken} of {', '.join(self.paths)}; a fresh step counter "
+                  "and learning-rate schedule", flush=True)
