@@ -76,6 +76,9 @@ def run_hparams(args):
     if not args.init_from:
         return hparams
     own = hparams["logdir"]
+    if os.path.abspath(args.init_from) == os.path.abspath(own):
+        raise SystemExit(f"error: --init_from {args.init_from} is this run's own --logdir: "
+                         "fine-tune into a new --logdir")
     try:
         if not args.overwrite and has_own_checkpoint(own) and os.path.isfile(
                 os.path.join(own, filenames.HPARAMS)):
@@ -143,6 +146,12 @@ def settle_logdir(hparams, overwrite):
         if saved is None:
             return hparams
         return {**saved, **{key: hparams[key] for key in RESUMABLE}, "logdir": logdir}
+    if not os.path.isfile(corpus_path) and has_own_checkpoint(logdir):  # weights, no run
+        raise SystemExit(
+            f"error: {logdir} holds checkpoints but no {filenames.CORPUS} (weights written "
+            f"without a run of train.py, as import_tf1.py writes them) and differs in "
+            f"{' and '.join(problems)}. To train from its weights, start a new run: --init_from "
+            f"{logdir} with a new --logdir")
     raise SystemExit(
         f"error: {logdir} was trained with {' and '.join(problems)}. Use another --logdir, "
         "the same settings to resume, or --overwrite to move the old logdir aside and "
@@ -208,6 +217,9 @@ def prepare_run(args, strategy, chief):
         digests["subword vocabulary"] = short_digest(json.dumps(
             [(processor.id_to_piece(i), processor.get_score(i))
              for i in range(processor.get_piece_size())]))
+        if state["source"] is not None:  # a source still training may save between reads
+            digests["fine-tuning source"] = short_digest(json.dumps(
+                state["source"].record["sha256"], sort_keys=True))
         check_agreement(strategy, digests=digests)
     return hparams, corpus, state["source"]
 

@@ -204,6 +204,13 @@ def test_a_weights_only_logdir_is_a_source_but_no_run_of_its_own(tmp_path, sourc
         f"run: --init_from {imported} with a new --logdir")
     assert sorted(os.listdir(imported / filenames.CHECKPOINTS)) == files
     assert set(os.listdir(imported)) - {filenames.LOCK} == logdir_files  # nothing written
+    # Given other hparams, the same hint (not "the same settings to resume"), before TensorFlow.
+    message = call_train("--hparams", "tiny", "--d_model", "48", "--data_dir", MULTI30K,
+                         "--logdir", imported)
+    assert message.startswith(f"error: {imported} holds checkpoints but no {filenames.CORPUS}")
+    assert "d_model: 32 -> 48" in message and message.endswith(
+        f"start a new run: --init_from {imported} with a new --logdir")
+    assert set(os.listdir(imported)) - {filenames.LOCK} == logdir_files
 
     wide = Transformer.from_hparams({**theirs, "d_model": 64, "d_ff": 128}, name="transformer")
     wide.build()
@@ -245,6 +252,8 @@ def test_fine_tuning_mistakes_are_refused_before_tensorflow_loads(tmp_path):
         (["--init_from", trained, "--init_optimizer", "--init_ckpt", "best"],
          "--init_optimizer needs one checkpoint of train.py's; --init_ckpt best has no"),
         (["--init_optimizer"], "--init_optimizer takes the optimizer of --init_from LOGDIR"),
+        (["--init_from", trained, "--logdir", trained],
+         f"error: --init_from {trained} is this run's own --logdir: fine-tune into a new"),
     ]
     runs = [("train.py", ["--hparams", "tiny", "--data_dir", MULTI30K, "--logdir",
                           tmp_path / f"new-{number}", *extra])
