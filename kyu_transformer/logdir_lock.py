@@ -23,10 +23,11 @@ class LogdirLock:
     def __init__(self, logdir):
         self.logdir = logdir
         self.path = os.path.join(logdir, LOCK)
-        self._handle = None
+        self._handle, self._made = None, False
 
     def acquire(self):
         """Takes the lock without waiting; returns self, or raises `LogdirBusy` (or OSError)."""
+        self._made = not os.path.isdir(self.logdir)
         os.makedirs(self.logdir, exist_ok=True)
         # "a+": opening must not empty the holder's record before the lock is ours.
         handle = open(self.path, "a+", encoding="utf-8")  # pylint: disable=consider-using-with
@@ -46,6 +47,15 @@ class LogdirLock:
         return self
 
     def release(self):
-        if self._handle is not None:
-            self._handle.close()  # closing the descriptor releases the flock
-            self._handle = None
+        """Releases the lock. A logdir it made that holds nothing but the lock goes too: a run
+        refused before writing anything leaves nothing behind."""
+        if self._handle is None:
+            return
+        if self._made and os.listdir(self.logdir) == [LOCK]:
+            try:  # still held: a run opening the lock meanwhile is refused as busy
+                os.remove(self.path)
+                os.rmdir(self.logdir)
+            except OSError:
+                pass
+        self._handle.close()  # closing the descriptor releases the flock
+        self._handle = None
