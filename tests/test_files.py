@@ -12,6 +12,8 @@ import tensorflow as tf
 from kyu_transformer.files import (
     OutOfSpace, as_out_of_space, drop_torn_last_line, is_out_of_space, replaced_atomically,
     write_text)
+from kyu_transformer.filenames import LOCK
+from kyu_transformer.logdir_lock import LogdirBusy, LogdirLock
 from kyu_transformer.training_log import TrainingLog
 
 
@@ -67,3 +69,24 @@ def test_a_torn_history_line_is_dropped_when_the_log_opens(tmp_path):
     assert [json.loads(line)["step"] for line in history.read_text().splitlines()] == [10, 20]
     assert not drop_torn_last_line(str(history))  # whole lines are kept as they are
     assert not drop_torn_last_line(str(tmp_path / "missing.jsonl"))
+
+
+def test_a_logdir_made_for_the_lock_alone_goes_with_it(tmp_path):
+    """`LogdirLock.release` removes the logdir it made when nothing but the lock was written
+    (a run refused after taking it leaves no folder); a logdir that existed, or holds a file of
+    the run, stays. A second lock is refused while the first is held."""
+    made = tmp_path / "made" / "log"
+    lock = LogdirLock(str(made)).acquire()
+    with pytest.raises(LogdirBusy):
+        LogdirLock(str(made)).acquire()
+    lock.release()
+    assert not made.exists() and (tmp_path / "made").is_dir()
+    written = tmp_path / "written"
+    lock = LogdirLock(str(written)).acquire()
+    (written / "hparams.json").write_text("{}")
+    lock.release()
+    assert sorted(p.name for p in written.iterdir()) == [LOCK, "hparams.json"]
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    LogdirLock(str(existing)).acquire().release()
+    assert [p.name for p in existing.iterdir()] == [LOCK]
