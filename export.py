@@ -15,13 +15,12 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
 from kyu_transformer import data, filenames  # noqa: E402
-from kyu_transformer.files import stops_cleanly_when_full  # noqa: E402
+from kyu_transformer.files import staging_beside, stops_cleanly_when_full  # noqa: E402
 from kyu_transformer.flags import (  # noqa: E402
     QUANTIZATIONS, SAMPLING_FLAGS, SEARCH_FLAGS, add_checkpoint_arguments, add_search_arguments,
     check_checkpoint_arguments, given_search_flags, search_settings)
@@ -113,12 +112,9 @@ def check_out(out, overwrite, logdir):
 
 
 def staging_dir(out):
-    """A new hidden directory beside `out` (its parent made if missing), to write the export in
-    first: on the same file system, so that renaming from it to `out` is atomic."""
-    parent, base = os.path.split(os.path.abspath(out))
+    """A new hidden directory beside `out`, to write the export in first (`staging_beside`)."""
     try:
-        os.makedirs(parent, exist_ok=True)
-        return tempfile.mkdtemp(prefix=f".{base}.export-", dir=parent)
+        return staging_beside(out, "export")
     except OSError as error:
         raise SystemExit(f"error: cannot write beside --out {out} ({error})") from None
 

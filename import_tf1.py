@@ -14,13 +14,12 @@ the subword model and --logdir are checked before TensorFlow loads; a refusal wr
 import os
 import shutil
 import sys
-import uuid
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
 from kyu_transformer import filenames, tf1_import  # noqa: E402
-from kyu_transformer.files import stops_cleanly_when_full  # noqa: E402
+from kyu_transformer.files import staging_beside, stops_cleanly_when_full  # noqa: E402
 from kyu_transformer.tf1_import import TF1ImportError  # noqa: E402
 
 
@@ -90,29 +89,28 @@ def read_weights(args, hparams):
 def write_logdir(hparams, subword_model, weights, step):
     """Writes the logdir in a folder beside it, renamed into place once complete."""
     logdir = hparams["logdir"]
-    parent = os.path.dirname(os.path.abspath(logdir))
-    staging = os.path.join(parent, f".import-{uuid.uuid4().hex}")  # mode 0o777 less the umask
     try:
-        os.makedirs(parent, exist_ok=True)
-        os.mkdir(staging)
+        staging = staging_beside(logdir, "import")
     except OSError as error:
         raise SystemExit(f"error: cannot write beside --logdir {logdir} ({error})") from None
+    new = os.path.join(staging, "new")  # made with the umask's mode (mkdtemp's is 0o700)
     try:
-        hp.save(hparams, os.path.join(staging, filenames.HPARAMS))
-        shutil.copyfile(subword_model, os.path.join(staging, filenames.SUBWORDS))
+        os.mkdir(new)
+        hp.save(hparams, os.path.join(new, filenames.HPARAMS))
+        shutil.copyfile(subword_model, os.path.join(new, filenames.SUBWORDS))
         processor = tf1_import.check_subword_model(subword_model, hparams["vocab_size"])
-        with open(os.path.join(staging, filenames.SUBWORDS_VOCABULARY), "w",
+        with open(os.path.join(new, filenames.SUBWORDS_VOCABULARY), "w",
                   encoding="utf-8") as handle:
             handle.writelines(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n"
                               for i in range(processor.get_piece_size()))
         path = tf1_import.save_weights(hparams, weights,
-                                       os.path.join(staging, filenames.CHECKPOINTS), step)
+                                       os.path.join(new, filenames.CHECKPOINTS), step)
         if os.path.isdir(logdir):
             os.rmdir(logdir)  # empty (checked before)
-        os.replace(staging, logdir)
+        os.replace(new, logdir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return os.path.join(logdir, os.path.relpath(path, staging))
+    return os.path.join(logdir, os.path.relpath(path, new))
 
 
 @stops_cleanly_when_full

@@ -5,6 +5,7 @@ does not fit the model. In place of the latest, the latest readable one is used,
 one asked for by name, or one to average, is refused, named.
 """
 
+import glob
 import os
 
 import h5py
@@ -44,6 +45,20 @@ def unreadable(path):
     except Exception as error:  # pylint: disable=broad-except  (any failure to read)
         return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     return None
+
+
+def checkpoint_files(path):
+    """The files of checkpoint `path`: a .h5 file, or a prefix's ``.index`` and ``.data-*``."""
+    return [path] if path.endswith(".h5") else sorted(glob.glob(glob.escape(path) + ".*"))
+
+
+def held_objects(path):
+    """The names of the objects a TensorFlow checkpoint holds at its top (``weights``,
+    ``optimizer``, ``epoch``...); a .h5 file holds weights alone."""
+    if path.endswith(".h5"):
+        return {"weights"}
+    keys = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    return {key.split("/", 1)[0] for key in keys}
 
 
 def model_weights(model):

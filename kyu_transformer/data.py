@@ -9,7 +9,6 @@ the programs read and check text before it loads.
 
 import glob
 import gzip
-import hashlib
 import html
 import http.client
 import os
@@ -21,6 +20,7 @@ import urllib.request
 import sentencepiece
 
 from kyu_transformer import filenames
+from kyu_transformer.files import sha256
 from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
@@ -141,14 +141,7 @@ def load_split(data_dir, split, source_lang="de", target_lang="en"):
 def fingerprint(data_dir, split="train", source_lang="de", target_lang="en"):
     """``{file name: sha256}`` of a split's files: tells one corpus from another."""
     (source_path, target_path), _ = split_files(data_dir, split, source_lang, target_lang)
-    digests = {}
-    for path in (source_path, target_path):
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-        digests[os.path.basename(path)] = digest.hexdigest()
-    return digests
+    return {os.path.basename(path): sha256(path) for path in (source_path, target_path)}
 
 
 def ensure_multi30k(data_dir, base_url=None, timeout=30):

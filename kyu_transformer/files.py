@@ -9,9 +9,11 @@ A folder to be replaced is moved aside whole (`copy_aside`), never deleted.
 import contextlib
 import errno
 import functools
+import hashlib
 import os
 import re
 import shutil
+import tempfile
 import time
 
 from kyu_transformer import filenames
@@ -81,6 +83,23 @@ def stops_cleanly_when_full(main):
             raise SystemExit(f"error: {as_out_of_space(error)}; nothing was left half-written. "
                              "Free some space and run the command again.") from None
     return wrapped
+
+
+def sha256(path):
+    """The SHA-256 of file `path`, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def staging_beside(path, label):
+    """A new hidden folder beside `path` (its parent made if missing), to write in first: on the
+    same file system, so that renaming from it to `path` is atomic. OSError if it cannot be."""
+    parent, base = os.path.split(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{base}.{label}-", dir=parent)
 
 
 def write_text(path, text):

@@ -9,20 +9,16 @@ TensorFlow loads.
 """
 
 import filecmp
-import glob
-import hashlib
 import json
 import os
 import shutil
 
 from kyu_transformer import filenames
-from kyu_transformer.files import replaced_atomically, write_text
+from kyu_transformer.files import replaced_atomically, sha256, write_text
 
 # What the weights and the subword model depend on: the source's, never the command line's.
 ARCHITECTURE = ("vocab_size", "subword_model_type", "d_model", "d_ff", "num_blocks", "num_heads",
                 "maxlen1", "maxlen2", "norm_position", "sinusoid", "share_embeddings", "epsilon")
-# A checkpoint holding this key holds a run's state (train.py's); without it, weights only.
-OPTIMIZER_KEY = "optimizer/"
 
 
 class FineTuningError(ValueError):
@@ -88,22 +84,6 @@ def copy_subwords(source_logdir, directory):
                 shutil.copyfile(os.path.join(source_logdir, name), temporary)
 
 
-def checkpoint_files(path):
-    """The files of checkpoint `path`: a .h5 file, or a prefix's .index and .data-* files."""
-    if path.endswith(".h5"):
-        return [path]
-    return sorted(glob.glob(glob.escape(path) + ".index")
-                  + glob.glob(glob.escape(path) + ".data-*"))
-
-
-def sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 class Source:
     """A source run's weights, read (and checked against its hparams) before the new run writes
     anything; `initialize` sets a trainer to them.
@@ -115,7 +95,7 @@ class Source:
     """
 
     def __init__(self, logdir, hparams, ckpt=None, average_last=0, optimizer=False):
-        from kyu_transformer.checkpoints import load_model, model_weights
+        from kyu_transformer.checkpoints import checkpoint_files, load_model, model_weights
 
         self.logdir, self.optimizer = logdir, optimizer
         model, self.paths = load_model(hparams, logdir, ckpt, average_last)
@@ -131,14 +111,10 @@ class Source:
             "optimizer": bool(optimizer)}
 
     def _check_optimizer_state(self):
-        import tensorflow as tf
-
-        from kyu_transformer.checkpoints import CheckpointError
+        from kyu_transformer.checkpoints import CheckpointError, held_objects
 
         path = self.paths[0]
-        if len(self.paths) > 1 or path.endswith(".h5") or not any(
-                key.startswith(OPTIMIZER_KEY)
-                for key in tf.train.load_checkpoint(path).get_variable_to_shape_map()):
+        if len(self.paths) > 1 or "optimizer" not in held_objects(path):
             raise CheckpointError(f"--init_optimizer: {path} holds no optimizer state (weights "
                                   "only); leave --init_optimizer out to start a fresh optimizer")
 

@@ -17,7 +17,8 @@ import tensorflow as tf
 
 from kyu_transformer import filenames
 from kyu_transformer.checkpoints import (
-    CheckpointError, UnreadableCheckpoint, listed_checkpoints, model_weights, unreadable)
+    CheckpointError, UnreadableCheckpoint, checkpoint_files, held_objects, listed_checkpoints,
+    model_weights, unreadable)
 from kyu_transformer.files import as_out_of_space, is_out_of_space, write_text
 
 
@@ -135,8 +136,7 @@ class RunCheckpoints:
 def refuse_weights_only(path):
     """A `CheckpointError` for a checkpoint of weights without a run's state (no optimizer,
     epoch or data position: an imported or hand-made one), which no run can resume from."""
-    keys = tf.train.load_checkpoint(path).get_variable_to_shape_map()
-    if not all(any(key.startswith(f"{name}/") for key in keys) for name in RUN_STATE):
+    if not set(RUN_STATE) <= held_objects(path):
         logdir = os.path.dirname(os.path.dirname(path))
         raise CheckpointError(
             f"{path} holds weights without a run state (no optimizer, epoch or data position): "
@@ -174,7 +174,7 @@ def set_aside(path):
         number += 1
         unique = f"{target}-{number}"
     os.makedirs(unique)
-    for file_name in glob.glob(glob.escape(path) + ".*"):
+    for file_name in checkpoint_files(path):
         shutil.move(file_name, unique)
     drop_from_index(directory, path)
     return unique
@@ -203,4 +203,4 @@ def drop_from_index(directory, path):
 
 def checkpoint_bytes(path):
     """The size of checkpoint `path`'s files (what another one of it needs)."""
-    return sum(os.path.getsize(name) for name in glob.glob(glob.escape(path) + ".*"))
+    return sum(os.path.getsize(name) for name in checkpoint_files(path))
