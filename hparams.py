@@ -19,6 +19,9 @@ SPEC = {
     "tgt_lang": ("en", "target language suffix"),
     "vocab_size": (8000, "size of the joint SentencePiece vocabulary"),
     "subword_model_type": ("unigram", "SentencePiece model type: unigram or bpe"),
+    "subword_alpha": (0.0, "subword regularization (unigram only): each epoch draws every "
+                           "training sentence's segmentation among its 16 best, with "
+                           "probability ~ p^alpha, seeded by seed and epoch; 0: the best one"),
     "maxlen1": (100, "longest source, in subwords with EOS; longer pairs are dropped"),
     "maxlen2": (100, "longest target, in subwords with BOS/EOS; longer pairs are dropped"),
     "batch_size": (128, "most sentence pairs in a batch"),
@@ -28,7 +31,10 @@ SPEC = {
     "d_ff": (2048, "inner width of the feed-forward nets"),
     "num_blocks": (6, "encoder blocks, and as many decoder blocks"),
     "num_heads": (8, "attention heads"),
-    "dropout_rate": (0.1, "dropout rate"),
+    "dropout_rate": (0.1, "dropout on the embeddings and before each residual sum"),
+    "attention_dropout": (-1.0, "dropout on the attention weights; -1: dropout_rate"),
+    "relu_dropout": (0.0, "dropout on the feed-forward nets' inner (ReLU) activations"),
+    "word_dropout": (0.0, "dropout of whole token embeddings, source and target"),
     "norm_position": ("post", "layer norm after (post) or before (pre) each sub-layer"),
     "sinusoid": (True, "sinusoid (true) or learned (false) positions"),
     "share_embeddings": (True, "one embedding table for source, target and output"),
@@ -39,6 +45,8 @@ SPEC = {
     # training
     "lr": (1.0, "scale of the Noam learning-rate schedule"),
     "warmup_steps": (4000, "warm-up steps of the Noam schedule"),
+    "decay_steps": (0, "from the warm-up's end, scale the Noam rate down linearly to 0 at this "
+                       "step; 0: no such decay"),
     "smoothing": (0.1, "label smoothing"),
     "num_epochs": (20, "epochs to train"),
     "steps_per_epoch": (0, "cap on the steps (updates) of an epoch; 0: the whole training set"),
@@ -73,8 +81,8 @@ POSITIVE = ("vocab_size", "maxlen1", "maxlen2", "batch_size", "d_model", "d_ff",
             "num_heads", "lr", "warmup_steps", "num_epochs", "keep_checkpoints", "log_every",
             "epsilon", "eval_batch_size", "accumulate_steps")
 NON_NEGATIVE = ("batch_tokens", "steps_per_epoch", "max_minutes", "checkpoint_every",
-                "eval_sentences", "seed")
-RATES = ("dropout_rate", "smoothing")
+                "eval_sentences", "seed", "subword_alpha", "decay_steps")
+RATES = ("dropout_rate", "smoothing", "relu_dropout", "word_dropout")
 
 PRESETS = {
     # For tests and smoke runs. No `xla_loss`: in a few dozen updates, compiling the loss
@@ -201,6 +209,15 @@ def check(hparams):
     if hparams["num_heads"] > 0 and hparams["d_model"] % hparams["num_heads"]:
         problems.append(f"`d_model` ({hparams['d_model']}) must be divisible by `num_heads` "
                         f"({hparams['num_heads']})")
+    if hparams["attention_dropout"] != -1.0 and not 0.0 <= hparams["attention_dropout"] < 1.0:
+        problems.append(f"`attention_dropout` must be in [0, 1) or -1 (as dropout_rate), got "
+                        f"{hparams['attention_dropout']}")
+    if hparams["subword_alpha"] > 0 and hparams["subword_model_type"] != "unigram":
+        problems.append("`subword_alpha` samples segmentations of a unigram model; "
+                        f"`subword_model_type` is {hparams['subword_model_type']!r}")
+    if hparams["decay_steps"] and hparams["decay_steps"] <= hparams["warmup_steps"]:
+        problems.append(f"`decay_steps` ({hparams['decay_steps']}) must be 0 or more than "
+                        f"`warmup_steps` ({hparams['warmup_steps']})")
     longest = max(hparams["maxlen1"], hparams["maxlen2"])
     if hparams["batch_tokens"] and hparams["batch_tokens"] < longest:
         problems.append(f"`batch_tokens` ({hparams['batch_tokens']}) must be 0 or at least the "

@@ -8,7 +8,8 @@ class Corpus:
 
     The subword model lives in `model_dir` (the logdir), trained there on both sides of the
     training split the first time. `hparams` holds `src_lang`, `tgt_lang`, `vocab_size`,
-    `subword_model_type`, `maxlen1`, `maxlen2`, `batch_size`, `batch_tokens` and `seed`;
+    `subword_model_type`, `maxlen1`, `maxlen2`, `batch_size`, `batch_tokens`, `seed` and
+    optionally `subword_alpha` (>0: each epoch its own segmentations of the training pairs);
     `log` takes two lines of report (the second counts the unknown pieces: a subword model of
     another corpus, as when fine-tuning, may lack some of its characters).
     """
@@ -30,11 +31,28 @@ class Corpus:
             f"{self.subwords.vocab_size} ({self.subwords.path})")
         log("unknown subwords: {sentences} of {of} training sentences (both sides) hold one; "
             "{pieces} of {total} pieces ({share:.2%})".format(**self.unknown))
+        self.sampler = None
+        if hparams.get("subword_alpha", 0.0) > 0:
+            self.sampler = data.SegmentationSampler(self.subwords, sources + targets,
+                                                    hparams["subword_alpha"])
+            log(f"subword regularization: alpha {hparams['subword_alpha']}, among the "
+                f"{len(self.sampler.scores) / len(self.sampler.first[1:]):.1f} best "
+                "segmentations of each sentence on average, drawn anew each epoch")
         self.val_sources, self.val_targets, _ = data.load_split(data_dir, "val", *languages)
+
+    def train_pairs(self, epoch):
+        """``(sources, targets_in, targets_out)`` of `epoch`: the best segmentations, or with
+        `subword_alpha` those drawn with ``(seed, epoch)`` (the same for a resumed run)."""
+        if self.sampler is None:
+            return self.train[:3]
+        ids = self.sampler.draw([self.hparams["seed"], epoch])
+        half = len(ids) // 2  # the sampler holds the sources, then the targets
+        return data.add_markers(ids[:half], ids[half:], self.hparams["maxlen1"],
+                                self.hparams["maxlen2"])[:3]
 
     def train_batches(self, epoch):
         """The global batches of `epoch`: shuffled with ``seed + epoch``."""
-        sources, targets_in, targets_out, _ = self.train
+        sources, targets_in, targets_out = self.train_pairs(epoch)
         return pipeline.make_dataset(
             sources, targets_in, targets_out, self.hparams["batch_size"],
             self.hparams["batch_tokens"], max(self.hparams["maxlen1"], self.hparams["maxlen2"]),

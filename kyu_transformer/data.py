@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import urllib.request
 
+import numpy as np
 import sentencepiece
 
 from kyu_transformer import filenames
@@ -233,6 +234,42 @@ class Subwords:
         if EOS_ID in ids:
             ids = ids[:ids.index(EOS_ID)]
         return self.processor.decode([i for i in ids if i not in (PAD_ID, BOS_ID)])
+
+
+class SegmentationSampler:
+    """Subword regularization (Kudo 2018, l-best sampling) of a unigram model's segmentations.
+
+    Each sentence's `nbest` most probable segmentations and their log-probabilities are found
+    once; `draw(seed)` picks one a sentence, segmentation `x` with probability proportional to
+    ``p(x)^alpha``, from NumPy's generator of `seed`: the same in any process for the same seed.
+    (SentencePiece's own sampling draws from a per-thread generator that its seed does not
+    reproduce from one process to the next, so a resumed run would see other segmentations.)
+    """
+
+    def __init__(self, subwords, sentences, alpha, nbest=16):
+        self.alpha, pieces, scores, counts = float(alpha), [], [], []
+        processor, sentences = subwords.processor, list(sentences)
+        for begin in range(0, len(sentences), 4096):
+            chunk = sentences[begin:begin + 4096]
+            ids = processor.nbest_encode(chunk, nbest_size=nbest, out_type=int)
+            protos = processor.nbest_encode(chunk, nbest_size=nbest, return_type="proto")
+            for candidates, proto in zip(ids, protos):
+                pieces.extend(candidates)
+                scores.extend(best.score for best in proto.nbests)
+                counts.append(len(candidates))
+        self.pieces = pieces  # every candidate's ids, sentence after sentence
+        self.scores = np.array(scores, dtype=np.float64)  # (candidates,) log-probabilities
+        self.first = np.concatenate([[0], np.cumsum(counts)])  # (sentences + 1,)
+
+    def draw(self, seed):
+        """One segmentation (a list of ids) per sentence, drawn with `seed` (an int or ints)."""
+        gumbel = np.random.default_rng(seed).gumbel(size=len(self.scores))
+        keys = self.alpha * self.scores + gumbel  # argmax of a segment: a draw of its softmax
+        sentence_of = np.repeat(np.arange(len(self.first) - 1), np.diff(self.first))
+        best = np.maximum.reduceat(keys, self.first[:-1])  # (sentences,)
+        winners = np.flatnonzero(keys == best[sentence_of])
+        _, first_winner = np.unique(sentence_of[winners], return_index=True)
+        return [self.pieces[index] for index in winners[first_winner]]
 
 
 def add_markers(source_ids, target_ids, maxlen1, maxlen2):

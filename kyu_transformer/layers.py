@@ -28,9 +28,7 @@ LAYER_NORM_EPSILON = 1e-6
 
 # Keras' reader of a tensor's mask, which tensors that cannot hold an attribute (JAX tracers,
 # numpy arrays) keep in a table only this reads. Keras 3.15 exports it from `keras.src` only.
-_keras_mask = getattr(keras.backend, "get_keras_mask", None)
-if _keras_mask is None:
-    from keras.src.backend import get_keras_mask as _keras_mask
+_keras_mask = getattr(keras.backend, "get_keras_mask", None) or keras.src.backend.get_keras_mask
 
 
 def _masked_score(dtype):
@@ -49,9 +47,10 @@ def _check_choice(name, value, choices):
         raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
 
 
-def _check_rate(name, value):
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
+def _check_rates(**rates):
+    for name, value in rates.items():
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
 
 
 def causal_mask(num_queries, num_keys):
@@ -212,8 +211,7 @@ class PositionalEncoding(keras.layers.Layer):
         _check_choice("style", style, ENCODING_STYLES)
         if maxlen < 1:
             raise ValueError(f"`maxlen` must be positive, got {maxlen}.")
-        self.maxlen = int(maxlen)
-        self.num_units = None if num_units is None else int(num_units)
+        self.maxlen, self.num_units = int(maxlen), None if num_units is None else int(num_units)
         self.sinusoid, self.style = bool(sinusoid), style
         self.zero_pad, self.scale, self.masking = bool(zero_pad), bool(scale), bool(masking)
         self.supports_masking = True
@@ -301,7 +299,7 @@ class ScaledDotProductAttention(keras.layers.Layer):
 
     def __init__(self, dropout_rate=0.0, temperature=None, **kwargs):
         super().__init__(**_without_saved_switch(kwargs))
-        _check_rate("dropout_rate", dropout_rate)
+        _check_rates(dropout_rate=dropout_rate)
         self.dropout_rate, self.temperature = float(dropout_rate), temperature
         self.dropout = Dropout(self.dropout_rate)
 
@@ -436,8 +434,7 @@ class MultiHeadAttention(keras.layers.Layer):
                  attention=None, **kwargs):
         super().__init__(**_without_saved_switch(kwargs))
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
-        _check_rate("dropout_rate", dropout_rate)
-        _check_rate("residual_dropout_rate", residual_dropout_rate)
+        _check_rates(dropout_rate=dropout_rate, residual_dropout_rate=residual_dropout_rate)
         if num_heads < 1:
             raise ValueError(f"`num_heads` must be positive, got {num_heads}.")
         if num_units is not None and num_units % num_heads:
@@ -565,6 +562,8 @@ class FeedForward(keras.layers.Layer):
       num_units: ``(inner, outer)`` widths; `outer` must equal the input width.
       dropout_rate: Dropout on the output before the residual sum (training).
       activation: Activation of the inner layer.
+      inner_dropout_rate: Dropout on the inner activations (training; 0 originally). Its layer
+        is made last: at rate 0 it holds no random state, the others keep their order.
       norm_position, epsilon: As `MultiHeadAttention`'s.
 
     Call arguments:
@@ -575,14 +574,15 @@ class FeedForward(keras.layers.Layer):
     """
 
     def __init__(self, num_units=(2048, 512), dropout_rate=0.0, activation="relu",
-                 norm_position="post", epsilon=LAYER_NORM_EPSILON, **kwargs):
+                 norm_position="post", epsilon=LAYER_NORM_EPSILON, inner_dropout_rate=0.0,
+                 **kwargs):
         super().__init__(**_without_saved_switch(kwargs))
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
-        _check_rate("dropout_rate", dropout_rate)
+        _check_rates(dropout_rate=dropout_rate, inner_dropout_rate=inner_dropout_rate)
         if len(num_units) != 2 or min(num_units) < 1:
             raise ValueError(f"`num_units` must be two positive ints, got {num_units!r}.")
         self.num_units = tuple(int(units) for units in num_units)
-        self.dropout_rate = float(dropout_rate)
+        self.dropout_rate, self.inner_dropout_rate = float(dropout_rate), float(inner_dropout_rate)
         self.activation = keras.activations.get(activation)
         self.norm_position, self.epsilon = norm_position, float(epsilon)
         self.inner_dense = keras.layers.Dense(self.num_units[0], activation=self.activation,
@@ -590,6 +590,7 @@ class FeedForward(keras.layers.Layer):
         self.outer_dense = keras.layers.Dense(self.num_units[1], name="outer_dense")
         self.dropout = Dropout(self.dropout_rate)
         self.norm = Normalize(epsilon=self.epsilon, name="norm")
+        self.inner_dropout = Dropout(self.inner_dropout_rate)
         self.supports_masking = True
 
     def build(self, input_shape):
@@ -602,8 +603,9 @@ class FeedForward(keras.layers.Layer):
         self.norm.build(input_shape)
 
     def call(self, inputs, training=None):
+        inner = lambda x: self.inner_dropout(self.inner_dense(x), training=training)  # noqa: E731
         (outputs,) = residual_connection(
-            inputs, lambda x: (self.outer_dense(self.inner_dense(x)),),  # (N, T, C) -> same
+            inputs, lambda x: (self.outer_dense(inner(x)),),  # (N, T, C) -> (N, T, d_ff) -> same
             self.norm, self.dropout, self.norm_position, training)
         return outputs
 
@@ -612,7 +614,7 @@ class FeedForward(keras.layers.Layer):
 
     def get_config(self):
         return dict(super().get_config(), num_units=list(self.num_units),
-                    dropout_rate=self.dropout_rate,
+                    dropout_rate=self.dropout_rate, inner_dropout_rate=self.inner_dropout_rate,
                     activation=keras.activations.serialize(self.activation),
                     norm_position=self.norm_position, epsilon=self.epsilon)
 
@@ -629,12 +631,16 @@ class _Block(keras.layers.Layer):
     """What the blocks share; `build` makes sub-layers under the fast-paths switch of creation."""
 
     def __init__(self, num_heads, d_ff, dropout_rate=0.0, norm_position="post",
-                 epsilon=LAYER_NORM_EPSILON, **kwargs):
+                 epsilon=LAYER_NORM_EPSILON, attention_dropout_rate=None, inner_dropout_rate=0.0,
+                 **kwargs):
         super().__init__(**_without_saved_switch(kwargs))
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
-        _check_rate("dropout_rate", dropout_rate)
         self.num_heads, self.d_ff = int(num_heads), int(d_ff)
-        self.dropout_rate = float(dropout_rate)
+        attention_rate = dropout_rate if attention_dropout_rate is None else attention_dropout_rate
+        _check_rates(dropout_rate=dropout_rate, inner_dropout_rate=inner_dropout_rate,
+                     attention_dropout_rate=attention_rate)
+        self.dropout_rate, self.inner_dropout_rate = float(dropout_rate), float(inner_dropout_rate)
+        self.attention_dropout_rate = float(attention_rate)
         self.norm_position, self.epsilon = norm_position, float(epsilon)
         self._fast_paths = fast.enabled()
         self.supports_masking = True
@@ -642,23 +648,23 @@ class _Block(keras.layers.Layer):
     def _attention(self, name, causality=False):
         with fast.enabled_as(self._fast_paths):
             return MultiHeadAttention(
-                num_heads=self.num_heads, dropout_rate=self.dropout_rate, causality=causality,
-                output_projection=True, norm_position=self.norm_position, epsilon=self.epsilon,
-                residual_dropout_rate=self.dropout_rate, name=name)
+                num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate,
+                causality=causality, output_projection=True, norm_position=self.norm_position,
+                epsilon=self.epsilon, residual_dropout_rate=self.dropout_rate, name=name)
 
     def _feed_forward(self, d_model):
         with fast.enabled_as(self._fast_paths):
             return FeedForward((self.d_ff, d_model), dropout_rate=self.dropout_rate,
                                norm_position=self.norm_position, epsilon=self.epsilon,
-                               name="feed_forward")
+                               inner_dropout_rate=self.inner_dropout_rate, name="feed_forward")
 
     def compute_mask(self, inputs, previous_mask=None):
         return previous_mask
 
     def get_config(self):
-        return dict(super().get_config(), num_heads=self.num_heads, d_ff=self.d_ff,
-                    dropout_rate=self.dropout_rate, norm_position=self.norm_position,
-                    epsilon=self.epsilon)
+        names = ("num_heads", "d_ff", "dropout_rate", "norm_position", "epsilon",
+                 "attention_dropout_rate", "inner_dropout_rate")
+        return dict(super().get_config(), **{name: getattr(self, name) for name in names})
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -667,7 +673,8 @@ class EncoderBlock(_Block):
 
     Args:
       num_heads: Attention heads; d_ff: inner width of the feed-forward net.
-      dropout_rate: Dropout on attention weights and on each sub-layer's output.
+      dropout_rate: Dropout on each sub-layer's output; attention_dropout_rate: on the attention
+        weights (None: `dropout_rate`); inner_dropout_rate: on the feed-forward's inner values.
       norm_position, epsilon: As `MultiHeadAttention`'s, for every sub-layer.
 
     Call arguments:
@@ -782,8 +789,7 @@ class Dropout(keras.layers.Dropout):
     """
 
     def __init__(self, rate, noise_shape=None, seed=None, **kwargs):
-        super().__init__(rate, noise_shape=noise_shape, seed=seed,
-                         **_without_saved_switch(kwargs))
+        super().__init__(rate, noise_shape=noise_shape, seed=seed, **_without_saved_switch(kwargs))
         self.fast_paths = fast.enabled()
 
     def call(self, inputs, training=False):

@@ -8,7 +8,7 @@ set_keras_mask = getattr(keras.backend, "set_keras_mask", None)
 if set_keras_mask is None:
     from keras.src.backend import set_keras_mask
 
-from kyu_transformer.layers import _check_rate
+from kyu_transformer.layers import _check_rates
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -45,7 +45,7 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
                  reduction="sum_over_batch_size", name="label_smoothed_cross_entropy",
                  fast_paths=True, **kwargs):
         super().__init__(name=name, reduction=reduction, **kwargs)
-        _check_rate("epsilon", epsilon)
+        _check_rates(epsilon=epsilon)
         self.epsilon, self.pad_id = float(epsilon), int(pad_id)
         self.from_logits, self.fast_paths = bool(from_logits), bool(fast_paths)
 

@@ -7,12 +7,13 @@ from keras import ops
 from kyu_transformer import fast_paths as fast
 from kyu_transformer.layers import (
     LAYER_NORM_EPSILON, NORM_POSITIONS, DecoderBlock, Dropout, Embedding, EncoderBlock, Normalize,
-    PositionalEncoding, _check_choice, _check_rate, _without_saved_switch)
+    PositionalEncoding, _check_choice, _check_rates, _without_saved_switch)
 
 # The model's own arguments; `from_hparams` picks these out of a larger dict.
 MODEL_ARGUMENTS = (
     "vocab_size", "d_model", "d_ff", "num_blocks", "num_heads", "maxlen1", "maxlen2",
-    "dropout_rate", "norm_position", "sinusoid", "share_embeddings", "epsilon")
+    "dropout_rate", "norm_position", "sinusoid", "share_embeddings", "epsilon",
+    "attention_dropout", "relu_dropout", "word_dropout")
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -33,6 +34,10 @@ class Transformer(keras.Model):
       share_embeddings: One table for source, target and output logits (True), or a
         separate source table.
       epsilon: Epsilon of every normalization.
+      attention_dropout: Dropout on the attention weights; None or negative: `dropout_rate`.
+      relu_dropout: Dropout on the feed-forward nets' inner activations.
+      word_dropout: Dropout of whole token embeddings (before the positions are added), on
+        the source and target sides alike.
 
     Norms and dropouts take `kyu_transformer.fast_paths` if that switch is on when the
     model is made, else Keras' own layers; the function is the same.
@@ -48,10 +53,14 @@ class Transformer(keras.Model):
 
     def __init__(self, vocab_size, d_model=512, d_ff=2048, num_blocks=6, num_heads=8,
                  maxlen1=100, maxlen2=100, dropout_rate=0.1, norm_position="post",
-                 sinusoid=True, share_embeddings=True, epsilon=LAYER_NORM_EPSILON, **kwargs):
+                 sinusoid=True, share_embeddings=True, epsilon=LAYER_NORM_EPSILON,
+                 attention_dropout=None, relu_dropout=0.0, word_dropout=0.0, **kwargs):
         super().__init__(**_without_saved_switch(kwargs))
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
-        _check_rate("dropout_rate", dropout_rate)
+        if attention_dropout is None or attention_dropout < 0:
+            attention_dropout = dropout_rate
+        _check_rates(dropout_rate=dropout_rate, attention_dropout=attention_dropout,
+                     relu_dropout=relu_dropout, word_dropout=word_dropout)
         if d_model % num_heads:
             raise ValueError(
                 f"`d_model` ({d_model}) must be divisible by `num_heads` ({num_heads}).")
@@ -61,6 +70,8 @@ class Transformer(keras.Model):
         self.dropout_rate, self.norm_position = float(dropout_rate), norm_position
         self.sinusoid, self.share_embeddings = bool(sinusoid), bool(share_embeddings)
         self.epsilon = float(epsilon)
+        self.attention_dropout, self.relu_dropout = float(attention_dropout), float(relu_dropout)
+        self.word_dropout = float(word_dropout)
 
         self.target_embedding = Embedding(vocab_size, d_model, name="target_embedding")
         self.source_embedding = (self.target_embedding if share_embeddings
@@ -72,13 +83,18 @@ class Transformer(keras.Model):
         self.source_dropout = Dropout(dropout_rate)
         self.target_dropout = Dropout(dropout_rate)
         args = dict(num_heads=num_heads, d_ff=d_ff, dropout_rate=dropout_rate,
-                    norm_position=norm_position, epsilon=epsilon)
+                    norm_position=norm_position, epsilon=epsilon,
+                    attention_dropout_rate=self.attention_dropout,
+                    inner_dropout_rate=self.relu_dropout)
         self.encoder_blocks = [EncoderBlock(**args, name=f"encoder_{i}") for i in range(num_blocks)]
         self.decoder_blocks = [DecoderBlock(**args, name=f"decoder_{i}") for i in range(num_blocks)]
         # Pre-norm stacks leave their last residual sum unnormalized.
         if norm_position == "pre":
             self.encoder_norm = Normalize(epsilon, name="encoder_norm")
             self.decoder_norm = Normalize(epsilon, name="decoder_norm")
+        # Made last: at rate 0 they have no random state, and the others keep their order.
+        self.source_word_dropout = Dropout(self.word_dropout, noise_shape=(None, None, 1))
+        self.target_word_dropout = Dropout(self.word_dropout, noise_shape=(None, None, 1))
 
     @classmethod
     def from_hparams(cls, hparams, **kwargs):
@@ -92,16 +108,17 @@ class Transformer(keras.Model):
         dummy = ops.ones((1, 2), dtype="int32")
         self.call({"source": dummy, "target_in": dummy})
 
-    def _embed(self, ids, embedding, positions, dropout, training, table=None):
-        x = embedding(ids, table=table) + positions(ids)  # (N, L, C)
-        return dropout(x, training=training)
+    def _embed(self, ids, embedding, positions, dropouts, training, table=None):
+        word_dropout, dropout = dropouts
+        x = word_dropout(embedding(ids, table=table), training=training)  # (N, L, C)
+        return dropout(x + positions(ids), training=training)
 
     def encode(self, source, training=None, table=None):
         """Source ids `(N, S)` -> ``(memory (N, S, C), source_mask (N, S))``; `table`: the
         source embedding's `table()`, if already made."""
         source_mask = ops.not_equal(source, 0)  # (N, S)
         x = self._embed(source, self.source_embedding, self.source_positions,
-                        self.source_dropout, training, table)
+                        (self.source_word_dropout, self.source_dropout), training, table)
         for block in self.encoder_blocks:
             x = block(x, mask=source_mask, training=training)
         if self.norm_position == "pre":
@@ -116,7 +133,7 @@ class Transformer(keras.Model):
             table = self.target_embedding.table()  # (V, C), for the inputs and the logits
         target_mask = ops.not_equal(target_in, 0)  # (N, T)
         x = self._embed(target_in, self.target_embedding, self.target_positions,
-                        self.target_dropout, training, table)
+                        (self.target_word_dropout, self.target_dropout), training, table)
         coverage = None
         for block in self.decoder_blocks:
             x, _, coverage = block(x, memory, mask=target_mask, memory_mask=source_mask,

@@ -83,7 +83,8 @@ class Trainer:
         with self.strategy.scope():
             self.model = Transformer.from_hparams(hparams, name="transformer")
             self.model.build()
-            self.schedule = NoamSchedule(hparams["d_model"], hparams["warmup_steps"], hparams["lr"])
+            self.schedule = NoamSchedule(hparams["d_model"], hparams["warmup_steps"],
+                                         hparams["lr"], hparams.get("decay_steps", 0))
             self.optimizer = make_optimizer(hparams, self.schedule)
             self.optimizer.build(self.model.trainable_variables)
         self.checkpoint_dir = checkpoint_dir(self.logdir)

@@ -168,6 +168,33 @@ def test_a_run_killed_within_an_accumulated_update_resumes_bit_identical(tmp_pat
     assert digest(resumed.stdout) == digest(straight_output) != []
 
 
+def test_a_run_with_every_regularizer_killed_mid_epoch_resumes_bit_identical(tmp_path):
+    """Attention, ReLU, word and residual dropout, sampled segmentations and the decaying
+    schedule: a run killed after a checkpoint inside its first epoch resumes into the same
+    segmentations, masks and rates, and ends as the uninterrupted run, bit for bit."""
+    flags = ["--num_epochs", "2", "--steps_per_epoch", "12", "--checkpoint_every", "5",
+             "--dropout_rate", "0.2", "--attention_dropout", "0.1", "--relu_dropout", "0.2",
+             "--word_dropout", "0.1", "--subword_alpha", "0.5", "--decay_steps", "50",
+             "--deterministic"]
+    straight = run_train(tmp_path / "straight", *flags, wait=False)
+    logdir = tmp_path / "log"
+    process = run_train(logdir, *flags, wait=False)
+    wait_for(lambda: (logdir / "checkpoints" / "checkpoint").exists(), process)
+    process.send_signal(signal.SIGKILL)
+    output = process.stdout.read()
+    assert process.wait() == -signal.SIGKILL, output
+    resumed = run_train(logdir, *flags)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert re.search(r"resuming from \S+ckpt-\d+ at step \d+,", resumed.stdout), resumed.stdout
+    assert "subword regularization: alpha 0.5" in resumed.stdout
+    assert "done: 2 epochs, 24 steps" in resumed.stdout
+    straight_output = straight.communicate(timeout=600)[0]
+    assert straight.returncode == 0, straight_output
+    assert digest(resumed.stdout) == digest(straight_output) != []
+    plain = run_train(tmp_path / "plain", *flags[:4], "--dropout_rate", "0.2", "--deterministic")
+    assert plain.returncode == 0 and digest(plain.stdout) != digest(straight_output)
+
+
 def test_unwritable_logdir_fails_at_start(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

@@ -1,0 +1,238 @@
+"""The regularizers a small corpus needs: dropout of attention weights, of the feed-forward's
+inner activations and of whole token embeddings, a schedule that decays to the end of the run,
+and subword regularization (sampled segmentations of the training side)."""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import hparams as hp
+from kyu_transformer import data
+from kyu_transformer.layers import FeedForward, Normalize
+from kyu_transformer.model import Transformer
+from kyu_transformer.schedules import NoamSchedule
+from tests.test_data import MULTI30K
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZE = dict(vocab_size=60, d_model=16, d_ff=32, num_blocks=1, num_heads=2, maxlen1=64,
+            maxlen2=64)
+
+
+def five_sigma(rate, count):
+    """Five standard deviations of the fraction of `count` draws that fall with `rate`."""
+    return 5 * math.sqrt(rate * (1 - rate) / count)
+
+
+# ------------------------------------------------------------------ dropout rates
+
+def test_feed_forward_inner_dropout_drops_its_rate_of_the_inner_activations(rng):
+    """Identity kernels and a bias of 1 make the inner activations ``relu(LN(x) + 1)``, and in
+    pre-norm the output is ``x`` plus them: each is dropped (0) or scaled by 1 / (1 - rate)."""
+    rate, width = 0.3, 64
+    layer = FeedForward((width, width), inner_dropout_rate=rate, norm_position="pre")
+    x = rng.normal(size=(8, 40, width)).astype("float32")
+    layer.build(x.shape)
+    for dense in (layer.inner_dense, layer.outer_dense):
+        dense.kernel.assign(np.eye(width, dtype="float32"))
+    layer.inner_dense.bias.assign(np.ones(width, dtype="float32"))
+    inner = np.asarray(layer(x)) - x  # not training: the activations themselves
+    np.testing.assert_allclose(inner, np.maximum(np.asarray(layer.norm(x)) + 1, 0), atol=1e-5)
+    dropped = np.asarray(layer(x, training=True)) - x
+    live = inner > 1e-3
+    kept = np.isclose(dropped, inner / (1 - rate), rtol=1e-4, atol=1e-5)
+    assert np.all(kept | (np.abs(dropped) < 1e-5))  # nothing else happens to them
+    share = 1 - kept[live].mean()
+    assert abs(share - rate) < five_sigma(rate, live.sum()), share
+    assert layer.dropout.rate == 0  # the residual dropout stays its own
+    # the layer's config carries the rate; a config without it (older files) means 0
+    assert FeedForward.from_config(layer.get_config()).inner_dropout_rate == rate
+    config = {key: value for key, value in layer.get_config().items()
+              if key != "inner_dropout_rate"}
+    assert FeedForward.from_config(config).inner_dropout_rate == 0
+
+
+def test_word_dropout_drops_whole_token_embeddings_at_its_rate(rng):
+    """With no blocks and no other dropout, the encoder's output is the token embedding plus
+    its position: a dropped token keeps only its position, a kept one its embedding scaled
+    by 1 / (1 - rate), the same for all its channels."""
+    rate = 0.25
+    model = Transformer(**{**SIZE, "num_blocks": 0, "dropout_rate": 0.0, "word_dropout": rate})
+    source = rng.integers(4, 60, size=(64, 50))
+    source[:, 45:] = 0
+    embedded = np.asarray(model.source_embedding(source))  # (N, S, C)
+    positions = np.asarray(model.source_positions(source))
+    np.testing.assert_allclose(model.encode(source)[0], embedded + positions, atol=1e-6)
+    outputs = np.asarray(model.encode(source, training=True)[0])
+    kept = np.isclose(outputs, embedded / (1 - rate) + positions, atol=1e-5).all(-1)
+    dropped = np.isclose(outputs, positions, atol=1e-6).all(-1)
+    tokens = source != 0
+    assert np.all((kept ^ dropped)[tokens])  # each token whole, one way or the other
+    share = dropped[tokens].mean()
+    assert abs(share - rate) < five_sigma(rate, tokens.sum()), share
+    target = np.asarray(model.decode(source[:, :10], *model.encode(source), training=True))
+    assert not np.allclose(target, model.decode(source[:, :10], *model.encode(source)))
+
+
+def dropout_rates(model):
+    """Each dropout's rate by its place: attention weights, feed-forward inner, residual."""
+    rates = {"attention": set(), "inner": set(), "residual": set()}
+    for layer in model._flatten_layers():
+        if hasattr(layer, "attention") and hasattr(layer, "residual_dropout"):
+            rates["attention"].add(layer.attention.dropout.rate)
+            rates["residual"].add(layer.residual_dropout.rate)
+        if isinstance(layer, FeedForward):
+            rates["inner"].add(layer.inner_dropout.rate)
+            rates["residual"].add(layer.dropout.rate)
+    return rates
+
+
+def random_state_count(model):
+    return sum(1 for variable in model.variables if "seed_generator" in variable.path)
+
+
+def test_dropout_rates_reach_their_places_and_default_to_the_earlier_model():
+    model = Transformer(**SIZE, dropout_rate=0.3, attention_dropout=0.1, relu_dropout=0.2,
+                        word_dropout=0.05)
+    model.build()
+    assert dropout_rates(model) == {"attention": {0.1}, "inner": {0.2}, "residual": {0.3}}
+    assert model.source_dropout.rate == model.target_dropout.rate == 0.3
+    assert model.source_word_dropout.rate == model.target_word_dropout.rate == 0.05
+    again = Transformer.from_config(model.get_config())
+    again.build()
+    assert dropout_rates(again) == dropout_rates(model)
+    # by default: attention dropout is `dropout_rate`, the others are off and have no random
+    # state (2 embedding dropouts, 2 + 1 in the encoder block, 2 + 2 + 1 in the decoder's)
+    plain = Transformer(**SIZE, dropout_rate=0.3)
+    plain.build()
+    assert dropout_rates(plain) == {"attention": {0.3}, "inner": {0.0}, "residual": {0.3}}
+    assert plain.word_dropout == 0.0 and random_state_count(plain) == 10
+    assert random_state_count(model) == 10 + 2 + 2  # two inner, two word dropouts
+    negative = Transformer(**SIZE, dropout_rate=0.2, attention_dropout=-1)
+    assert negative.attention_dropout == 0.2
+    with pytest.raises(ValueError, match=r"`relu_dropout` must be in \[0, 1\), got 1.0"):
+        Transformer(**SIZE, relu_dropout=1.0)
+
+
+def test_hparams_reach_the_model_and_files_without_them_keep_todays_rates(tmp_path):
+    hparams = hp.parse("tiny", {"dropout_rate": "0.3", "relu_dropout": "0.1",
+                                "attention_dropout": "0.0", "word_dropout": "0.1"})
+    model = Transformer.from_hparams(hparams)
+    model.build()
+    assert dropout_rates(model) == {"attention": {0.0}, "inner": {0.1}, "residual": {0.3}}
+    assert model.source_word_dropout.rate == 0.1
+    older = hp.parse("tiny", {"dropout_rate": "0.3"})
+    for key in ("attention_dropout", "relu_dropout", "word_dropout", "subword_alpha",
+                "decay_steps"):
+        del older[key]
+    path = tmp_path / "hparams.json"
+    hp.save(older, str(path))
+    loaded = hp.load(str(path))
+    assert (loaded["attention_dropout"], loaded["relu_dropout"], loaded["word_dropout"],
+            loaded["subword_alpha"], loaded["decay_steps"]) == (-1.0, 0.0, 0.0, 0.0, 0)
+    model = Transformer.from_hparams(loaded)
+    model.build()
+    assert dropout_rates(model) == {"attention": {0.3}, "inner": {0.0}, "residual": {0.3}}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"attention_dropout": "1.0"}, "`attention_dropout` must be in [0, 1) or -1 (as "
+                                   "dropout_rate), got 1.0"),
+    ({"attention_dropout": "-0.5"}, "`attention_dropout` must be in [0, 1) or -1"),
+    ({"relu_dropout": "-0.1"}, "`relu_dropout` must be in [0, 1), got -0.1"),
+    ({"word_dropout": "1"}, "`word_dropout` must be in [0, 1), got 1.0"),
+    ({"subword_alpha": "-1"}, "`subword_alpha` must be >= 0, got -1.0"),
+    ({"subword_alpha": "0.5", "subword_model_type": "bpe"},
+     "`subword_alpha` samples segmentations of a unigram model; `subword_model_type` is 'bpe'"),
+    ({"decay_steps": "40"}, "`decay_steps` (40) must be 0 or more than `warmup_steps` (40)"),
+    ({"decay_steps": "-5"}, "`decay_steps` must be >= 0, got -5"),
+])
+def test_bad_settings_are_refused(overrides, message):
+    with pytest.raises(hp.HParamsError) as error:
+        hp.parse("tiny", overrides)
+    assert message in str(error.value)
+
+
+# ------------------------------------------------------------------- the schedule
+
+def test_decay_scales_the_noam_rate_down_to_zero_at_decay_steps():
+    warmup, end = 100, 1000
+    plain = NoamSchedule(d_model=256, warmup_steps=warmup, lr=2.0)
+    decayed = NoamSchedule(d_model=256, warmup_steps=warmup, lr=2.0, decay_steps=end)
+    for step in (1, 50, 100, 101, 400, 999, 1000, 1001, 1500):
+        noam = 2.0 * 256 ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+        assert float(plain(step - 1)) == pytest.approx(noam, rel=1e-6)
+        expected = noam * min(1.0, max(0.0, (end - step) / (end - warmup)))
+        assert float(decayed(step - 1)) == pytest.approx(expected, rel=1e-5, abs=1e-12)
+    assert float(decayed(end - 1)) == 0.0 < float(decayed(end - 2))
+    assert NoamSchedule.from_config(decayed.get_config()).decay_steps == end
+    with pytest.raises(ValueError, match="must be 0 or more than `warmup_steps`"):
+        NoamSchedule(256, warmup_steps=100, decay_steps=100)
+
+
+# ---------------------------------------------------------- subword regularization
+
+@pytest.fixture(scope="module")
+def subwords(tmp_path_factory):
+    sources, targets, _ = data.load_split(MULTI30K, "train")
+    return data.Subwords.train_or_load(str(tmp_path_factory.mktemp("subwords")),
+                                       sources + targets, vocab_size=400)
+
+
+def test_sampled_segmentations_spell_the_sentence_and_follow_the_seed(subwords):
+    sentences = data.load_split(MULTI30K, "train")[0][:300]
+    sampler = data.SegmentationSampler(subwords, sentences, alpha=0.5)
+    first = sampler.draw([42, 0])
+    assert [subwords.decode(ids) for ids in first] == sentences
+    assert first == sampler.draw([42, 0])
+    other_epoch = sampler.draw([42, 1])
+    changed = sum(a != b for a, b in zip(first, other_epoch))
+    assert changed > len(sentences) // 2, changed
+    best = subwords.encode(sentences)
+    assert sum(a != b for a, b in zip(first, best)) > len(sentences) // 2
+    # another process draws the same segmentations for the same seed
+    script = ("import sys; from kyu_transformer import data; s = data.Subwords(sys.argv[1]); "
+              "lines = sys.stdin.read().splitlines(); "
+              "print(data.SegmentationSampler(s, lines, 0.5).draw([42, 0]))")
+    other = subprocess.run([sys.executable, "-c", script, subwords.path], cwd=ROOT,
+                           input="\n".join(sentences), capture_output=True, text=True,
+                           timeout=120)
+    assert other.returncode == 0, other.stderr
+    assert other.stdout.strip() == str(first)
+
+
+def test_each_segmentation_is_drawn_with_probability_proportional_to_p_to_the_alpha(subwords):
+    sentence, alpha, draws = "Ein Mann mit einem orangefarbenen Hut.", 0.5, 4000
+    sampler = data.SegmentationSampler(subwords, [sentence], alpha=alpha)
+    candidates = [tuple(ids) for ids in sampler.pieces]
+    assert len(candidates) == 16 and len(set(candidates)) == 16
+    counts = np.zeros(len(candidates))
+    for seed in range(draws):
+        counts[candidates.index(tuple(sampler.draw([seed])[0]))] += 1
+    expected = np.exp(alpha * (sampler.scores - sampler.scores.max()))
+    expected /= expected.sum()
+    for share, probability in zip(counts / draws, expected):
+        assert abs(share - probability) < five_sigma(probability, draws), (share, probability)
+
+
+@pytest.mark.tensorflow_only("the Corpus builds tf.data batches")
+def test_corpus_draws_each_epochs_segmentations_and_keeps_the_best_without_alpha(tmp_path):
+    from kyu_transformer.corpus import Corpus
+
+    plain = Corpus(MULTI30K, str(tmp_path), hp.parse("tiny"), log=lambda line: None)
+    assert plain.train_pairs(0) == plain.train_pairs(3) == plain.train[:3]
+    lines = []
+    sampled = Corpus(MULTI30K, str(tmp_path), hp.parse("tiny", {"subword_alpha": "0.5"}),
+                     log=lines.append)
+    assert "subword regularization: alpha 0.5" in lines[-1]
+    first, again, second = (sampled.train_pairs(e) for e in (0, 0, 1))
+    assert first == again and first != second and first != plain.train[:3]
+    assert [s[-1] for s in first[0]] == [data.EOS_ID] * len(first[0])  # marked as ever
+    assert all(t_in[0] == data.BOS_ID for t_in in first[1])
+    reseeded = Corpus(MULTI30K, str(tmp_path), hp.parse("tiny", {"subword_alpha": "0.5",
+                                                                 "seed": "7"}),
+                      log=lambda line: None)
+    assert reseeded.train_pairs(0) != first
