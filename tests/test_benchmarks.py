@@ -1,5 +1,6 @@
 """The benchmark scripts: their message without the `bench` extra, and `--baseline`."""
 
+import json
 import os
 import re
 import shutil
@@ -118,3 +119,30 @@ def test_the_program_comparison_runs_both_trees_in_turns_and_prints_the_ratio():
         capture_output=True, text=True, timeout=120)
     assert rejected.returncode != 0 and "Traceback" not in rejected.stderr
     assert "error: --baseline no-such-revision: " in rejected.stderr
+
+
+@pytest.mark.slow  # trains a tiny model and decodes val three times
+def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(tmp_path):
+    _skip_unless_git_checkout()
+    data_dir = os.path.join(ROOT, "tests", "data", "multi30k")
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "recipe_search.py"),
+               "--name", "c", "--hparams", "tiny,steps_per_epoch=12,checkpoint_every=5",
+               "--runs_dir", str(tmp_path), "--data_dir", data_dir, "--alphas", "0.6", "1.4",
+               "--average_last", "2", "--test"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    record = json.loads((tmp_path / "c" / "search.json").read_text())
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    assert record["commit"] == head and record["steps"] == 12
+    assert record["max_rss_gb"] > 0.1 and record["train_minutes"] >= 0
+    # each figure is eval.py's own, of the averaged checkpoints; the alpha is val's best
+    for split, alpha, figure in [("val", "0.6", record["val"]["0.6"]),
+                                 ("val", "1.4", record["val"]["1.4"]),
+                                 ("test_2016_flickr", record["alpha"], record["test"])]:
+        written = tmp_path / "c" / "eval" / f"{split}-avg2-alpha{float(alpha)}.json"
+        assert json.loads(written.read_text())["bleu"] == pytest.approx(figure, abs=0.005)
+    assert record["val"][record["alpha"]] == max(record["val"].values())
+    row = result.stdout.strip().splitlines()[-1]
+    assert row.startswith(f"| {record['date']} | `{head}` | c: `tiny,") and " (" in row
