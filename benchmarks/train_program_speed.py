@@ -2,12 +2,14 @@
 
     python benchmarks/train_program_speed.py --baseline REV [--hparams small] [--steps 200]
                                              [--rounds 2] [--data_dir DIR]
+                                             [--baseline_hparams H]
 
 Each round runs `python train.py --hparams H --log_every 1` for its first STEPS
 updates (then stops it: the epochs are as many as those take) once from this checkout and once from REV
 (its files taken with `git archive`), in alternating order, each in a fresh logdir
-(the subword model of the first run is copied in, so that no run spends its time
-training one). A run's figure is the median of its logged updates' target tokens/s
+(the subword model of each program's first run is copied into its later ones, so that no
+run spends its time training one). With `--baseline_hparams` REV runs those (two recipes on
+one machine: `--baseline HEAD` compares them in the same code). A run's figure is the median of its logged updates' target tokens/s
 (`history.jsonl`);
 printed: every run's, the median per program, and the median of the rounds'
 paired ratios (this checkout / REV). What the whole program does per update
@@ -29,13 +31,13 @@ from prerequisites import DEFAULT_DATA, ROOT, require_data, tree_at  # noqa: E40
 from kyu_transformer.plots import read_history  # noqa: E402
 
 
-def run_program(tree, logdir, args, subwords):
+def run_program(tree, logdir, args, hparams, subwords):
     """Runs train.py of `tree` into `logdir`; returns its first `args.steps` updates' tokens/s."""
     if subwords:
         os.makedirs(logdir)
         for path in subwords:
             shutil.copy(path, logdir)
-    command = [sys.executable, os.path.join(tree, "train.py"), "--hparams", args.hparams,
+    command = [sys.executable, os.path.join(tree, "train.py"), "--hparams", hparams,
                "--data_dir", os.path.abspath(args.data_dir), "--logdir", logdir,
                "--num_epochs", "1000", "--max_minutes", "0", "--log_every", "1",
                "--checkpoint_every", "0", "--eval_sentences", "0"]
@@ -69,20 +71,22 @@ def main():
     parser.add_argument("--steps", type=int, default=200, help="updates per run")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--data_dir", default=DEFAULT_DATA)
+    parser.add_argument("--baseline_hparams", default=None, help="REV's (default --hparams)")
     args = parser.parse_args()
     require_data(args.data_dir)
     trees = {"this checkout": ROOT, f"at {args.baseline}": tree_at(args.baseline)}
+    hparams = dict(zip(trees, (args.hparams, args.baseline_hparams or args.hparams)))
     scratch = tempfile.mkdtemp(prefix="train_program_speed_")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     medians = {label: [] for label in trees}
-    subwords = []
+    subwords = {label: [] for label in trees}
     for round_number in range(args.rounds):
         order = list(trees) if round_number % 2 == 0 else list(reversed(trees))
         for label in order:
             logdir = os.path.join(scratch, f"{round_number}-{len(medians[label])}-{label[:2]}")
-            rates = run_program(trees[label], logdir, args, subwords)
-            subwords = subwords or [os.path.join(logdir, name) for name in
-                                    ("subwords.model", "subwords.vocab")]
+            rates = run_program(trees[label], logdir, args, hparams[label], subwords[label])
+            subwords[label] = subwords[label] or [os.path.join(logdir, name) for name in
+                                                  ("subwords.model", "subwords.vocab")]
             medians[label].append(statistics.median(rates))
             print(f"round {round_number + 1}, {label}: median {medians[label][-1]:,.0f} target "
                   f"tokens/s over {len(rates)} updates", flush=True)
@@ -90,7 +94,7 @@ def main():
     ratios = [ours / theirs for ours, theirs in zip(current, baseline)]
     for label, values in medians.items():
         print(f"{label}: median {statistics.median(values):,.0f} target tokens/s "
-              f"({args.rounds} runs of {args.steps} updates, --hparams {args.hparams})")
+              f"({args.rounds} runs of {args.steps} updates, --hparams {hparams[label]})")
     print(f"ratio this checkout / at {args.baseline}: {statistics.median(ratios):.3f} "
           f"(rounds: {', '.join(f'{ratio:.3f}' for ratio in ratios)})")
 

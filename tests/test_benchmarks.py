@@ -103,7 +103,8 @@ def test_the_program_comparison_runs_both_trees_in_turns_and_prints_the_ratio():
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "train_program_speed.py"),
          "--baseline", "HEAD", "--hparams", "tiny", "--steps", "3", "--rounds", "2",
-         "--data_dir", os.path.join(ROOT, "tests", "data", "multi30k")],
+         "--data_dir", os.path.join(ROOT, "tests", "data", "multi30k"),
+         "--baseline_hparams", "tiny,vocab_size=300"],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -113,6 +114,9 @@ def test_the_program_comparison_runs_both_trees_in_turns_and_prints_the_ratio():
         "round 2, this checkout"]
     assert all("over 3 updates" in line for line in runs)
     assert "ratio this checkout / at HEAD: " in result.stdout
+    # each program runs its own hparams (two recipes compared on one machine)
+    assert "updates, --hparams tiny)\n" in result.stdout
+    assert "updates, --hparams tiny,vocab_size=300)\n" in result.stdout
     rejected = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "train_program_speed.py"),
          "--baseline", "no-such-revision", "--data_dir", ROOT],
