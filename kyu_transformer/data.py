@@ -11,6 +11,7 @@ import glob
 import gzip
 import html
 import http.client
+import itertools
 import os
 import re
 import shutil
@@ -247,19 +248,25 @@ class SegmentationSampler:
     """
 
     def __init__(self, subwords, sentences, alpha, nbest=16):
-        self.alpha, pieces, scores, counts = float(alpha), [], [], []
+        self.alpha, pieces, lengths, scores, counts = float(alpha), [], [], [], []
         processor, sentences = subwords.processor, list(sentences)
         for begin in range(0, len(sentences), 4096):
             chunk = sentences[begin:begin + 4096]
             ids = processor.nbest_encode(chunk, nbest_size=nbest, out_type=int)
             protos = processor.nbest_encode(chunk, nbest_size=nbest, return_type="proto")
-            for candidates, proto in zip(ids, protos):
-                pieces.extend(candidates)
-                scores.extend(best.score for best in proto.nbests)
-                counts.append(len(candidates))
-        self.pieces = pieces  # every candidate's ids, sentence after sentence
+            candidates = [candidate for sentence in ids for candidate in sentence]
+            pieces.append(np.fromiter(itertools.chain.from_iterable(candidates), np.int32))
+            lengths.extend(len(candidate) for candidate in candidates)
+            scores.extend(best.score for proto in protos for best in proto.nbests)
+            counts.extend(len(sentence) for sentence in ids)
+        self.pieces = np.concatenate(pieces)  # every candidate's ids, one after another
+        self.starts = np.concatenate([[0], np.cumsum(lengths)])  # (candidates + 1,)
         self.scores = np.array(scores, dtype=np.float64)  # (candidates,) log-probabilities
         self.first = np.concatenate([[0], np.cumsum(counts)])  # (sentences + 1,)
+
+    def candidates(self, sentence):
+        """The segmentations (lists of ids) of sentence number `sentence`, the best first."""
+        return [self._ids(index) for index in range(*self.first[sentence:sentence + 2])]
 
     def draw(self, seed):
         """One segmentation (a list of ids) per sentence, drawn with `seed` (an int or ints)."""
@@ -269,7 +276,10 @@ class SegmentationSampler:
         best = np.maximum.reduceat(keys, self.first[:-1])  # (sentences,)
         winners = np.flatnonzero(keys == best[sentence_of])
         _, first_winner = np.unique(sentence_of[winners], return_index=True)
-        return [self.pieces[index] for index in winners[first_winner]]
+        return [self._ids(index) for index in winners[first_winner]]
+
+    def _ids(self, index):
+        return self.pieces[self.starts[index]:self.starts[index + 1]].tolist()
 
 
 def add_markers(source_ids, target_ids, maxlen1, maxlen2):

@@ -192,6 +192,7 @@ def test_sampled_segmentations_spell_the_sentence_and_follow_the_seed(subwords):
     changed = sum(a != b for a, b in zip(first, other_epoch))
     assert changed > len(sentences) // 2, changed
     best = subwords.encode(sentences)
+    assert [sampler.candidates(i)[0] for i in range(len(sentences))] == best
     assert sum(a != b for a, b in zip(first, best)) > len(sentences) // 2
     # another process draws the same segmentations for the same seed
     script = ("import sys; from kyu_transformer import data; s = data.Subwords(sys.argv[1]); "
@@ -207,8 +208,9 @@ def test_sampled_segmentations_spell_the_sentence_and_follow_the_seed(subwords):
 def test_each_segmentation_is_drawn_with_probability_proportional_to_p_to_the_alpha(subwords):
     sentence, alpha, draws = "Ein Mann mit einem orangefarbenen Hut.", 0.5, 4000
     sampler = data.SegmentationSampler(subwords, [sentence], alpha=alpha)
-    candidates = [tuple(ids) for ids in sampler.pieces]
+    candidates = [tuple(ids) for ids in sampler.candidates(0)]
     assert len(candidates) == 16 and len(set(candidates)) == 16
+    assert np.all(np.diff(sampler.scores) <= 0)  # the n-best order, as `candidates` gives them
     counts = np.zeros(len(candidates))
     for seed in range(draws):
         counts[candidates.index(tuple(sampler.draw([seed])[0]))] += 1
