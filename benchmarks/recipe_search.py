@@ -26,17 +26,21 @@ from kyu_transformer import filenames  # noqa: E402
 
 
 def run_logged(command, log_path, cwd):
-    """Runs `command` with its output appended to `log_path`; returns that output."""
+    """Runs `command`, its output appended to `log_path` as it comes; returns that output."""
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ {' '.join(command)}\n")
         log.flush()
-        result = subprocess.run(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-        log.write(result.stdout)
-    if result.returncode != 0:
-        sys.exit(f"error: {command[1]} of {os.path.basename(os.path.dirname(log_path))} "
-                 f"failed ({result.returncode}); see {log_path}")
-    return result.stdout
+        start = log.tell()
+        code = subprocess.run(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+                                   "PYTHONUNBUFFERED": "1"}).returncode
+    with open(log_path, encoding="utf-8") as log:
+        log.seek(start)
+        output = log.read()
+    if code != 0:
+        program = next(os.path.basename(word) for word in command if word.endswith(".py"))
+        sys.exit(f"error: {program} failed ({code}); see {log_path}")
+    return output
 
 
 def train(tree, args, logdir):
