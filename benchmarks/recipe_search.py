@@ -2,7 +2,7 @@
 
     python benchmarks/recipe_search.py --name NAME --hparams small,dropout_rate=0.3
         [--commit REV] [--runs_dir DIR] [--data_dir DIR] [--alphas 0.6 1.0 1.4 1.8]
-        [--average_last 8] [--test] [--train_only] [--eval_only]
+        [--average_last 8] [--test] [--eval_only]
 
 The code is the repository's files at REV (default HEAD, `git archive`), so that work on the
 checkout does not touch a run of an hour. Training is `train.py --hparams H` into
@@ -84,8 +84,11 @@ def main():
     args.data_dir = os.path.abspath(require_data(args.data_dir))
     args.runs_dir = os.path.abspath(args.runs_dir)
     os.makedirs(args.runs_dir, exist_ok=True)
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", args.commit],
-                            capture_output=True, text=True).stdout.strip()
+    parsed = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", args.commit],
+                            capture_output=True, text=True)
+    if parsed.returncode != 0:
+        sys.exit(f"error: --commit {args.commit}: not a revision of {ROOT}")
+    commit = parsed.stdout.strip()
     tree, logdir = tree_at(commit), os.path.join(args.runs_dir, args.name)
     record_path = os.path.join(logdir, "search.json")
     record = {}
@@ -94,8 +97,11 @@ def main():
             record = json.load(handle)
     record.update(name=args.name, hparams=args.hparams, commit=commit,
                   date=record.get("date") or datetime.date.today().isoformat())
-    if not args.eval_only:
-        record.update(train(tree, args, logdir))
+    if not args.eval_only:  # a resumed candidate adds its parts' minutes up
+        trained = train(tree, args, logdir)
+        trained["train_minutes"] += record.get("train_minutes", 0)
+        trained["max_rss_gb"] = max(trained["max_rss_gb"] or 0, record.get("max_rss_gb") or 0)
+        record.update(trained)
     record["val"] = {str(alpha): bleu(tree, args, logdir, "val", alpha) for alpha in args.alphas}
     record["alpha"] = max(record["val"], key=record["val"].get)
     if args.test:

@@ -28,7 +28,8 @@ class Transformer(keras.Model):
       num_heads: Attention heads.
       maxlen1: Longest source sequence (positional table size of the encoder).
       maxlen2: Longest target sequence.
-      dropout_rate: Dropout after the embeddings, on attention weights and sub-layer outputs.
+      dropout_rate: Dropout after the embeddings and on sub-layer outputs (and on the attention
+        weights, unless `attention_dropout` says otherwise).
       norm_position: ``"post"`` (the original) or ``"pre"`` (adds a final norm to each stack).
       sinusoid: Fixed sinusoid (True) or learned (False) positions.
       share_embeddings: One table for source, target and output logits (True), or a

@@ -186,6 +186,7 @@ def test_a_run_with_every_regularizer_killed_mid_epoch_resumes_bit_identical(tmp
     resumed = run_train(logdir, *flags)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert re.search(r"resuming from \S+ckpt-\d+ at step \d+,", resumed.stdout), resumed.stdout
+    assert re.search(r"epoch 1/2 \(resuming after [1-9]\d* steps\)", resumed.stdout)  # mid-epoch
     assert "subword regularization: alpha 0.5" in resumed.stdout
     assert "done: 2 epochs, 24 steps" in resumed.stdout
     straight_output = straight.communicate(timeout=600)[0]

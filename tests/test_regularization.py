@@ -232,8 +232,21 @@ def test_corpus_draws_each_epochs_segmentations_and_keeps_the_best_without_alpha
     assert "subword regularization: alpha 0.5" in lines[-1]
     first, again, second = (sampled.train_pairs(e) for e in (0, 0, 1))
     assert first == again and first != second and first != plain.train[:3]
-    assert [s[-1] for s in first[0]] == [data.EOS_ID] * len(first[0])  # marked as ever
-    assert all(t_in[0] == data.BOS_ID for t_in in first[1])
+    # each pair is a source and its own target, marked as ever (EOS, BOS ... and ... EOS)
+    sources, targets, _ = data.load_split(MULTI30K, "train")
+    pairs = {(source, target) for source, target in zip(sources, targets)}
+    decode = sampled.subwords.decode
+    for source, target_in, target_out in zip(*first):
+        assert source[-1] == data.EOS_ID and target_in[0] == data.BOS_ID
+        assert target_in[1:] == target_out[:-1] and target_out[-1] == data.EOS_ID
+        assert (decode(source[:-1]), decode(target_out[:-1])) in pairs
+    # the length limit holds for the drawn segmentations, which are longer than the best
+    short = Corpus(MULTI30K, str(tmp_path), hp.parse("tiny", {"subword_alpha": "0.1",
+                                                              "maxlen1": "20", "maxlen2": "20"}),
+                   log=lambda line: None)
+    drawn = short.train_pairs(0)
+    assert len(drawn[0]) < len(short.train[0])  # more pairs dropped than with the best
+    assert max(len(ids) for ids in drawn[0]) <= 20 and max(len(ids) for ids in drawn[1]) <= 20
     reseeded = Corpus(MULTI30K, str(tmp_path), hp.parse("tiny", {"subword_alpha": "0.5",
                                                                  "seed": "7"}),
                       log=lambda line: None)

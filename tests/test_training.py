@@ -19,7 +19,9 @@ from kyu_transformer.corpus import Corpus
 from kyu_transformer.logdir_lock import LogdirLock
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.metrics import masked_accuracy
+from kyu_transformer.resumption import random_states
 from kyu_transformer.schedules import NoamSchedule
+from kyu_transformer.seeding import seed_everything
 from kyu_transformer.time_budget import UpdatePlan
 from kyu_transformer.distribution import replica_slices
 from kyu_transformer.train_step import loss_terms_function
@@ -607,8 +609,14 @@ def test_a_run_checkpoint_written_before_the_regularizers_restores_object_for_ob
     shutil.copytree(source, tmp_path / "log")
     hparams = hp.load(str(tmp_path / "log" / "hparams.json"))
     assert "relu_dropout" not in json.loads((tmp_path / "log" / "hparams.json").read_text())
+    seed_everything(hparams["seed"])  # as train.py does before it builds the model
     trainer = Trainer(hparams, logdir=str(tmp_path / "log"), verbose=False)
+    fresh = [state.numpy().tolist() for state in random_states(trainer.model)]
     path = str(tmp_path / "log" / "checkpoints" / "ckpt-5")
     trainer.checkpoints.checkpoint.restore(path).assert_consumed()
     assert int(trainer.checkpoints.step_in_epoch.numpy()) == 5
-    assert sum("seed_generator" in v.path for v in trainer.model.variables) == 10
+    # in the same order: each generator's seed is the one the old run drew for that layer,
+    # and each has drawn once an update since
+    restored = [state.numpy().tolist() for state in random_states(trainer.model)]
+    assert len(fresh) == 10 and len({seed for seed, _ in fresh}) == 10
+    assert restored == [[seed, 5] for seed, _ in fresh]
