@@ -4,16 +4,16 @@
                                              [--rounds 2] [--data_dir DIR]
                                              [--baseline_hparams H]
 
-Each round runs `python train.py --hparams H --log_every 1` for its first STEPS
-updates (then stops it: the epochs are as many as those take) once from this checkout and once from REV
-(its files taken with `git archive`), in alternating order, each in a fresh logdir
-(the subword model of each program's first run is copied into its later ones, so that
-no run spends its time training one). With `--baseline_hparams` REV runs those (two
-recipes on one machine: `--baseline HEAD` compares them in the same code). A run's figure is the median of its logged updates' target tokens/s
-(`history.jsonl`);
-printed: every run's, the median per program, and the median of the rounds'
-paired ratios (this checkout / REV). What the whole program does per update
-(the lock, signal handling, logging) counts, which a step benchmark leaves out.
+Each round runs `python train.py --hparams H --log_every 1` for its first STEPS updates
+(then stops it: the epochs are as many as those take) once from this checkout and once from
+REV (its files taken with `git archive`), in alternating order, each in a fresh logdir (the
+subword model of each program's first run is copied into its later ones, so that no run
+spends its time training one). With `--baseline_hparams` REV runs those (two recipes on one
+machine: `--baseline HEAD` compares them in the same code). A run's figure is the median of
+its logged updates' target tokens/s (`history.jsonl`); printed: every run's, the median per
+program, and the median of the rounds' paired ratios (this checkout / REV). What the whole
+program does per update (the lock, signal handling, logging) counts, which a step benchmark
+leaves out.
 """
 
 import argparse
