@@ -250,8 +250,8 @@ class SegmentationSampler:
     def __init__(self, subwords, sentences, alpha, nbest=16):
         self.alpha, pieces, lengths, scores, counts = float(alpha), [], [], [], []
         processor, sentences = subwords.processor, list(sentences)
-        for begin in range(0, len(sentences), 4096):
-            chunk = sentences[begin:begin + 4096]
+        for begin in range(0, len(sentences), 512):  # small chunks: their protos are large
+            chunk = sentences[begin:begin + 512]
             ids = processor.nbest_encode(chunk, nbest_size=nbest, out_type=int)
             protos = processor.nbest_encode(chunk, nbest_size=nbest, return_type="proto")
             candidates = [candidate for sentence in ids for candidate in sentence]
