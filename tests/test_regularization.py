@@ -12,7 +12,7 @@ import pytest
 
 import hparams as hp
 from kyu_transformer import data
-from kyu_transformer.layers import FeedForward, Normalize
+from kyu_transformer.layers import EncoderBlock, FeedForward
 from kyu_transformer.model import Transformer
 from kyu_transformer.schedules import NoamSchedule
 from tests.test_data import MULTI30K
@@ -53,6 +53,25 @@ def test_feed_forward_inner_dropout_drops_its_rate_of_the_inner_activations(rng)
     config = {key: value for key, value in layer.get_config().items()
               if key != "inner_dropout_rate"}
     assert FeedForward.from_config(config).inner_dropout_rate == 0
+
+
+def test_attention_dropout_drops_its_rate_of_the_attention_weights(rng):
+    """With the values an identity, the outputs are the attention weights after dropout: each
+    one dropped (0) or scaled by 1 / (1 - rate); the block's `attention_dropout_rate` sets it."""
+    rate, keys = 0.25, 32
+    block = EncoderBlock(num_heads=2, d_ff=16, dropout_rate=0.0, attention_dropout_rate=rate)
+    block.build((4, keys, 8))
+    attention = block.self_attention.attention
+    assert attention.dropout.rate == rate and block.feed_forward.dropout.rate == 0
+    q = rng.normal(size=(4, 2, keys, 8)).astype("float32")
+    k = rng.normal(size=(4, 2, keys, 8)).astype("float32")
+    v = np.broadcast_to(np.eye(keys, dtype="float32"), (4, 2, keys, keys))
+    outputs, weights = (np.asarray(x) for x in attention(q, k, v, training=True))
+    kept = np.isclose(outputs, weights / (1 - rate), rtol=1e-5, atol=1e-7)
+    assert np.all(kept | (outputs == 0))
+    share = 1 - kept.mean()
+    assert abs(share - rate) < five_sigma(rate, kept.size), share
+    np.testing.assert_allclose(attention(q, k, v)[0], weights, rtol=1e-5, atol=1e-7)
 
 
 def test_word_dropout_drops_whole_token_embeddings_at_its_rate(rng):
