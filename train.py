@@ -105,7 +105,8 @@ def read_source(args, hparams, chief):
                   f"and --init_from {args.init_from} is not read", flush=True)
         return None
     return Source(args.init_from, hp.load(os.path.join(args.init_from, filenames.HPARAMS)),
-                  args.init_ckpt, args.init_average_last, args.init_optimizer)
+                  args.init_ckpt, args.init_average_last, args.init_optimizer,
+                  run_precision=hparams["mixed_precision"])
 
 
 def hold_logdir(logdir):

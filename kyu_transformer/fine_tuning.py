@@ -92,16 +92,19 @@ class Source:
       logdir, hparams: The source's logdir and its hparams.
       ckpt, average_last: Which of its checkpoints, as `checkpoints.load_model` takes them.
       optimizer: Also take its optimizer's moments (a single checkpoint of train.py's).
+      run_precision: The new run's `mixed_precision`, checked against the source's with
+        `optimizer` (float16's optimizer state is not the others').
     """
 
-    def __init__(self, logdir, hparams, ckpt=None, average_last=0, optimizer=False):
+    def __init__(self, logdir, hparams, ckpt=None, average_last=0, optimizer=False,
+                 run_precision=None):
         from kyu_transformer.checkpoints import checkpoint_files, load_model, model_weights
 
         self.logdir, self.optimizer = logdir, optimizer
         model, self.paths = load_model(hparams, logdir, ckpt, average_last)
         self.weights = {key: variable.numpy() for key, variable in model_weights(model).items()}
         if optimizer:
-            self._check_optimizer_state()
+            self._check_optimizer_state(hparams, run_precision)
         self.record = {
             "logdir": os.path.abspath(logdir), "ckpt": ckpt or "latest",
             "average_last": int(average_last or 0),
@@ -110,13 +113,21 @@ class Source:
                        for path in self.paths for name in checkpoint_files(path)},
             "optimizer": bool(optimizer)}
 
-    def _check_optimizer_state(self):
+    def _check_optimizer_state(self, hparams, run_precision):
         from kyu_transformer.checkpoints import CheckpointError, held_objects
+        from kyu_transformer.precision import scales_the_loss
 
         path = self.paths[0]
         if len(self.paths) > 1 or "optimizer" not in held_objects(path):
             raise CheckpointError(f"--init_optimizer: {path} holds no optimizer state (weights "
                                   "only); leave --init_optimizer out to start a fresh optimizer")
+        theirs = scales_the_loss(hparams["mixed_precision"], hparams)
+        if run_precision is not None and theirs != scales_the_loss(run_precision, hparams):
+            raise CheckpointError(
+                f"--init_optimizer: the optimizer state of {path} is {'' if theirs else 'not '}"
+                f"that of float16's loss scaling (mixed_precision {hparams['mixed_precision']}), "
+                f"this run's would {'not ' if theirs else ''}be (mixed_precision "
+                f"{run_precision}); train in the same kind, or leave --init_optimizer out")
 
     def initialize(self, trainer):
         """Sets `trainer`'s weights (and optimizer moments, its step counter back at 0) to the

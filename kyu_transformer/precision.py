@@ -55,6 +55,15 @@ def choose_precision(hparams, gpus=None, timings=None):
                    f"ms ({speedup:.2f}x; bfloat16 needs {BFLOAT16_MARGIN}x)")
 
 
+def scales_the_loss(value, hparams):
+    """Whether a run of `mixed_precision` `value` has float16's loss-scale optimizer (whose
+    state other precisions lack): ``fp16``, or ``auto`` on a GPU without native bfloat16."""
+    if value != AUTO:
+        return value == "fp16"
+    gpus = detect_gpus()
+    return bool(gpus) and choose_precision(hparams, gpus)[0] == "fp16"
+
+
 def resolve_precision(value, hparams, log=print):
     """`value`, or the choice of ``auto`` on this machine (said in one line through `log`)."""
     if value != AUTO:

@@ -226,6 +226,32 @@ def test_a_weights_only_logdir_is_a_source_but_no_run_of_its_own(tmp_path, sourc
         assert not logdir.exists(), os.listdir(logdir)  # the folder it made, removed again
 
 
+@pytest.mark.slow
+def test_init_optimizer_across_loss_scaling_is_refused_before_anything_is_written(
+        tmp_path, source, new_corpus):
+    """float16's optimizer (loss scaling) holds state the others lack, and theirs is not its:
+    --init_optimizer from one kind into the other is refused in one line, with the new logdir
+    never made, in both directions."""
+    half = tmp_path / "half"
+    trained = subprocess.run(
+        [sys.executable, "train.py", "--hparams", "tiny", "--data_dir", MULTI30K, "--logdir",
+         str(half), "--steps_per_epoch", "3", "--mixed_precision", "fp16"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    fine_tune = ["--hparams", "tiny", "--data_dir", new_corpus, "--init_optimizer"]
+    for origin, extra, expected in (
+            (half, [], "is that of float16's loss scaling (mixed_precision fp16), this run's "
+                       "would not be (mixed_precision no)"),
+            (source, ["--mixed_precision", "fp16"], "is not that of float16's loss scaling "
+             "(mixed_precision no), this run's would be (mixed_precision fp16)")):
+        logdir = tmp_path / f"new-{origin.name}"
+        message = call_train(*fine_tune, "--logdir", logdir, "--init_from", origin, *extra)
+        assert message.startswith("error: --init_optimizer: the optimizer state of "), message
+        assert expected in message, message
+        assert not logdir.exists(), os.listdir(logdir)
+
+
 def test_fine_tuning_mistakes_are_refused_before_tensorflow_loads(tmp_path):
     """A missing source, a folder that is not a logdir, a contradicting architecture flag and
     wrong init flags: refused in one line naming them, without TensorFlow, writing nothing."""
