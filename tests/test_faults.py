@@ -141,13 +141,9 @@ def test_same_seed_deterministic_runs_are_bit_identical(tmp_path):
     assert digest(other_seed.stdout) != digest(first.stdout)
 
 
-def test_a_run_killed_within_an_accumulated_update_resumes_bit_identical(tmp_path):
-    """With `--accumulate_steps 2` a step is an update of two batches, and checkpoints fall
-    between updates: a run killed within one retakes it from the last checkpoint and ends
-    as an uninterrupted run, bit for bit (dropout on). Steps, the cap and the plan count
-    updates."""
-    flags = ["--num_epochs", "2", "--steps_per_epoch", "10", "--checkpoint_every", "3",
-             "--accumulate_steps", "2", "--dropout_rate", "0.1", "--deterministic"]
+def killed_at_first_checkpoint_and_resumed(tmp_path, flags):
+    """``(straight, resumed)``: an uninterrupted run of train.py with `flags` (still running),
+    and the result of another, SIGKILLed once its first checkpoint is listed, then resumed."""
     straight = run_train(tmp_path / "straight", *flags, wait=False)
     logdir = tmp_path / "log"
     process = run_train(logdir, *flags, wait=False)
@@ -157,6 +153,17 @@ def test_a_run_killed_within_an_accumulated_update_resumes_bit_identical(tmp_pat
     assert process.wait() == -signal.SIGKILL, output
     resumed = run_train(logdir, *flags)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    return straight, resumed
+
+
+def test_a_run_killed_within_an_accumulated_update_resumes_bit_identical(tmp_path):
+    """With `--accumulate_steps 2` a step is an update of two batches, and checkpoints fall
+    between updates: a run killed within one retakes it from the last checkpoint and ends
+    as an uninterrupted run, bit for bit (dropout on). Steps, the cap and the plan count
+    updates."""
+    flags = ["--num_epochs", "2", "--steps_per_epoch", "10", "--checkpoint_every", "3",
+             "--accumulate_steps", "2", "--dropout_rate", "0.1", "--deterministic"]
+    straight, resumed = killed_at_first_checkpoint_and_resumed(tmp_path, flags)
     step = re.search(r"resuming from \S+ckpt-(\d+) at step (\d+),", resumed.stdout)
     assert step and step.group(1) == step.group(2), resumed.stdout
     if int(step.group(1)) < 10:  # the data position: twice as many batches, said in steps
@@ -176,15 +183,7 @@ def test_a_run_with_every_regularizer_killed_mid_epoch_resumes_bit_identical(tmp
              "--dropout_rate", "0.2", "--attention_dropout", "0.1", "--relu_dropout", "0.2",
              "--word_dropout", "0.1", "--subword_alpha", "0.5", "--decay_steps", "50",
              "--deterministic"]
-    straight = run_train(tmp_path / "straight", *flags, wait=False)
-    logdir = tmp_path / "log"
-    process = run_train(logdir, *flags, wait=False)
-    wait_for(lambda: (logdir / "checkpoints" / "checkpoint").exists(), process)
-    process.send_signal(signal.SIGKILL)
-    output = process.stdout.read()
-    assert process.wait() == -signal.SIGKILL, output
-    resumed = run_train(logdir, *flags)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    straight, resumed = killed_at_first_checkpoint_and_resumed(tmp_path, flags)
     assert re.search(r"resuming from \S+ckpt-\d+ at step \d+,", resumed.stdout), resumed.stdout
     assert re.search(r"epoch 1/2 \(resuming after [1-9]\d* steps\)", resumed.stdout)  # mid-epoch
     assert "subword regularization: alpha 0.5" in resumed.stdout
