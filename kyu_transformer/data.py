@@ -11,7 +11,6 @@ import glob
 import gzip
 import html
 import http.client
-import itertools
 import os
 import re
 import shutil
@@ -251,14 +250,14 @@ class SegmentationSampler:
         self.alpha, pieces, lengths, scores, counts = float(alpha), [], [], [], []
         processor, sentences = subwords.processor, list(sentences)
         for begin in range(0, len(sentences), 512):  # small chunks: their protos are large
-            chunk = sentences[begin:begin + 512]
-            ids = processor.nbest_encode(chunk, nbest_size=nbest, out_type=int)
-            protos = processor.nbest_encode(chunk, nbest_size=nbest, return_type="proto")
-            candidates = [candidate for sentence in ids for candidate in sentence]
-            pieces.append(np.fromiter(itertools.chain.from_iterable(candidates), np.int32))
-            lengths.extend(len(candidate) for candidate in candidates)
-            scores.extend(best.score for proto in protos for best in proto.nbests)
-            counts.extend(len(sentence) for sentence in ids)
+            protos = processor.nbest_encode(sentences[begin:begin + 512], nbest_size=nbest,
+                                            return_type="proto")
+            candidates = [best for proto in protos for best in proto.nbests]  # ids and score
+            pieces.append(np.fromiter((piece.id for best in candidates for piece in best.pieces),
+                                      np.int32))
+            lengths.extend(len(best.pieces) for best in candidates)
+            scores.extend(best.score for best in candidates)
+            counts.extend(len(proto.nbests) for proto in protos)
         self.pieces = np.concatenate(pieces)  # every candidate's ids, one after another
         self.starts = np.concatenate([[0], np.cumsum(lengths)])  # (candidates + 1,)
         self.scores = np.array(scores, dtype=np.float64)  # (candidates,) log-probabilities
