@@ -109,9 +109,28 @@ class Source:
             "logdir": os.path.abspath(logdir), "ckpt": ckpt or "latest",
             "average_last": int(average_last or 0),
             "checkpoints": [os.path.abspath(path) for path in self.paths],
-            "sha256": {os.path.basename(name): sha256(name)
-                       for path in self.paths for name in checkpoint_files(path)},
-            "optimizer": bool(optimizer)}
+            "sha256": self._digests(checkpoint_files), "optimizer": bool(optimizer)}
+
+    def _digests(self, checkpoint_files):
+        """The sha256 of each file of the checkpoints read; a `CheckpointError` for one gone
+        since it was read (a source still training removes its oldest as it saves)."""
+        from kyu_transformer.checkpoints import CheckpointError
+
+        digests = {}
+        for path in self.paths:
+            try:
+                names = checkpoint_files(path)
+                digests.update({os.path.basename(name): sha256(name) for name in names})
+            except FileNotFoundError:
+                names = []
+            if not names:
+                raise CheckpointError(self._gone(path))
+        return digests
+
+    def _gone(self, path):
+        return (f"--init_from {self.logdir}: {path} was removed while this run read it (is the "
+                "source still training? it keeps only its last checkpoints); give --init_ckpt "
+                "one it keeps, or start once the source has stopped")
 
     def _check_optimizer_state(self, hparams, run_precision):
         from kyu_transformer.checkpoints import CheckpointError, held_objects
@@ -142,6 +161,8 @@ class Source:
             try:
                 tf.train.Checkpoint(optimizer=trainer.optimizer).restore(self.paths[0]) \
                     .expect_partial().assert_existing_objects_matched()
+            except tf.errors.NotFoundError:
+                raise CheckpointError(self._gone(self.paths[0])) from None
             except (AssertionError, ValueError) as error:  # e.g. fp16's loss-scale optimizer
                 raise CheckpointError(
                     f"--init_optimizer: the optimizer state of {self.paths[0]} does not fit "

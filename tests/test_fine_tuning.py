@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -16,7 +17,8 @@ import tensorflow as tf
 import hparams as hp
 import train
 from kyu_transformer import data, filenames
-from kyu_transformer.checkpoints import load_model, model_weights
+from kyu_transformer.checkpoints import (CheckpointError, checkpoint_files, load_model,
+                                         model_weights)
 from kyu_transformer.corpus import Corpus
 from kyu_transformer.fine_tuning import ARCHITECTURE, Source
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
@@ -182,6 +184,30 @@ def test_init_optimizer_takes_the_moments_with_a_fresh_step_counter(tmp_path, so
     for mine, their in moments:
         np.testing.assert_array_equal(mine.numpy(), their.numpy(), err_msg=mine.path)
     assert json.loads((tmp_path / "log" / filenames.INIT_FROM).read_text())["optimizer"]
+
+
+@pytest.mark.slow
+def test_a_source_checkpoint_removed_after_it_was_read_is_named_in_one_line(
+        tmp_path, source, new_corpus):
+    """A source still training removes its oldest checkpoints: one gone between the reading of
+    its weights and the hashing of its files, or before its optimizer state is taken, stops
+    the run with a CheckpointError naming it, not a traceback."""
+    origin = tmp_path / "source"
+    shutil.copytree(source, origin)
+    theirs = hp.load(str(origin / filenames.HPARAMS))
+    taken = Source(str(origin), theirs, optimizer=True)
+    for name in os.listdir(origin / filenames.CHECKPOINTS):
+        if name.startswith("ckpt-20."):
+            os.remove(origin / filenames.CHECKPOINTS / name)
+    expected = (f"--init_from {origin}: {taken.paths[0]} was removed while this run read it "
+                "(is the source still training?")
+    with pytest.raises(CheckpointError, match=re.escape(expected)):
+        taken._digests(checkpoint_files)
+    hparams = {**fine_tune_hparams(tmp_path / "log", new_corpus),
+               **{key: theirs[key] for key in ARCHITECTURE}}
+    trainer = Trainer(hparams, verbose=False, initialize=taken.initialize)
+    with pytest.raises(CheckpointError, match=re.escape(expected)):
+        trainer.restore()
 
 
 @pytest.mark.slow
