@@ -9,7 +9,8 @@ checkout does not touch a run of an hour. Training is `train.py --hparams H` int
 `DIR/NAME` under `/usr/bin/time -v` (its wall time and peak memory); a killed candidate resumes
 when run again. Then `eval.py --split val --beam_size 4 --average_last N --alpha A` for each
 alpha, and with `--test` test_2016_flickr once, at the alpha val chose. Printed: one Markdown row
-for `benchmarks/RESULTS.md`; every figure also goes to `DIR/NAME/search.json`.
+for `benchmarks/RESULTS.md`; every figure goes to `DIR/NAME/search.json` as its part ends, a
+part stopped by a signal (train.py's minutes so far) too.
 """
 
 import argparse
@@ -17,6 +18,7 @@ import datetime
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -26,47 +28,86 @@ from kyu_transformer import filenames  # noqa: E402
 
 
 def run_logged(command, log_path, cwd):
-    """Runs `command`, its output appended to `log_path` as it comes; returns that output."""
+    """Runs `command`, its output appended to `log_path` as it comes; ``(exit code, output)``.
+
+    SIGINT or SIGTERM to this process reaches the command as SIGINT (to its process group:
+    `/usr/bin/time` ignores it, train.py stops after a checkpoint), and its end is awaited, so
+    that the part's figures are still recorded."""
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ {' '.join(command)}\n")
         log.flush()
         start = log.tell()
-        code = subprocess.run(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-                                   "PYTHONUNBUFFERED": "1"}).returncode
+        child = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True,
+                                 env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+                                      "PYTHONUNBUFFERED": "1"})
+        previous = {number: signal.signal(number, lambda *_: stop(child))
+                    for number in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = child.wait()
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
     with open(log_path, encoding="utf-8") as log:
         log.seek(start)
-        output = log.read()
-    if code != 0:
-        program = next(os.path.basename(word) for word in command if word.endswith(".py"))
-        sys.exit(f"error: {program} failed ({code}); see {log_path}")
-    return output
+        return code, log.read()
 
 
-def train(tree, args, logdir):
-    """`train.py` under `/usr/bin/time -v`: its steps, minutes and peak memory."""
+def stop(child):
+    try:
+        os.killpg(child.pid, signal.SIGINT)
+    except ProcessLookupError:  # it has just ended
+        pass
+
+
+def failed(command, code, log_path, record_path):
+    """The line a failed part ends the search with (the parts before it are in search.json)."""
+    program = next(os.path.basename(word) for word in command if word.endswith(".py"))
+    return (f"error: {program} stopped ({code}); see {log_path}. What was done is in "
+            f"{record_path}: run the same command again to go on")
+
+
+def train(tree, args, logdir, record, record_path):
+    """`train.py` under `/usr/bin/time -v`; its steps, minutes and peak memory go into `record`
+    (a resumed candidate's minutes add up) even when it stops early, e.g. by a signal."""
     command = ["/usr/bin/time", "-v", sys.executable, os.path.join(tree, "train.py"),
                "--hparams", args.hparams, "--data_dir", args.data_dir, "--logdir", logdir]
-    output = run_logged(command, os.path.join(args.runs_dir, f"{args.name}.train.log"), tree)
+    log_path = os.path.join(args.runs_dir, f"{args.name}.train.log")
+    code, output = run_logged(command, log_path, tree)
     steps = re.findall(r"done: \d+ epochs, (\d+) steps", output)
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", output)
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", output)
     parts = [float(part) for part in wall.group(1).split(":")] if wall else []
     minutes = sum(value * 60 ** index for index, value in enumerate(reversed(parts))) / 60
-    return {"steps": int(steps[-1]) if steps else None, "train_minutes": round(minutes, 1),
-            "max_rss_gb": round(int(rss.group(1)) / 1e6, 2) if rss else None}
+    rss_gb = round(int(rss.group(1)) / 1e6, 2) if rss else 0
+    record.update(steps=int(steps[-1]) if steps else record.get("steps"),
+                  train_minutes=round(minutes + record.get("train_minutes", 0), 1),
+                  max_rss_gb=max(rss_gb, record.get("max_rss_gb") or 0))
+    save(record, record_path)
+    if code != 0:
+        sys.exit(failed(command, code, log_path, record_path))
 
 
-def bleu(tree, args, logdir, split, alpha):
+def bleu(tree, args, logdir, split, alpha, record_path):
     """BLEU of `eval.py` on `split` at `alpha` (beam 4, the last checkpoints averaged)."""
     name = f"{split}-avg{args.average_last}-alpha{alpha}"
     command = [sys.executable, os.path.join(tree, "eval.py"), "--logdir", logdir, "--split",
                split, "--data_dir", args.data_dir, "--beam_size", "4", "--alpha", str(alpha),
                "--average_last", str(args.average_last), "--name", name]
-    run_logged(command, os.path.join(args.runs_dir, f"{args.name}.eval.log"), tree)
+    log_path = os.path.join(args.runs_dir, f"{args.name}.eval.log")
+    code, _ = run_logged(command, log_path, tree)
+    if code != 0:
+        sys.exit(failed(command, code, log_path, record_path))
     path = filenames.evaluation_file(os.path.join(logdir, filenames.EVAL), name, filenames.RESULT)
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)["bleu"]
+
+
+def save(record, path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as handle:
+        json.dump(record, handle, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def main():
@@ -97,17 +138,17 @@ def main():
             record = json.load(handle)
     record.update(name=args.name, hparams=args.hparams, commit=commit,
                   date=record.get("date") or datetime.date.today().isoformat())
-    if not args.eval_only:  # a resumed candidate adds its parts' minutes up
-        trained = train(tree, args, logdir)
-        trained["train_minutes"] += record.get("train_minutes", 0)
-        trained["max_rss_gb"] = max(trained["max_rss_gb"] or 0, record.get("max_rss_gb") or 0)
-        record.update(trained)
-    record["val"] = {str(alpha): bleu(tree, args, logdir, "val", alpha) for alpha in args.alphas}
+    if not args.eval_only:
+        train(tree, args, logdir, record, record_path)
+    record["val"] = {}
+    for alpha in args.alphas:
+        record["val"][str(alpha)] = bleu(tree, args, logdir, "val", alpha, record_path)
+        save(record, record_path)
     record["alpha"] = max(record["val"], key=record["val"].get)
     if args.test:
-        record["test"] = bleu(tree, args, logdir, "test_2016_flickr", record["alpha"])
-    with open(record_path, "w", encoding="utf-8") as handle:
-        json.dump(record, handle, indent=2)
+        record["test"] = bleu(tree, args, logdir, "test_2016_flickr", record["alpha"],
+                              record_path)
+    save(record, record_path)
     val = " / ".join(f"{record['val'][str(alpha)]:.2f}" for alpha in args.alphas)
     print(f"| {record['date']} | `{commit}` | {args.name}: `{args.hparams}` | "
           f"{record.get('steps')} | {record.get('train_minutes')} min | {val} "

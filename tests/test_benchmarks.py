@@ -4,8 +4,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -127,20 +129,40 @@ def test_the_program_comparison_runs_both_trees_in_turns_and_prints_the_ratio():
 
 @pytest.mark.slow  # trains a tiny model and decodes val three times
 def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(tmp_path):
+    """Stopped by SIGTERM in training, a candidate keeps its minutes so far in search.json and
+    says so in one line; run again, it resumes, and val's best alpha is the one tested."""
     _skip_unless_git_checkout()
     data_dir = os.path.join(ROOT, "tests", "data", "multi30k")
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "recipe_search.py"),
-               "--name", "c", "--hparams", "tiny,steps_per_epoch=12,checkpoint_every=5",
+               "--name", "c", "--hparams", "tiny,steps_per_epoch=60,checkpoint_every=5",
                "--runs_dir", str(tmp_path), "--data_dir", data_dir, "--alphas", "0.6", "1.4",
                "--average_last", "2", "--test"]
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=environment)
+    listed = tmp_path / "c" / "checkpoints" / "checkpoint"
+    deadline = time.time() + 600
+    while not listed.exists() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    first.send_signal(signal.SIGTERM)
+    _, stderr = first.communicate(timeout=300)
+    log = tmp_path / "c.train.log"
+    assert first.returncode != 0 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"error: train.py stopped (75); see {log}. What was done is in "
+        f"{tmp_path / 'c' / 'search.json'}: run the same command again to go on")
+    stopped = json.loads((tmp_path / "c" / "search.json").read_text())
+    assert stopped["train_minutes"] > 0 and stopped["steps"] is None and "val" not in stopped
     result = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+                            env=environment)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    resumed = re.search(r"resuming from \S+ckpt-(\d+) at step \d+,", log.read_text())
+    assert resumed and 5 <= int(resumed.group(1)) < 60, log.read_text()[-3000:]
     record = json.loads((tmp_path / "c" / "search.json").read_text())
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip()
-    assert record["commit"] == head and record["steps"] == 12
-    assert record["max_rss_gb"] > 0.1 and record["train_minutes"] >= 0
+    assert record["commit"] == head and record["steps"] == 60
+    assert record["max_rss_gb"] > 0.1 and record["train_minutes"] >= stopped["train_minutes"]
     # each figure is eval.py's own, of the averaged checkpoints; the alpha is val's best
     for split, alpha, figure in [("val", "0.6", record["val"]["0.6"]),
                                  ("val", "1.4", record["val"]["1.4"]),
