@@ -6,11 +6,12 @@
 
 The code is the repository's files at REV (default HEAD, `git archive`), so that work on the
 checkout does not touch a run of an hour. Training is `train.py --hparams H` into
-`DIR/NAME` under `/usr/bin/time -v` (its wall time and peak memory); a killed candidate resumes
+`DIR/NAME` (its wall time, and its peak memory from `os.wait4`); a stopped candidate resumes
 when run again. Then `eval.py --split val --beam_size 4 --average_last N --alpha A` for each
 alpha, and with `--test` test_2016_flickr once, at the alpha val chose. Printed: one Markdown row
 for `benchmarks/RESULTS.md`; every figure goes to `DIR/NAME/search.json` as its part ends, a
-part stopped by a signal (train.py's minutes so far) too.
+part stopped by a signal (train.py's minutes so far) too: SIGTERM to this process is passed on to
+train.py as SIGINT, which stops it after a checkpoint, as Ctrl-C does.
 """
 
 import argparse
@@ -18,71 +19,85 @@ import datetime
 import json
 import os
 import re
+import functools
 import signal
 import subprocess
 import sys
+import time
 
 from prerequisites import DEFAULT_DATA, ROOT, require_data, tree_at  # noqa: E402
 
 from kyu_transformer import filenames  # noqa: E402
 
 
-def run_logged(command, log_path, cwd):
-    """Runs `command`, its output appended to `log_path` as it comes; ``(exit code, output)``.
+# The part running now: [] between parts, [None] while it starts, [process] while it runs.
+RUNNING = []
 
-    SIGINT or SIGTERM to this process reaches the command as SIGINT (to its process group:
-    `/usr/bin/time` ignores it, train.py stops after a checkpoint), and its end is awaited, so
-    that the part's figures are still recorded."""
+
+def on_signal(record_path, number, frame):  # pylint: disable=unused-argument
+    """While a part runs, SIGTERM is passed on to it as SIGINT (train.py then stops after a
+    checkpoint) and its end awaited; SIGINT (Ctrl-C) reaches it with this process group, and
+    is not passed on twice. Between parts, the search stops at once."""
+    if not RUNNING:
+        sys.exit(f"error: stopped by {signal.Signals(number).name}; what was done is in "
+                 f"{record_path}: run the same command again to go on")
+    if number == signal.SIGTERM and RUNNING[0] is None:
+        RUNNING.append(number)  # passed on once it has started
+    elif number == signal.SIGTERM:
+        pass_on(RUNNING[0])
+
+
+def pass_on(process):
+    try:
+        os.kill(process.pid, signal.SIGINT)
+    except ProcessLookupError:  # it has just ended
+        pass
+
+
+def run_logged(command, log_path, cwd):
+    """Runs `command`, its output appended to `log_path` as it comes; ``(exit code, output,
+    minutes, peak resident memory in GB)``: the process's own, from `os.wait4`."""
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ {' '.join(command)}\n")
         log.flush()
-        start = log.tell()
-        child = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True,
-                                 env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-                                      "PYTHONUNBUFFERED": "1"})
-        previous = {number: signal.signal(number, lambda *_: stop(child))
-                    for number in (signal.SIGINT, signal.SIGTERM)}
+        start, began = log.tell(), time.monotonic()
+        RUNNING[:] = [None]
         try:
-            code = child.wait()
+            RUNNING[0] = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+                                               "PYTHONUNBUFFERED": "1"})
+            if len(RUNNING) > 1:  # SIGTERM while it started
+                pass_on(RUNNING[0])
+            _, status, usage = os.wait4(RUNNING[0].pid, 0)
+            RUNNING[0].returncode = os.waitstatus_to_exitcode(status)
         finally:
-            for number, handler in previous.items():
-                signal.signal(number, handler)
+            RUNNING.clear()
     with open(log_path, encoding="utf-8") as log:
         log.seek(start)
-        return code, log.read()
-
-
-def stop(child):
-    try:
-        os.killpg(child.pid, signal.SIGINT)
-    except ProcessLookupError:  # it has just ended
-        pass
+        return (os.waitstatus_to_exitcode(status), log.read(),
+                (time.monotonic() - began) / 60, usage.ru_maxrss / 1e6)  # kB on Linux
 
 
 def failed(command, code, log_path, record_path):
     """The line a failed part ends the search with (the parts before it are in search.json)."""
     program = next(os.path.basename(word) for word in command if word.endswith(".py"))
+    again = ("run the same command again to go on" if program == "train.py" else
+             "run the same command with --eval_only to score again")
     return (f"error: {program} stopped ({code}); see {log_path}. What was done is in "
-            f"{record_path}: run the same command again to go on")
+            f"{record_path}: {again}")
 
 
 def train(tree, args, logdir, record, record_path):
-    """`train.py` under `/usr/bin/time -v`; its steps, minutes and peak memory go into `record`
-    (a resumed candidate's minutes add up) even when it stops early, e.g. by a signal."""
-    command = ["/usr/bin/time", "-v", sys.executable, os.path.join(tree, "train.py"),
-               "--hparams", args.hparams, "--data_dir", args.data_dir, "--logdir", logdir]
+    """`train.py`; its steps, minutes and peak memory go into `record` (a resumed candidate's
+    minutes add up) even when it stops early, e.g. by a signal."""
+    command = [sys.executable, os.path.join(tree, "train.py"), "--hparams", args.hparams,
+               "--data_dir", args.data_dir, "--logdir", logdir]
     log_path = os.path.join(args.runs_dir, f"{args.name}.train.log")
-    code, output = run_logged(command, log_path, tree)
+    code, output, minutes, rss_gb = run_logged(command, log_path, tree)
     steps = re.findall(r"done: \d+ epochs, (\d+) steps", output)
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", output)
-    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", output)
-    parts = [float(part) for part in wall.group(1).split(":")] if wall else []
-    minutes = sum(value * 60 ** index for index, value in enumerate(reversed(parts))) / 60
-    rss_gb = round(int(rss.group(1)) / 1e6, 2) if rss else 0
     record.update(steps=int(steps[-1]) if steps else record.get("steps"),
                   train_minutes=round(minutes + record.get("train_minutes", 0), 1),
-                  max_rss_gb=max(rss_gb, record.get("max_rss_gb") or 0))
+                  max_rss_gb=max(round(rss_gb, 2), record.get("max_rss_gb") or 0))
     save(record, record_path)
     if code != 0:
         sys.exit(failed(command, code, log_path, record_path))
@@ -95,7 +110,7 @@ def bleu(tree, args, logdir, split, alpha, record_path):
                split, "--data_dir", args.data_dir, "--beam_size", "4", "--alpha", str(alpha),
                "--average_last", str(args.average_last), "--name", name]
     log_path = os.path.join(args.runs_dir, f"{args.name}.eval.log")
-    code, _ = run_logged(command, log_path, tree)
+    code = run_logged(command, log_path, tree)[0]
     if code != 0:
         sys.exit(failed(command, code, log_path, record_path))
     path = filenames.evaluation_file(os.path.join(logdir, filenames.EVAL), name, filenames.RESULT)
@@ -132,6 +147,8 @@ def main():
     commit = parsed.stdout.strip()
     tree, logdir = tree_at(commit), os.path.join(args.runs_dir, args.name)
     record_path = os.path.join(logdir, "search.json")
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, functools.partial(on_signal, record_path))
     record = {}
     if os.path.isfile(record_path):
         with open(record_path, encoding="utf-8") as handle:
@@ -145,6 +162,7 @@ def main():
         record["val"][str(alpha)] = bleu(tree, args, logdir, "val", alpha, record_path)
         save(record, record_path)
     record["alpha"] = max(record["val"], key=record["val"].get)
+    save(record, record_path)
     if args.test:
         record["test"] = bleu(tree, args, logdir, "test_2016_flickr", record["alpha"],
                               record_path)

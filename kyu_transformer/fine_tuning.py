@@ -133,11 +133,17 @@ class Source:
                 "one it keeps, or start once the source has stopped")
 
     def _check_optimizer_state(self, hparams, run_precision):
+        import tensorflow as tf
+
         from kyu_transformer.checkpoints import CheckpointError, held_objects
         from kyu_transformer.precision import scales_the_loss
 
         path = self.paths[0]
-        if len(self.paths) > 1 or "optimizer" not in held_objects(path):
+        try:
+            held = held_objects(path)
+        except tf.errors.NotFoundError:
+            raise CheckpointError(self._gone(path)) from None
+        if len(self.paths) > 1 or "optimizer" not in held:
             raise CheckpointError(f"--init_optimizer: {path} holds no optimizer state (weights "
                                   "only); leave --init_optimizer out to start a fresh optimizer")
         theirs = scales_the_loss(hparams["mixed_precision"], hparams)

@@ -152,7 +152,8 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
         f"error: train.py stopped (75); see {log}. What was done is in "
         f"{tmp_path / 'c' / 'search.json'}: run the same command again to go on")
     stopped = json.loads((tmp_path / "c" / "search.json").read_text())
-    assert stopped["train_minutes"] > 0 and stopped["steps"] is None and "val" not in stopped
+    assert stopped["train_minutes"] > 0 and stopped["max_rss_gb"] > 0.1
+    assert stopped["steps"] is None and "val" not in stopped
     result = subprocess.run(command, capture_output=True, text=True, timeout=900,
                             env=environment)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

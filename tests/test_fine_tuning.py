@@ -189,9 +189,9 @@ def test_init_optimizer_takes_the_moments_with_a_fresh_step_counter(tmp_path, so
 @pytest.mark.slow
 def test_a_source_checkpoint_removed_after_it_was_read_is_named_in_one_line(
         tmp_path, source, new_corpus):
-    """A source still training removes its oldest checkpoints: one gone between the reading of
-    its weights and the hashing of its files, or before its optimizer state is taken, stops
-    the run with a CheckpointError naming it, not a traceback."""
+    """A source still training removes its oldest checkpoints: one gone after its weights were
+    read (at the check of its optimizer state, the hashing of its files, or the taking of its
+    optimizer state) stops the run with a CheckpointError naming it, not a traceback."""
     origin = tmp_path / "source"
     shutil.copytree(source, origin)
     theirs = hp.load(str(origin / filenames.HPARAMS))
@@ -201,6 +201,8 @@ def test_a_source_checkpoint_removed_after_it_was_read_is_named_in_one_line(
             os.remove(origin / filenames.CHECKPOINTS / name)
     expected = (f"--init_from {origin}: {taken.paths[0]} was removed while this run read it "
                 "(is the source still training?")
+    with pytest.raises(CheckpointError, match=re.escape(expected)):
+        taken._check_optimizer_state(theirs, run_precision=None)
     with pytest.raises(CheckpointError, match=re.escape(expected)):
         taken._digests(checkpoint_files)
     hparams = {**fine_tune_hparams(tmp_path / "log", new_corpus),
