@@ -28,6 +28,7 @@ import time
 from prerequisites import DEFAULT_DATA, ROOT, require_data, tree_at  # noqa: E402
 
 from kyu_transformer import filenames  # noqa: E402
+from kyu_transformer.files import write_text  # noqa: E402
 
 
 # The part running now: [] between parts, [None] while it starts, [process] while it runs.
@@ -120,9 +121,7 @@ def bleu(tree, args, logdir, split, alpha, record_path):
 
 def save(record, path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as handle:
-        json.dump(record, handle, indent=2)
-    os.replace(path + ".tmp", path)
+    write_text(path, json.dumps(record, indent=2))
 
 
 def main():
