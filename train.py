@@ -218,9 +218,11 @@ def prepare_run(args, strategy, chief):
         digests["subword vocabulary"] = short_digest(json.dumps(
             [(processor.id_to_piece(i), processor.get_score(i))
              for i in range(processor.get_piece_size())]))
-        if state["source"] is not None:  # a source still training may save between reads
-            digests["fine-tuning source"] = short_digest(json.dumps(
-                state["source"].record["sha256"], sort_keys=True))
+        # Every worker brings it (null without a source: one that resumes from a logdir the
+        # others do not see would read the source): a source still training may save between reads.
+        source = state["source"]
+        digests["fine-tuning source"] = short_digest(json.dumps(
+            source and source.record["sha256"], sort_keys=True))
         check_agreement(strategy, digests=digests)
     return hparams, corpus, state["source"]
 

@@ -98,9 +98,14 @@ class Source:
 
     def __init__(self, logdir, hparams, ckpt=None, average_last=0, optimizer=False,
                  run_precision=None):
-        from kyu_transformer.checkpoints import checkpoint_files, load_model, model_weights
+        from kyu_transformer.checkpoints import (
+            CheckpointError, checkpoint_files, load_model, model_weights, resolve)
 
         self.logdir, self.optimizer = logdir, optimizer
+        # A source still training replaces its best.weights.h5 whole at each better model:
+        # hashed before and after the read, it is known to hold the weights read.
+        whole = resolve(logdir, ckpt) if ckpt else ""
+        before = sha256(whole) if whole.endswith(".h5") else None
         model, self.paths = load_model(hparams, logdir, ckpt, average_last)
         self.weights = {key: variable.numpy() for key, variable in model_weights(model).items()}
         if optimizer:
@@ -110,6 +115,10 @@ class Source:
             "average_last": int(average_last or 0),
             "checkpoints": [os.path.abspath(path) for path in self.paths],
             "sha256": self._digests(checkpoint_files), "optimizer": bool(optimizer)}
+        if before is not None and self.record["sha256"][os.path.basename(whole)] != before:
+            raise CheckpointError(f"--init_from {logdir}: {whole} was replaced while this run "
+                                  "read it (the source, still training, found a better model); "
+                                  "run again, or give --init_ckpt a numbered checkpoint")
 
     def _digests(self, checkpoint_files):
         """The sha256 of each file of the checkpoints read; a `CheckpointError` for one gone

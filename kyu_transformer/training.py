@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from kyu_transformer import filenames
-from kyu_transformer.checkpoints import checkpoint_dir
+from kyu_transformer.checkpoints import CheckpointError, checkpoint_dir
 from kyu_transformer.distribution import is_chief
 from kyu_transformer.files import replaced_atomically
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
@@ -30,7 +30,7 @@ from kyu_transformer.stop_requests import StopRequests
 from kyu_transformer.time_budget import TimeBudget, UpdatePlan
 from kyu_transformer.train_step import TrainStep, loss_terms_function
 from kyu_transformer.training_log import Progress, TrainingLog, Window
-from kyu_transformer.workers import check_agreement
+from kyu_transformer.workers import barrier, check_agreement, is_multi_worker
 
 
 def weights_digest(model):
@@ -61,10 +61,8 @@ class Trainer:
       hparams: dict of hyperparameters (see `hparams.py`); ``auto`` precision is resolved
         per process (on several workers, pass the chief's choice, as train.py does).
       strategy: A `tf.distribute.Strategy`; the default strategy when None.
-      logdir: Where checkpoints, history, TensorBoard events and plots go; default
-        `hparams["logdir"]`.
-      hooks: Callables ``hook(trainer, epoch, logs)`` run on the chief after each epoch
-        (e.g. validation BLEU); they may add entries to `logs`.
+      logdir: Where checkpoints, history, events and plots go; default `hparams["logdir"]`.
+      hooks: ``hook(trainer, epoch, logs)``, run on the chief after each epoch; may add to `logs`.
       verbose: Whether to show a progress bar.
       initialize: ``initialize(trainer)``, run when there is no checkpoint to resume from,
         sets the starting weights (fine-tuning's `fine_tuning.Source.initialize`).
@@ -116,10 +114,17 @@ class Trainer:
         return self._train_step.distribute(make_global_batches)
 
     def restore(self):
-        """Restores the latest readable checkpoint (returns its path), else runs `initialize`."""
-        path = self.checkpoints.restore()
-        if path is None and self.initialize is not None:
-            self.initialize(self)
+        """Restores the latest readable checkpoint (returns its path), else runs `initialize`;
+        a barrier then: a worker failing here (the chief's unreadable checkpoints) stops all."""
+        try:
+            path = self.checkpoints.restore()
+            if path is None and self.initialize is not None:
+                self.initialize(self)
+        except (CheckpointError, OSError) as error:
+            if not is_multi_worker(self.strategy):
+                raise
+            barrier(self.strategy, str(error))  # raises, on every worker
+        barrier(self.strategy)
         return path
 
     def save(self):

@@ -3,12 +3,15 @@ fresh optimizer; weights-only logdirs; refusals that write nothing."""
 
 import filecmp
 import hashlib
+import itertools
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -210,6 +213,54 @@ def test_a_source_checkpoint_removed_after_it_was_read_is_named_in_one_line(
     trainer = Trainer(hparams, verbose=False, initialize=taken.initialize)
     with pytest.raises(CheckpointError, match=re.escape(expected)):
         trainer.restore()
+
+
+def test_a_best_checkpoint_replaced_while_it_is_read_is_refused_or_recorded_as_read(
+        tmp_path, source):
+    """A source still training replaces its best.weights.h5 whole at each better model: one
+    replaced while it is read is refused in one line, never recorded with another's digest."""
+    origin = tmp_path / "source"
+    shutil.copytree(source, origin)
+    theirs = hp.load(str(origin / filenames.HPARAMS))
+    model, _ = load_model(theirs, str(origin))
+    versions, paths = {}, []
+    for _ in range(100):  # better and better models, each new: its weights moved by 0.001
+        for variable in model.weights:
+            variable.assign(variable + 0.001)
+        paths.append(tmp_path / f"{len(paths)}.weights.h5")
+        model.save_weights(str(paths[-1]))
+        versions[file_digest(paths[-1])] = {key: variable.numpy()
+                                            for key, variable in model_weights(model).items()}
+    best = origin / filenames.BEST_WEIGHTS
+    shutil.copyfile(paths[0], best)
+
+    def keep_replacing():  # as evaluation.py does, by a rename: each file stands whole
+        for path in paths[1:]:
+            time.sleep(0.01)
+            os.link(path, origin / "best.next")
+            os.replace(origin / "best.next", best)
+
+    def holds_what_it_records(taken):
+        read = versions[taken.record["sha256"][filenames.BEST_WEIGHTS]]
+        for key, weights in read.items():
+            np.testing.assert_array_equal(taken.weights[key], weights)
+        return True
+
+    replacing, refused, recorded = threading.Thread(target=keep_replacing), 0, 0
+    replacing.start()
+    try:
+        while replacing.is_alive():
+            try:
+                taken = Source(str(origin), theirs, ckpt="best")
+            except CheckpointError as error:
+                assert f"{best} was replaced while this run read it" in str(error)
+                refused += 1
+                continue
+            recorded += holds_what_it_records(taken)
+    finally:
+        replacing.join()
+    assert refused > 0, recorded  # the replacements did fall within reads
+    assert holds_what_it_records(Source(str(origin), theirs, ckpt="best"))  # left alone: read
 
 
 @pytest.mark.slow

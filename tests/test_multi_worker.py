@@ -15,7 +15,7 @@ import pytest
 
 from kyu_transformer.checkpoints import list_checkpoints
 from tests.test_data import MULTI30K
-from tests.test_training import ROOT
+from tests.test_training import ROOT, run_train
 
 
 pytestmark = pytest.mark.slow  # two train.py processes per test
@@ -191,3 +191,38 @@ def test_workers_that_disagree_with_the_chief_stop_and_name_the_difference(tmp_p
     assert results[1][0] != 0 and "`dropout_rate` must be in [0, 1), got 1.5" in results[1][1]
     assert results[0][0] != 0
     assert "error: worker 1 stopped before training (see its output)" in results[0][1]
+
+
+def test_two_workers_fine_tune_alike_and_a_failure_on_one_stops_both(tmp_path):
+    """Fine-tuning on two workers; then faults that reach one worker only (a logdir the other
+    does not see, checkpoints only the chief refuses) stop both with one line, none waiting."""
+    source, logdir = tmp_path / "source", tmp_path / "log"
+    trained = run_train(source, "--num_epochs", "1", "--steps_per_epoch", "4")
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    results = run_workers(tmp_path, [logdir, logdir], "--init_from", str(source))
+    for code, output in results:
+        assert code == 0 and "done: 2 epochs, 12 steps" in output, output[-4000:]
+    assert len(digests(results)) == 2 and len(set(digests(results))) == 1, digests(results)
+    assert f"fine-tuning: the weights of {source}/checkpoints/ckpt-4" in results[0][1]
+    assert json.loads((logdir / "init_from.json").read_text())["checkpoints"] == [
+        f"{source}/checkpoints/ckpt-4"]
+
+    # The chief resumes from its checkpoints; a worker that does not see them would read
+    # the source again (its vector of facts one longer than the chief's in the all-reduce).
+    results = run_workers(tmp_path, [logdir, tmp_path / "elsewhere"], "--init_from", str(source))
+    expected = "worker 1 has another fine-tuning source than the chief"
+    for code, output in results:
+        assert code != 0 and expected in output, output[-4000:]
+        assert "Traceback" not in output, output[-4000:]
+
+    # Every checkpoint damaged: the chief alone refuses them (the other worker would start
+    # afresh); both stop at the barrier after restoring, the worker naming the chief.
+    for data_file in (logdir / "checkpoints").glob("ckpt-*.data-*"):
+        os.truncate(data_file, 100)
+    results = run_workers(tmp_path, [logdir, logdir], "--init_from", str(source))
+    assert results[0][0] != 0 and f"error: no checkpoint of {logdir}/checkpoints can be read" \
+        in results[0][1], results[0][1][-4000:]
+    assert results[1][0] != 0
+    assert "error: the chief stopped before training (see its output)" in results[1][1], \
+        results[1][1][-4000:]
+    assert all("Traceback" not in output for _, output in results)

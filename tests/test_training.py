@@ -520,9 +520,9 @@ def test_time_budget_is_the_runs_total_across_resumptions(tmp_path):
     flags = ["--max_minutes", "0.3", "--num_epochs", "100", "--checkpoint_every", "5"]
     process = run_train(logdir, *flags, wait=False)
     kill_when(process,
-              lambda: train_seconds(tf.train.latest_checkpoint(str(checkpoints))) > budget / 3)
+              lambda: train_seconds(tf.train.latest_checkpoint(str(checkpoints))) > budget / 2)
     restored = train_seconds(tf.train.latest_checkpoint(str(checkpoints)))
-    assert budget / 3 < restored < budget
+    assert budget / 2 < restored < budget
 
     again = run_train(logdir, *flags)
     assert again.returncode == 0, again.stdout + again.stderr
@@ -530,9 +530,11 @@ def test_time_budget_is_the_runs_total_across_resumptions(tmp_path):
     assert f"of training; {left:.1f} of the 0.3 min budget left" in again.stdout, again.stdout
     assert "stopping: the budget of 0.3 minutes is used" in again.stdout
     total = train_seconds(tf.train.latest_checkpoint(str(checkpoints)))
-    # One step (and its checkpoint) past the budget at most; today's steps take well
-    # under a second. A budget restarted on resumption would end near restored + budget.
-    assert budget <= total < budget + 3.0, (restored, total)
+    # One step (and its checkpoint) past the budget at most. A budget restarted on
+    # resumption would end at restored + budget or later: the bound between them leaves
+    # over 8 s for that last step, which a machine under load (the suite's other process,
+    # a training beside it) has taken up to 6 s.
+    assert budget <= total < budget + restored - 1.0, (restored, total)
 
 
 @pytest.mark.slow
