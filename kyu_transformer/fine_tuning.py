@@ -105,7 +105,7 @@ class Source:
         # A source still training replaces its best.weights.h5 whole at each better model:
         # hashed before and after the read, it is known to hold the weights read.
         whole = resolve(logdir, ckpt) if ckpt else ""
-        before = sha256(whole) if whole.endswith(".h5") else None
+        before = _readable_digest(whole) if whole.endswith(".h5") else None
         model, self.paths = load_model(hparams, logdir, ckpt, average_last)
         self.weights = {key: variable.numpy() for key, variable in model_weights(model).items()}
         if optimizer:
@@ -115,7 +115,7 @@ class Source:
             "average_last": int(average_last or 0),
             "checkpoints": [os.path.abspath(path) for path in self.paths],
             "sha256": self._digests(checkpoint_files), "optimizer": bool(optimizer)}
-        if before is not None and self.record["sha256"][os.path.basename(whole)] != before:
+        if before and self.record["sha256"][os.path.basename(whole)] != before:
             raise CheckpointError(f"--init_from {logdir}: {whole} was replaced while this run "
                                   "read it (the source, still training, found a better model); "
                                   "run again, or give --init_ckpt a numbered checkpoint")
@@ -189,3 +189,11 @@ class Source:
             taken = "weights and optimizer moments" if self.optimizer else "weights"
             print(f"fine-tuning: the {taken} of {', '.join(self.paths)}; a fresh step counter "
                   "and learning-rate schedule", flush=True)
+
+
+def _readable_digest(path):
+    """The sha256 of `path`, or None where it cannot be read (`load_model` then says so)."""
+    try:
+        return sha256(path)
+    except OSError:
+        return None
