@@ -81,12 +81,19 @@ class UpdatePlan:
         batches = int(first_epoch.reduce(0, lambda count, _: count + 1))
         return cls(epochs, math.ceil(batches / per_update), done)
 
-    def line(self, minutes=0):
-        """What the run says at its start (`minutes`: its time budget, if any)."""
+    def line(self, minutes=0, decay_steps=0):
+        """What the run says at its start (`minutes`: its time budget, if any); a warning
+        too where the rate's decay (`decay_steps`) ends it well before the plan does."""
         left = max(self.total - self.done, 0)
-        return (f"plan: {self.epochs} epochs of about {self.per_epoch:,} updates, about "
+        line = (f"plan: {self.epochs} epochs of about {self.per_epoch:,} updates, about "
                 f"{self.total:,} updates" + (f" ({left:,} to go)" if self.done else "")
                 + (f", or {minutes:g} min of training" if minutes else ""))
+        # Later epochs may bucket into a few batches more or less: a 5% margin.
+        if decay_steps and decay_steps < 0.95 * self.total:
+            line += (f"\nwarning: `decay_steps` is {decay_steps:,}: the learning rate is 0 "
+                     f"for the last {self.total - decay_steps:,} planned updates (set it to "
+                     "about the planned updates, or 0)")
+        return line
 
     def seconds_left(self, step, budget_left=math.inf):
         """``(seconds per update, seconds left)`` at the pace since warm-up, or None before;

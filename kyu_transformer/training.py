@@ -164,7 +164,7 @@ class Trainer:
             self.plan = UpdatePlan.of_run(make_epoch_batches(0), self.hparams["num_epochs"],
                                           steps_per_epoch, self.global_step(), self.per_update)
             if self.chief and self.verbose:
-                print(self.plan.line(self.budget.minutes), flush=True)
+                print(self.plan.line(self.budget.minutes, self.schedule.decay_steps), flush=True)
             # A run killed after its budget was spent (and saved) trains no further.
             stopped, last_loss = ("time" if self.budget.spent() else "done"), None
             while int(self.epoch.numpy()) < self.hparams["num_epochs"] and stopped == "done":

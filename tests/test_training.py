@@ -589,6 +589,12 @@ def test_the_plan_counts_an_epochs_updates_and_its_estimate_keeps_to_the_budget(
     resumed = UpdatePlan.of_run(epoch, 3, 0, 20)
     assert resumed.line(40) == ("plan: 3 epochs of about 30 updates, about 90 updates "
                                 "(70 to go), or 40 min of training")
+    # a decay that ends before the plan does is said; one within 5% of its end is not
+    assert resumed.line(0, decay_steps=80) == (
+        "plan: 3 epochs of about 30 updates, about 90 updates (70 to go)\nwarning: "
+        "`decay_steps` is 80: the learning rate is 0 for the last 10 planned updates (set it "
+        "to about the planned updates, or 0)")
+    assert "warning" not in resumed.line(0, decay_steps=86) + resumed.line(0, decay_steps=200)
     measured = UpdatePlan.WARM_UP + UpdatePlan.MEASURE
     estimates = [resumed.seconds_left(step) for step in range(21, 21 + measured)]
     assert estimates[:-1] == [None] * (measured - 1)  # warm-up, then the pace is measured
