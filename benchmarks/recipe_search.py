@@ -2,16 +2,19 @@
 
     python benchmarks/recipe_search.py --name NAME --hparams small,dropout_rate=0.3
         [--commit REV] [--runs_dir DIR] [--data_dir DIR] [--alphas 0.6 1.0 1.4 1.8]
-        [--average_last 8] [--test] [--eval_only]
+        [--average_last 8] [--mixed_precision no] [--test] [--eval_only]
 
 The code is the repository's files at REV (default HEAD, `git archive`), so that work on the
 checkout does not touch a run of an hour. Training is `train.py --hparams H` into
 `DIR/NAME` (its wall time, and its peak memory from `os.wait4`); a stopped candidate resumes
 when run again. Then `eval.py --split val --beam_size 4 --average_last N --alpha A` for each
-alpha, and with `--test` test_2016_flickr once, at the alpha val chose. Printed: one Markdown row
-for `benchmarks/RESULTS.md`; every figure goes to `DIR/NAME/search.json` as its part ends, a
-part stopped by a signal (train.py's minutes so far) too: SIGTERM to this process is passed on to
-train.py as SIGINT, which stops it after a checkpoint, as Ctrl-C does.
+alpha, and with `--test` test_2016_flickr once, at the alpha val chose, every one decoded in
+the same precision (float32 unless `--mixed_precision` says otherwise: eval.py's `auto` would
+measure the machine anew each time, and a busy machine can make it pick another precision for
+another alpha). Printed: one Markdown row for `benchmarks/RESULTS.md`; every figure goes to
+`DIR/NAME/search.json` as its part ends, a part stopped by a signal (train.py's minutes so far)
+too: SIGTERM to this process is passed on to train.py as SIGINT, which stops it after a
+checkpoint, as Ctrl-C does.
 """
 
 import argparse
@@ -109,7 +112,8 @@ def bleu(tree, args, logdir, split, alpha, record_path):
     name = f"{split}-avg{args.average_last}-alpha{alpha}"
     command = [sys.executable, os.path.join(tree, "eval.py"), "--logdir", logdir, "--split",
                split, "--data_dir", args.data_dir, "--beam_size", "4", "--alpha", str(alpha),
-               "--average_last", str(args.average_last), "--name", name]
+               "--average_last", str(args.average_last), "--name", name,
+               "--mixed_precision", args.mixed_precision]
     log_path = os.path.join(args.runs_dir, f"{args.name}.eval.log")
     code = run_logged(command, log_path, tree)[0]
     if code != 0:
@@ -133,6 +137,8 @@ def main():
     parser.add_argument("--data_dir", default=DEFAULT_DATA)
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.6, 1.0, 1.4, 1.8])
     parser.add_argument("--average_last", type=int, default=8)
+    parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"],
+                        help="eval.py's precision of decoding, the same for every figure")
     parser.add_argument("--test", action="store_true", help="also score test_2016_flickr")
     parser.add_argument("--eval_only", action="store_true", help="the logdir is trained")
     args = parser.parse_args()
@@ -153,6 +159,7 @@ def main():
         with open(record_path, encoding="utf-8") as handle:
             record = json.load(handle)
     record.update(name=args.name, hparams=args.hparams, commit=commit,
+                  decoded_in=args.mixed_precision,
                   date=record.get("date") or datetime.date.today().isoformat())
     if not args.eval_only:
         train(tree, args, logdir, record, record_path)

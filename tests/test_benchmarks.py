@@ -136,7 +136,7 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "recipe_search.py"),
                "--name", "c", "--hparams", "tiny,steps_per_epoch=60,checkpoint_every=5",
                "--runs_dir", str(tmp_path), "--data_dir", data_dir, "--alphas", "0.6", "1.4",
-               "--average_last", "2", "--test"]
+               "--average_last", "2", "--mixed_precision", "bf16", "--test"]
     environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=environment)
@@ -162,14 +162,16 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
     record = json.loads((tmp_path / "c" / "search.json").read_text())
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip()
-    assert record["commit"] == head and record["steps"] == 60
+    assert record["commit"] == head and record["steps"] == 60 and record["decoded_in"] == "bf16"
     assert record["max_rss_gb"] > 0.1 and record["train_minutes"] >= stopped["train_minutes"]
     # each figure is eval.py's own, of the averaged checkpoints; the alpha is val's best
     for split, alpha, figure in [("val", "0.6", record["val"]["0.6"]),
                                  ("val", "1.4", record["val"]["1.4"]),
                                  ("test_2016_flickr", record["alpha"], record["test"])]:
-        written = tmp_path / "c" / "eval" / f"{split}-avg2-alpha{float(alpha)}.json"
-        assert json.loads(written.read_text())["bleu"] == pytest.approx(figure, abs=0.005)
+        written = json.loads((tmp_path / "c" / "eval" / f"{split}-avg2-alpha{float(alpha)}.json")
+                             .read_text())
+        assert written["bleu"] == pytest.approx(figure, abs=0.005)
+        assert written["mixed_precision"] == "bf16"  # all alike, not auto's choice of the moment
     assert record["val"][record["alpha"]] == max(record["val"].values())
     row = result.stdout.strip().splitlines()[-1]
     assert row.startswith(f"| {record['date']} | `{head}` | c: `tiny,") and " (" in row
