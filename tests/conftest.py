@@ -78,17 +78,36 @@ TINY_ARCHITECTURE = {"d_model": 64, "d_ff": 128, "num_heads": 4}
 
 @pytest.fixture(scope="session")
 def trained_tiny_logdir(tmp_path_factory):
-    """A logdir of a small model trained by train.py for 3 epochs (240 steps), with validation BLEU.
+    """A logdir of a small model trained by train.py for 3 epochs (300 steps), with validation BLEU.
 
-    Trained once for the session (several modules decode with it); a module
-    copies it (`copy_of_logdir`) before writing into it.
+    Trained once for the whole run, whichever pytest-xdist worker needs it first (the
+    others wait for it: several modules decode with it); a module copies it
+    (`copy_of_logdir`) before writing into it.
     """
+    import fcntl
+
+    # Under pytest-xdist each worker has its own base temp; their parent is the run's.
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    logdir = root / "trained-tiny" / "log"
+    with open(root / "trained-tiny.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (logdir / "train_output.txt").exists():  # written last, once it has learned
+            _train_tiny_logdir(logdir)
+    return logdir
+
+
+def _train_tiny_logdir(logdir):
+    import json
+    import math
+    import shutil
     import subprocess
     import sys
 
     from tests.test_data import MULTI30K, ROOT
 
-    logdir = tmp_path_factory.mktemp("trained-tiny") / "log"
+    shutil.rmtree(logdir, ignore_errors=True)  # what a failed attempt left
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "train.py"), "--hparams", "tiny", "--data_dir",
          MULTI30K, "--logdir", str(logdir), "--lr", "1.0", "--num_epochs", "3",
@@ -98,18 +117,14 @@ def trained_tiny_logdir(tmp_path_factory):
         capture_output=True, text=True, cwd=ROOT, timeout=900,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
-    (logdir / "train_output.txt").write_text(result.stdout)
     # What the tests of a trained model rely on, on any processor: it learned.
-    import json
-    import math
-
     losses = [row["loss"] for row in map(json.loads, (logdir / "history.jsonl").read_text()
                                          .splitlines()) if row.get("kind") == "train"]
     uniform = math.log(json.loads((logdir / "hparams.json").read_text())["vocab_size"])
     assert losses[-1] < LEARNED_LOSS_RATIO * uniform, (
         f"the trained model did not learn: its last logged loss is {losses[-1]:.3f}, not "
         f"below {LEARNED_LOSS_RATIO} of a uniform guess's ({uniform:.3f})")
-    return logdir
+    (logdir / "train_output.txt").write_text(result.stdout)
 
 
 @pytest.fixture(scope="session")
