@@ -163,7 +163,10 @@ def main():
                   date=record.get("date") or datetime.date.today().isoformat())
     if not args.eval_only:
         train(tree, args, logdir, record, record_path)
+    # val scored again may choose another alpha, or decode in another precision: an earlier
+    # test figure would no longer be this record's
     record["val"] = {}
+    record.pop("test", None)
     for alpha in args.alphas:
         record["val"][str(alpha)] = bleu(tree, args, logdir, "val", alpha, record_path)
         save(record, record_path)

@@ -180,3 +180,9 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
     assert record["val"][record["alpha"]] == max(record["val"].values())
     row = result.stdout.strip().splitlines()[-1]
     assert row.startswith(f"| {record['date']} | `{head}` | c: `tiny,") and " (" in row
+    # scored again in float32 without --test: the bfloat16 test figure does not stay
+    rescored = subprocess.run(command[:-2] + ["no", "--eval_only"], capture_output=True,
+                              text=True, timeout=600, env=environment)
+    assert rescored.returncode == 0, rescored.stderr[-3000:]
+    record = json.loads((tmp_path / "c" / "search.json").read_text())
+    assert record["decoded_in"] == "no" and "test" not in record and record["steps"] == 60
