@@ -6,7 +6,8 @@
 
 The code is the repository's files at REV (default HEAD, `git archive`), so that work on the
 checkout does not touch a run of an hour. Training is `train.py --hparams H` into
-`DIR/NAME` (its wall time, and its peak memory from `os.wait4`); a stopped candidate resumes
+`DIR/NAME` (its wall time, its peak memory from `os.wait4`, and the precision it trained in,
+as hparams.json saved `auto`'s choice); a stopped candidate resumes
 when run again. Then `eval.py --split val --beam_size 4 --average_last N --alpha A` for each
 alpha, and with `--test` test_2016_flickr once, at the alpha val chose, every one decoded in
 the same precision (float32 unless `--mixed_precision` says otherwise: eval.py's `auto` would
@@ -100,11 +101,22 @@ def train(tree, args, logdir, record, record_path):
     code, output, minutes, rss_gb = run_logged(command, log_path, tree)
     steps = re.findall(r"done: \d+ epochs, (\d+) steps", output)
     record.update(steps=int(steps[-1]) if steps else record.get("steps"),
+                  trained_in=trained_in(logdir),
                   train_minutes=round(minutes + record.get("train_minutes", 0), 1),
                   max_rss_gb=max(round(rss_gb, 2), record.get("max_rss_gb") or 0))
     save(record, record_path)
     if code != 0:
         sys.exit(failed(command, code, log_path, record_path))
+
+
+def trained_in(logdir):
+    """The precision the run trained in, as its hparams.json saved it: `auto` is chosen at
+    the start by a probe of the machine, which a busy machine can tip either way."""
+    path = os.path.join(logdir, filenames.HPARAMS)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle).get("mixed_precision")
 
 
 def bleu(tree, args, logdir, split, alpha, record_path):

@@ -168,6 +168,7 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip()
     assert record["commit"] == head and record["steps"] == 60 and record["decoded_in"] == "bf16"
+    assert stopped["trained_in"] == record["trained_in"] == "no"  # the tiny preset's
     assert record["max_rss_gb"] > 0.1 and record["train_minutes"] >= stopped["train_minutes"]
     # each figure is eval.py's own, of the averaged checkpoints; the alpha is val's best
     for split, alpha, figure in [("val", "0.6", record["val"]["0.6"]),
