@@ -42,17 +42,15 @@ def layer_norm(inputs, gamma, beta, epsilon):
     ``dx = (g - mean(g) - x_hat * mean(g * x_hat)) / sqrt(var + epsilon)``, ``g = dy * gamma``.
     """
     # Read outside the custom-gradient function, so that it sees tensors, not variables.
-    gamma = ops.cast(ops.copy(gamma), "float32")
-    beta = ops.cast(ops.copy(beta), "float32")
+    gamma, beta = (ops.cast(ops.copy(weight), "float32") for weight in (gamma, beta))
 
     @ops.custom_gradient
     def forward(inputs, gamma, beta):
         x = ops.cast(inputs, "float32")  # (..., C)
         centered = x - ops.mean(x, axis=-1, keepdims=True)
-        inverse_std = ops.rsqrt(ops.mean(ops.square(centered), axis=-1, keepdims=True)
-                                + epsilon)  # (..., 1)
+        variance = ops.mean(ops.square(centered), axis=-1, keepdims=True)  # (..., 1)
+        inverse_std = ops.rsqrt(variance + epsilon)
         normalized = centered * inverse_std  # (..., C)
-        outputs = ops.cast(normalized * gamma + beta, inputs.dtype)
 
         def grad(*args, upstream=None):
             if upstream is None:  # TensorFlow passes it by position, JAX by name
@@ -67,7 +65,7 @@ def layer_norm(inputs, gamma, beta, epsilon):
                 - normalized * ops.mean(scaled * normalized, axis=-1, keepdims=True))
             return ops.cast(inputs_grad, inputs.dtype), gamma_grad, beta_grad
 
-        return outputs, grad
+        return ops.cast(normalized * gamma + beta, inputs.dtype), grad
 
     return forward(inputs, gamma, beta)
 

@@ -1,14 +1,9 @@
-"""The Transformer building blocks, as Keras 3 layers.
+"""The Transformer building blocks as Keras 3 layers, in the order of the 2017 TF1 ``modules.py``.
 
-The graph builders of the 2017 TF1 ``modules.py`` in its order (``normalize``, ``embedding``,
-``positional_encoding``, ``multihead_attention``, ``feedforward``, ``label_smoothing``), then
-the encoder and decoder blocks and `Dropout`. Where the original was wrong, the default is the
-corrected behaviour (see each layer): the sinusoid exponent, padding told by id 0 rather than by
-all-zero vectors, linear Q/K/V projections, a masking score that fits float16 and gives no NaN.
-
-Shapes in comments: ``N`` batch, ``T_q``/``T_k`` query/key steps, ``C`` width (``num_units``),
-``h`` heads, ``d_k`` head width, ``V`` vocabulary. Masks are boolean, ``True`` = keep, given as
-arguments or read from the Keras mask an upstream layer (e.g. ``Embedding``) attached.
+Where the original was wrong the default is corrected (see each layer): the sinusoid exponent,
+padding told by id 0, linear Q/K/V projections, a masking score that fits float16. Shapes in
+comments: ``N`` batch, ``T_q``/``T_k`` query/key steps, ``C`` width, ``h`` heads, ``d_k`` head
+width, ``V`` vocabulary. Masks are boolean (``True`` = keep), given or read from the Keras mask.
 """
 
 import math
@@ -22,18 +17,11 @@ from kyu_transformer import fast_paths as fast
 NORM_POSITIONS = ("post", "pre")
 ENCODING_STYLES = ("interleaved", "concat")
 
-# One epsilon for the layers, the model and hparams.py: 1e-6 (OpenNMT-tf's, tensor2tensor's), not
-# the original's 1e-8, both negligible in float32 statistics; trained models keep theirs.
+# 1e-6 as OpenNMT-tf and tensor2tensor (the original: 1e-8); trained models keep theirs.
 LAYER_NORM_EPSILON = 1e-6
 
-# Keras' reader of a tensor's mask, which tensors that cannot hold an attribute (JAX tracers,
-# numpy arrays) keep in a table only this reads. Keras 3.15 exports it from `keras.src` only.
+# Keras' mask reader, also of JAX tracers and numpy arrays (Keras 3.15: in `keras.src` only).
 _keras_mask = getattr(keras.backend, "get_keras_mask", None) or keras.src.backend.get_keras_mask
-
-
-def _masked_score(dtype):
-    """Hidden keys' score: finite in every dtype (the original's -2**32+1 overflows float16)."""
-    return -3.0e4 if keras.backend.standardize_dtype(dtype) == "float16" else -1.0e9
 
 
 def _without_saved_switch(kwargs):
@@ -51,11 +39,6 @@ def _check_rates(**rates):
     for name, value in rates.items():
         if not 0.0 <= value < 1.0:
             raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
-
-
-def causal_mask(num_queries, num_keys):
-    """Boolean ``(T_q, T_k)`` mask: query ``i`` may see key ``j`` iff ``j <= i``."""
-    return ops.greater_equal(ops.arange(num_queries)[:, None], ops.arange(num_keys)[None, :])
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -93,8 +76,8 @@ class Embedding(keras.layers.Layer):
 
     Args:
       vocab_size: Number of ids `V`; num_units: width `C` of an embedding.
-      zero_pad: If True, id 0 (padding) always embeds to exact zeros.
-      scale: If True, outputs are multiplied by ``sqrt(num_units)``.
+      zero_pad, scale: Whether id 0 (padding) embeds to exact zeros; whether to multiply the
+        outputs by ``sqrt(num_units)``.
       embeddings_initializer: Of the table (Glorot uniform, the original's Xavier).
 
     Call arguments:
@@ -116,16 +99,13 @@ class Embedding(keras.layers.Layer):
         self.supports_masking = True
 
     def build(self, input_shape=None):
-        self.embeddings = self.add_weight(
-            name="embeddings", shape=(self.vocab_size, self.num_units),
-            initializer=self._initial_table)
-        self._keep_rows = np.ones((self.vocab_size, 1), dtype="float32")  # (V, 1)
-        self._keep_rows[0] = 0.0 if self.zero_pad else 1.0
+        self.embeddings = self.add_weight(name="embeddings", initializer=self._initial_table,
+                                          shape=(self.vocab_size, self.num_units))
+        self._keep_rows = (np.arange(self.vocab_size)[:, None] > 0).astype("float32")  # (V, 1)
 
     def _initial_table(self, shape, dtype=None):
         table = self.embeddings_initializer(shape, dtype=dtype)
-        if self.zero_pad:
-            # Start the padding row at zero, so that `embeddings` itself shows it.
+        if self.zero_pad:  # so that `embeddings` itself shows the zero padding row
             table = ops.concatenate([ops.zeros((1, shape[1]), dtype=dtype), table[1:]], axis=0)
         return table
 
@@ -227,25 +207,23 @@ class PositionalEncoding(keras.layers.Layer):
             self.position_embeddings = self.add_weight(
                 name="position_embeddings", shape=(self.maxlen, num_units),
                 initializer="glorot_uniform")
-        self._keep_rows = np.ones((self.maxlen, 1), dtype="float32")  # (maxlen, 1)
-        self._keep_rows[0] = 0.0 if self.zero_pad else 1.0
+        self._keep_rows = (np.arange(self.maxlen)[:, None] > 0).astype("float32")  # (maxlen, 1)
 
     def _table(self, length):
-        table = self._sinusoids if self.sinusoid else self.position_embeddings
-        table = ops.cast(table, self.compute_dtype)[:length]  # (T, C)
-        return self._finished(table, lambda keep_rows: keep_rows[:length])
+        return self._rows(lambda rows: rows[:length])  # (T, C)
 
     def encoding_at(self, position):
         """The `(1, C)` encoding of one position (a decoding step's), from that row alone."""
-        table = self._sinusoids if self.sinusoid else self.position_embeddings
         index = ops.reshape(ops.cast(position, "int32"), (1,))
-        rows = ops.cast(ops.take(table, index, axis=0), self.compute_dtype)  # (1, C)
-        return self._finished(rows, lambda keep_rows: ops.take(keep_rows, index, axis=0))
+        return self._rows(lambda rows: ops.take(rows, index, axis=0))  # (1, C)
 
-    def _finished(self, rows, select):
-        """`rows` times their `select(_keep_rows)` (with `zero_pad`), scaled as configured."""
+    def _rows(self, select):
+        """The rows `select` takes of the table (and of `_keep_rows`), finished as configured."""
+        table = self._sinusoids if self.sinusoid else self.position_embeddings
+        rows = ops.cast(select(ops.convert_to_tensor(table)), self.compute_dtype)
         if self.zero_pad:
-            rows = rows * ops.cast(select(self._keep_rows), self.compute_dtype)
+            keep = select(ops.convert_to_tensor(self._keep_rows))
+            rows = rows * ops.cast(keep, self.compute_dtype)
         if self.scale:
             rows = rows * ops.cast(math.sqrt(self._units), self.compute_dtype)
         return rows
@@ -257,12 +235,12 @@ class PositionalEncoding(keras.layers.Layer):
         elif length > self.maxlen:
             raise ValueError(f"PositionalEncoding got a sequence of length {length}, longer "
                              f"than maxlen={self.maxlen}.")
-        encodings = self._table(length)[None]  # (1, T, C)
-        encodings = ops.broadcast_to(encodings, (ops.shape(inputs)[0], length, self._units))
+        encodings = ops.broadcast_to(self._table(length)[None],
+                                     (ops.shape(inputs)[0], length, self._units))  # (N, T, C)
         position_mask = self.compute_mask(inputs, mask)
         if self.masking and position_mask is not None:
             encodings = encodings * ops.cast(position_mask, self.compute_dtype)[..., None]
-        return encodings  # (N, T, C)
+        return encodings
 
     def compute_mask(self, inputs, mask=None):
         mask = _keras_mask(inputs) if mask is None else mask
@@ -311,8 +289,10 @@ class ScaledDotProductAttention(keras.layers.Layer):
         scores = scores * ops.cast(1.0 / temperature, scores.dtype)
         if mask is not None:
             # A bias (N|1, 1, T_q|1, T_k) added, not a selection: it is built at the mask's
-            # size (no head axis), and an addition passes its gradient through unchanged.
-            hidden_score = ops.cast(_masked_score(scores.dtype), scores.dtype)
+            # size, and an addition passes its gradient through unchanged. The hidden score is
+            # finite in every dtype (the original's -2**32+1 overflows float16).
+            float16 = keras.backend.standardize_dtype(scores.dtype) == "float16"
+            hidden_score = ops.cast(-3.0e4 if float16 else -1.0e9, scores.dtype)
             scores = scores + ops.where(mask, ops.zeros_like(hidden_score), hidden_score)
         weights = ops.softmax(scores, axis=-1)  # (N, h, T_q, T_k)
         if mask is not None:
@@ -348,9 +328,10 @@ def attention_mask(query_mask, key_mask, causal_shape=None):
     if query_mask is not None:
         rows = ops.cast(query_mask, "bool")[:, None, :, None]  # (N, 1, T_q, 1)
         mask = rows if mask is None else ops.logical_and(mask, rows)
-    if causal_shape is not None:
-        future = causal_mask(*causal_shape)[None, None]  # (1, 1, T_q, T_k)
-        mask = future if mask is None else ops.logical_and(mask, future)
+    if causal_shape is not None:  # (1, 1, T_q, T_k): query i sees key j iff j <= i
+        query_steps, key_steps = (ops.arange(size) for size in causal_shape)
+        causal = ops.greater_equal(query_steps[:, None], key_steps[None, :])[None, None]
+        mask = causal if mask is None else ops.logical_and(mask, causal)
     return mask
 
 
@@ -374,13 +355,6 @@ def project_heads(inputs, denses, num_heads, dtype):
     # would copy every element once more.
     x = ops.transpose(x, (2, 0, 3, 1, 4))
     return tuple(ops.unstack(x, parts, axis=0))
-
-
-def merge_heads(heads):
-    """Heads `(N, h, T, d_k)` side by side again: `(N, T, h*d_k)`."""
-    width = heads.shape[1] * heads.shape[-1]
-    heads = ops.transpose(heads, (0, 2, 1, 3))  # (N, T, h, d_k)
-    return ops.reshape(heads, (ops.shape(heads)[0], ops.shape(heads)[1], width))
 
 
 def _results(outputs, *optional):
@@ -440,9 +414,8 @@ class MultiHeadAttention(keras.layers.Layer):
         if num_units is not None and num_units % num_heads:
             raise ValueError(f"`num_units` ({num_units}) must be divisible by `num_heads` "
                              f"({num_heads}).")
-        self.num_heads = int(num_heads)
+        self.num_heads, self.dropout_rate = int(num_heads), float(dropout_rate)
         self.num_units = None if num_units is None else int(num_units)
-        self.dropout_rate = float(dropout_rate)
         self.causality, self.use_bias = bool(causality), bool(use_bias)
         self.projection_activation = keras.activations.get(projection_activation)
         self.output_projection = bool(output_projection)
@@ -498,7 +471,9 @@ class MultiHeadAttention(keras.layers.Layer):
             mask = attention_mask(query_mask, key_mask,
                                   (ops.shape(q)[2], ops.shape(k)[2]) if causal else None)
             heads, weights = self.attention(q, k, v, mask)  # (N, h, T_q, d_k), (N, h, T_q, T_k)
-            outputs = merge_heads(heads)  # (N, T_q, C)
+            heads = ops.transpose(heads, (0, 2, 1, 3))  # (N, T_q, h, d_k), merged to (N, T_q, C)
+            outputs = ops.reshape(heads, (ops.shape(heads)[0], ops.shape(heads)[1],
+                                          heads.shape[2] * heads.shape[3]))
             return (self.output_dense(outputs) if self.output_projection else outputs,
                     weights, grown)
         outputs, weights, cache = residual_connection(
@@ -517,8 +492,8 @@ class MultiHeadAttention(keras.layers.Layer):
             keys, values = queries, (queries if values is None else values)
         k, v = self.project_keys_values(keys, values)  # (N, h, T_k, d_k)
         if cache is not None:  # this call's positions join the cached ones
-            k = ops.concatenate([cache[0], ops.cast(k, cache[0].dtype)], axis=2)
-            v = ops.concatenate([cache[1], ops.cast(v, cache[1].dtype)], axis=2)
+            k, v = (ops.concatenate([old, ops.cast(new, old.dtype)], axis=2)
+                    for old, new in zip(cache, (k, v)))
             cache = (k, v)  # (N, h, T_c + T_q, d_k) each
         return q, k, v, cache
 
@@ -541,9 +516,6 @@ class MultiHeadAttention(keras.layers.Layer):
                                      num_keys), dtype=self.compute_dtype)
         return _results(outputs, weights if return_attention_scores else None, cache)
 
-    def compute_mask(self, inputs, previous_mask=None):
-        return previous_mask
-
     def get_config(self):
         return dict(
             super().get_config(), num_heads=self.num_heads, num_units=self.num_units,
@@ -562,8 +534,7 @@ class FeedForward(keras.layers.Layer):
       num_units: ``(inner, outer)`` widths; `outer` must equal the input width.
       dropout_rate: Dropout on the output before the residual sum (training).
       activation: Activation of the inner layer.
-      inner_dropout_rate: Dropout on the inner activations (training; 0 originally). Its layer
-        is made last: at rate 0 it holds no random state, the others keep their order.
+      inner_dropout_rate: Dropout on the inner activations (training; 0 originally).
       norm_position, epsilon: As `MultiHeadAttention`'s.
 
     Call arguments:
@@ -590,6 +561,7 @@ class FeedForward(keras.layers.Layer):
         self.outer_dense = keras.layers.Dense(self.num_units[1], name="outer_dense")
         self.dropout = Dropout(self.dropout_rate)
         self.norm = Normalize(epsilon=self.epsilon, name="norm")
+        # Made last: at rate 0 it holds no random state, and the others keep their order.
         self.inner_dropout = Dropout(self.inner_dropout_rate)
         self.supports_masking = True
 
@@ -604,10 +576,9 @@ class FeedForward(keras.layers.Layer):
 
     def call(self, inputs, training=None):
         inner = lambda x: self.inner_dropout(self.inner_dense(x), training=training)  # noqa: E731
-        (outputs,) = residual_connection(
+        return residual_connection(
             inputs, lambda x: (self.outer_dense(inner(x)),),  # (N, T, C) -> (N, T, d_ff) -> same
-            self.norm, self.dropout, self.norm_position, training)
-        return outputs
+            self.norm, self.dropout, self.norm_position, training)[0]
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -658,9 +629,6 @@ class _Block(keras.layers.Layer):
                                norm_position=self.norm_position, epsilon=self.epsilon,
                                inner_dropout_rate=self.inner_dropout_rate, name="feed_forward")
 
-    def compute_mask(self, inputs, previous_mask=None):
-        return previous_mask
-
     def get_config(self):
         names = ("num_heads", "d_ff", "dropout_rate", "norm_position", "epsilon",
                  "attention_dropout_rate", "inner_dropout_rate")
@@ -709,13 +677,11 @@ class DecoderBlock(_Block):
 
     Call arguments:
       inputs: Decoder states `(N, T, C)`; memory: encoder outputs `(N, S, C)`.
-      mask, memory_mask: Optional boolean `(N, T)` target and `(N, S)` source padding masks;
-        default the Keras masks of `inputs` and `memory`.
+      mask, memory_mask: Optional boolean `(N, T)` and `(N, S)`; default the Keras masks.
       training: Whether dropout is active.
       return_attention_scores: Also return the cross-attention weights `(N, h, T, S)` and
         their mean over heads, the "coverage" `(N, T, S)`.
-      cache: From `init_cache`: ``{"self": (k, v), "cross": (k, v)}``, the self-attention's
-        keys and values of earlier positions, and the memory's, projected once.
+      cache: From `init_cache`: ``{"self": (k, v), "cross": (k, v)}``, projected keys and values.
       self_attention_mask: With a `cache`, the slots each query sees, `(N, T, T_c + T)`; needed
         when `T` > 1, as that is the search's to say (`decoding.own_history`).
 
@@ -747,30 +713,27 @@ class DecoderBlock(_Block):
                 "which cache slots belong to each is the search's to say")
         mask = _keras_mask(inputs) if mask is None else mask
         memory_mask = _keras_mask(memory) if memory_mask is None else memory_mask
-        self_keys = mask if cache is None else self_attention_mask
         caches = cache or {}
         # The weights are asked for so that both calls return a tuple (with the cache last).
         x, _, *grown_self = self.self_attention(
-            inputs, query_mask=mask, key_mask=self_keys, training=training,
-            return_attention_scores=True, cache=caches.get("self"))  # (N, T, C)
+            inputs, query_mask=mask, key_mask=mask if cache is None else self_attention_mask,
+            training=training, return_attention_scores=True, cache=caches.get("self"))
         x, weights, *grown_cross = self.cross_attention(
             x, memory, query_mask=mask, key_mask=memory_mask, training=training,
             return_attention_scores=True, cache=caches.get("cross"))  # weights (N, h, T, S)
-        x = self.feed_forward(x, training=training)
+        x = self.feed_forward(x, training=training)  # (N, T, C)
         coverage = ops.mean(weights, axis=1) if return_attention_scores else None  # (N, T, S)
         grown = None if cache is None else {"self": grown_self[0], "cross": grown_cross[0]}
         return _results(x, *((weights, coverage) if return_attention_scores else ()), grown)
 
     def compute_output_spec(self, inputs, memory, mask=None, memory_mask=None, training=None,
                             return_attention_scores=False, cache=None, self_attention_mask=None):
-        outputs = keras.KerasTensor(inputs.shape, dtype=self.compute_dtype)
+        spec = lambda shape: keras.KerasTensor(shape, dtype=self.compute_dtype)  # noqa: E731
         if not return_attention_scores:
-            return _results(outputs, cache)
+            return _results(spec(inputs.shape), cache)
         batch, length, source_length = inputs.shape[0], inputs.shape[1], memory.shape[1]
-        weights = keras.KerasTensor((batch, self.num_heads, length, source_length),
-                                    dtype=self.compute_dtype)
-        coverage = keras.KerasTensor((batch, length, source_length), dtype=self.compute_dtype)
-        return _results(outputs, weights, coverage, cache)
+        return _results(spec(inputs.shape), spec((batch, self.num_heads, length, source_length)),
+                        spec((batch, length, source_length)), cache)
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")

@@ -2,13 +2,12 @@
 
 import keras
 from keras import ops
-# `Loss.__call__` reads `call`'s output mask with `get_keras_mask`; a JAX tracer refuses a
-# plain attribute, so Keras' setter is used (public only in newer Keras versions).
-set_keras_mask = getattr(keras.backend, "set_keras_mask", None)
-if set_keras_mask is None:
-    from keras.src.backend import set_keras_mask
 
 from kyu_transformer.layers import _check_rates
+
+# `Loss.__call__` reads `call`'s output mask with `get_keras_mask`; a JAX tracer refuses a
+# plain attribute, so Keras' setter is used (public only in newer Keras versions).
+set_keras_mask = getattr(keras.backend, "set_keras_mask", None) or keras.src.backend.set_keras_mask
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -17,23 +16,19 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
 
     The smoothed one-hot tensor is never built: with ``log p = logits - logsumexp(logits)``,
     ``-sum_v q_v log p_v = logsumexp - (1 - eps) * logit_y - eps * mean_v logit_v``.
-
     `call` masks the per-token losses at padding for Keras to reduce; under a strategy Keras
     averages the replicas' means, where the `Trainer` divides by the global token count.
 
     Args:
-      epsilon: Smoothing rate.
-      pad_id: Label id that is padding (ignored in the mean).
+      epsilon: Smoothing rate; pad_id: label id that is padding (ignored in the mean).
       from_logits: If False, `y_pred` holds probabilities.
       reduction: Keras' reduction of the masked per-token losses; the default is the mean
         over non-padding tokens, ``"none"`` gives the `(N, T)` losses (0 at padding).
-      name: Name of the loss.
+      name: Name of the loss; **kwargs: other `keras.losses.Loss` arguments (`dtype`).
       fast_paths: If True (default), `_stated_gradient_cross_entropy`'s stated gradient.
-      **kwargs: Other `keras.losses.Loss` arguments (`dtype`).
 
     Call arguments:
-      y_true: Integer labels `(N, T)`.
-      y_pred: Logits (or probabilities) `(N, T, V)`.
+      y_true: Integer labels `(N, T)`; y_pred: logits (or probabilities) `(N, T, V)`.
       sample_weight: Optional `(N, 1)` or `(N, T)` weights, applied as Keras does; the
         default reduction still divides by the number of non-padding tokens.
 
@@ -58,9 +53,7 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
             losses = cross_entropy(y_pred, labels, self.epsilon)
         else:
             log_probs = ops.log(ops.clip(ops.cast(y_pred, "float32"), 1e-7, 1.0))
-            label_log_probs = ops.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
-            losses = (-(1.0 - self.epsilon) * label_log_probs
-                      - self.epsilon * ops.mean(log_probs, axis=-1))  # (N, T)
+            losses = _smoothed(0.0, log_probs, labels, self.epsilon)  # (N, T)
         return ops.where(ops.not_equal(labels, self.pad_id), losses, ops.zeros_like(losses))
 
     def call(self, y_true, y_pred):
@@ -71,18 +64,20 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
         return losses
 
     def get_config(self):
-        config = super().get_config()  # name, reduction
-        config.update(epsilon=self.epsilon, pad_id=self.pad_id, from_logits=self.from_logits,
-                      fast_paths=self.fast_paths)
-        return config
+        return dict(super().get_config(), epsilon=self.epsilon, pad_id=self.pad_id,
+                    from_logits=self.from_logits, fast_paths=self.fast_paths)
+
+
+def _smoothed(base, scores, labels, epsilon):
+    """``base - (1 - eps) * scores_y - eps * mean_v scores_v`` `(N, T)`, of scores `(N, T, V)`."""
+    label_scores = ops.take_along_axis(scores, labels[..., None], axis=-1)[..., 0]  # (N, T)
+    return base - (1.0 - epsilon) * label_scores - epsilon * ops.mean(scores, axis=-1)
 
 
 def _smoothed_cross_entropy(logits, labels, epsilon):
     """Per-token smoothed cross-entropy `(N, T)` of logits `(N, T, V)`, in float32."""
     full = ops.cast(logits, "float32")  # (N, T, V)
-    label_logits = ops.take_along_axis(full, labels[..., None], axis=-1)[..., 0]  # (N, T)
-    return (ops.logsumexp(full, axis=-1) - (1.0 - epsilon) * label_logits
-            - epsilon * ops.mean(full, axis=-1))
+    return _smoothed(ops.logsumexp(full, axis=-1), full, labels, epsilon)
 
 
 def _stated_gradient_cross_entropy(logits, labels, epsilon):
@@ -102,9 +97,6 @@ def _stated_gradient_cross_entropy(logits, labels, epsilon):
         exponentials = ops.exp(full - row_max)  # (N, T, V)
         normalizer = ops.sum(exponentials, axis=-1)  # (N, T)
         log_normalizer = row_max[..., 0] + ops.log(normalizer)  # (N, T)
-        label_logits = ops.take_along_axis(full, labels[..., None], axis=-1)[..., 0]  # (N, T)
-        losses = (log_normalizer - (1.0 - epsilon) * label_logits
-                  - epsilon * ops.mean(full, axis=-1))
 
         def grad(*args, upstream=None):
             if upstream is None:
@@ -116,6 +108,6 @@ def _stated_gradient_cross_entropy(logits, labels, epsilon):
                         - ops.where(is_label, label_term, ops.zeros_like(label_term)))  # (N, T, V)
             return ops.cast(gradient, logits.dtype)
 
-        return losses, grad
+        return _smoothed(log_normalizer, full, labels, epsilon), grad
 
     return forward(logits)

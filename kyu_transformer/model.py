@@ -18,35 +18,26 @@ MODEL_ARGUMENTS = (
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class Transformer(keras.Model):
-    """Encoder-decoder Transformer with tied output weights.
+    """Encoder-decoder Transformer with tied output weights. Norms and dropouts take
+    `kyu_transformer.fast_paths` if that switch is on when the model is made (same function).
 
     Args:
       vocab_size: Size of the (shared) vocabulary; id 0 is padding.
-      d_model: Model width.
-      d_ff: Inner width of the feed-forward nets.
-      num_blocks: Encoder blocks, and as many decoder blocks.
-      num_heads: Attention heads.
-      maxlen1: Longest source sequence (positional table size of the encoder).
-      maxlen2: Longest target sequence.
-      dropout_rate: Dropout after the embeddings and on sub-layer outputs (and on the attention
-        weights, unless `attention_dropout` says otherwise).
+      d_model, d_ff: Model width; inner width of the feed-forward nets.
+      num_blocks, num_heads: Encoder blocks (and as many decoder blocks); attention heads.
+      maxlen1, maxlen2: Longest source and target sequences (sizes of the position tables).
+      dropout_rate: Dropout after the embeddings, on sub-layer outputs (and attention weights).
       norm_position: ``"post"`` (the original) or ``"pre"`` (adds a final norm to each stack).
       sinusoid: Fixed sinusoid (True) or learned (False) positions.
-      share_embeddings: One table for source, target and output logits (True), or a
-        separate source table.
+      share_embeddings: One table for source, target and logits (True), or a separate source one.
       epsilon: Epsilon of every normalization.
       attention_dropout: Dropout on the attention weights; None or negative: `dropout_rate`.
       relu_dropout: Dropout on the feed-forward nets' inner activations.
-      word_dropout: Dropout of whole token embeddings (before the positions are added), on
-        the source and target sides alike.
-
-    Norms and dropouts take `kyu_transformer.fast_paths` if that switch is on when the
-    model is made, else Keras' own layers; the function is the same.
+      word_dropout: Dropout of whole token embeddings (before the positions), on both sides.
 
     Call arguments:
-      inputs: dict with ``"source"`` ids `(N, S)` and ``"target_in"`` ids `(N, T)` (the
-        target shifted right, starting with BOS).
-      training: Whether dropout is active.
+      inputs: ``{"source": ids (N, S), "target_in": ids (N, T)}``, the target shifted right
+        (starting with BOS); training: whether dropout is active.
 
     Returns:
       Logits `(N, T, vocab_size)` in the compute dtype.
@@ -70,9 +61,8 @@ class Transformer(keras.Model):
         self.maxlen1, self.maxlen2 = int(maxlen1), int(maxlen2)
         self.dropout_rate, self.norm_position = float(dropout_rate), norm_position
         self.sinusoid, self.share_embeddings = bool(sinusoid), bool(share_embeddings)
-        self.epsilon = float(epsilon)
+        self.epsilon, self.word_dropout = float(epsilon), float(word_dropout)
         self.attention_dropout, self.relu_dropout = float(attention_dropout), float(relu_dropout)
-        self.word_dropout = float(word_dropout)
 
         self.target_embedding = Embedding(vocab_size, d_model, name="target_embedding")
         self.source_embedding = (self.target_embedding if share_embeddings
@@ -89,8 +79,7 @@ class Transformer(keras.Model):
                     inner_dropout_rate=self.relu_dropout)
         self.encoder_blocks = [EncoderBlock(**args, name=f"encoder_{i}") for i in range(num_blocks)]
         self.decoder_blocks = [DecoderBlock(**args, name=f"decoder_{i}") for i in range(num_blocks)]
-        # Pre-norm stacks leave their last residual sum unnormalized.
-        if norm_position == "pre":
+        if norm_position == "pre":  # pre-norm stacks leave their last residual sum unnormalized
             self.encoder_norm = Normalize(epsilon, name="encoder_norm")
             self.decoder_norm = Normalize(epsilon, name="decoder_norm")
         # Made last: at rate 0 they have no random state, and the others keep their order.
@@ -122,9 +111,7 @@ class Transformer(keras.Model):
                         (self.source_word_dropout, self.source_dropout), training, table)
         for block in self.encoder_blocks:
             x = block(x, mask=source_mask, training=training)
-        if self.norm_position == "pre":
-            x = self.encoder_norm(x)
-        return x, source_mask
+        return (self.encoder_norm(x) if self.norm_position == "pre" else x), source_mask
 
     def decode(self, target_in, memory, source_mask, training=None,
                return_attention_scores=False, table=None):
@@ -139,10 +126,9 @@ class Transformer(keras.Model):
         for block in self.decoder_blocks:
             x, _, coverage = block(x, memory, mask=target_mask, memory_mask=source_mask,
                                    training=training, return_attention_scores=True)
-        if self.norm_position == "pre":
-            x = self.decoder_norm(x)
-        logits = self.target_embedding.attend(x, table=table)  # (N, T, V)
-        return (logits, coverage) if return_attention_scores else logits
+        x = self.decoder_norm(x) if self.norm_position == "pre" else x
+        logits = self.target_embedding.attend(x, table=table)
+        return (logits, coverage) if return_attention_scores else logits  # (N, T, V)
 
     def init_cache(self, memory, source_mask):
         """The decoding state before the first position: ``blocks`` (per block its
@@ -155,17 +141,12 @@ class Transformer(keras.Model):
                 "target_table": self.target_embedding.table()}  # (V, C)
 
     def decode_step(self, token_ids, position, cache, self_mask=None):
-        """Logits of the next token after `token_ids` at `position`, with the blocks' caches.
+        """Logits of the next token after `token_ids` `(N,)` (or `(N, K)`: `K` hypotheses per
+        sentence) at index `position`, with the `cache` of `init_cache` or the previous step;
+        `self_mask` `(N, K, T + K)`, for `K` > 1: the cache slots each hypothesis sees.
 
-        Args:
-          token_ids: `(N,)`, or `(N, K)` for `K` hypotheses per sentence.
-          position: The index of `token_ids` in their sequences.
-          cache: From `init_cache` or the previous step.
-          self_mask: Boolean `(N, K, T + K)`, the cache slots each hypothesis sees; for `K` > 1.
-
-        Returns:
-          ``(logits (N, [K,] V), the grown cache, coverage (N, [K,] S))``, the coverage being
-          the last block's cross-attention averaged over heads.
+        Returns ``(logits (N, [K,] V), the grown cache, coverage (N, [K,] S))``, the coverage
+        being the last block's cross-attention averaged over heads.
         """
         single = len(token_ids.shape) == 1
         if single:
@@ -179,8 +160,7 @@ class Transformer(keras.Model):
                 x, cache["memory"], memory_mask=cache["source_mask"], cache=block_cache,
                 self_attention_mask=self_mask, return_attention_scores=last)
             blocks.append(block_cache)
-        if self.norm_position == "pre":
-            x = self.decoder_norm(x)
+        x = self.decoder_norm(x) if self.norm_position == "pre" else x
         logits = self.target_embedding.attend(x, table=cache["target_table"])  # (N, K, V)
         coverage = coverage[-1]  # (N, K, S)
         if single:

@@ -1,14 +1,10 @@
 """Adam, and the fast path of its update: one fused TensorFlow kernel per variable.
 
-Keras' Adam makes about ten element-wise passes per variable; ``ResourceApplyAdam`` makes
-one, with Keras' formula (the paper's with the "epsilon hat" of its section 2):
-
-    m = beta_1 * m + (1 - beta_1) * g
-    v = beta_2 * v + (1 - beta_2) * g**2
-    variable -= lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) * m / (sqrt(v) + epsilon)
-
-so checkpoints, schedules, loss scaling and strategies work as with Keras' Adam, whose own
-update runs with another backend or AMSGrad.
+Keras' Adam makes about ten element-wise passes per variable; ``ResourceApplyAdam`` makes one,
+with Keras' formula (the paper's with the "epsilon hat" of its section 2:
+``variable -= lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) * m / (sqrt(v) + epsilon)``), so
+checkpoints, schedules, loss scaling and strategies work as with Keras' Adam, whose own update
+runs with another backend or AMSGrad.
 """
 
 import functools
@@ -35,14 +31,13 @@ class Adam(keras.optimizers.Adam):
             gradient = tf.convert_to_tensor(gradient)
         constant = functools.partial(tf.cast, dtype=variable.dtype)
         step = constant(self.iterations + 1)
+        beta_1, beta_2 = constant(self.beta_1), constant(self.beta_2)
         tf.raw_ops.ResourceApplyAdam(
             var=_handle(variable), m=_handle(self._momentums[index]),
-            v=_handle(self._velocities[index]),
-            beta1_power=tf.pow(constant(self.beta_1), step),
-            beta2_power=tf.pow(constant(self.beta_2), step),
-            lr=constant(learning_rate), beta1=constant(self.beta_1),
-            beta2=constant(self.beta_2), epsilon=constant(self.epsilon),
-            grad=constant(gradient), use_locking=False)
+            v=_handle(self._velocities[index]), beta1_power=tf.pow(beta_1, step),
+            beta2_power=tf.pow(beta_2, step), lr=constant(learning_rate), beta1=beta_1,
+            beta2=beta_2, epsilon=constant(self.epsilon), grad=constant(gradient),
+            use_locking=False)
 
 
 def _handle(variable):

@@ -6,16 +6,13 @@ from keras import ops
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class NoamSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """``lr * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)``.
-
-    Linear warm-up, then inverse square root decay; the optimizer's iteration 0 is step 1.
-    With `decay_steps`, from the warm-up's end the rate is also scaled by a line from 1 down
-    to 0 at step `decay_steps`, so that a run of that many steps ends at rate 0 (the plain
-    schedule is still at half its peak after four times its warm-up).
+    """``lr * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)``: linear warm-up, then
+    inverse square root decay; the optimizer's iteration 0 is step 1. With `decay_steps`, from
+    the warm-up's end the rate is also scaled by a line from 1 down to 0 at step `decay_steps`
+    (the plain schedule is still at half its peak after four times its warm-up).
 
     Args:
-      d_model: Model width.
-      warmup_steps: Steps of linear warm-up.
+      d_model: Model width; warmup_steps: steps of linear warm-up.
       lr: Overall scale (the paper's is 1).
       decay_steps: The step where the rate reaches 0; 0: no such decay.
     """
