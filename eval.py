@@ -6,10 +6,8 @@
     python eval.py --logdir log/small --src my.de --score my.en
     python eval.py --logdir log/small --ctranslate2 exported/ct2 --beam_size 4
 
-The model, its hyperparameters and its subword model come from the logdir; the outputs go to
-<logdir>/eval/<name>.* (hyp.txt, json, nbest.jsonl, scores.jsonl: README and docs/evaluation.md).
-The flags, the logdir's files and the inputs are checked before the model and TensorFlow load
-(`load_translator`): a mistake costs no start-up.
+The model, its hparams and subword model come from the logdir, the outputs go to
+<logdir>/eval/<name>.* (docs/evaluation.md); flags, files and inputs are checked first.
 """
 
 import filecmp
@@ -216,15 +214,6 @@ def load_translator(args, hparams):
                         "checkpoints": checkpoints, "mixed_precision": precision, **choice}
 
 
-def read_score_file(args, sources, source_file):
-    """The lines of --score FILE, one per source line."""
-    targets = data.read_lines(args.score)
-    if len(targets) != len(sources):
-        raise data.DataError(f"{args.score} has {len(targets)} lines but {source_file} has "
-                             f"{len(sources)}: --score needs one translation per source line")
-    return targets
-
-
 def write_scores(translator, subwords, sources, targets, out_dir, name):
     """Writes <name>.scores.jsonl (the model's score of each --score line) and sums it up."""
     scored, truncated_sources = translator.score_ids(subwords.encode(sources),
@@ -263,7 +252,11 @@ def main(argv=None):
         subwords = data.Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
         if args.src != "-":
             name, sources, references, source_file = load_inputs(args, hparams)
-            targets = read_score_file(args, sources, source_file) if args.score else None
+            targets = data.read_lines(args.score) if args.score else None
+            if args.score and len(targets) != len(sources):
+                raise data.DataError(f"{args.score} has {len(targets)} lines but {source_file} "
+                                     f"has {len(sources)}: --score needs one translation per "
+                                     "source line")
         translator, facts = load_translator(args, hparams)
     except (hp.HParamsError, data.DataError) as error:
         raise SystemExit(f"error: {error}")

@@ -4,11 +4,9 @@
     python export.py --logdir log/small --out export/small --beam_size 4 --n_best 4 --overwrite
     python export.py --logdir log/small --out export/ct2 --format ctranslate2 --quantization int8
 
-The model, hparams and subword model come from the logdir as for eval.py; decoding is float32
-unless --mixed_precision says otherwise. The SavedModel maps sentences to translations, the search
-in its graph (kyu_transformer/serving.py). --overwrite replaces an earlier export in --out, once
-the new one is complete. docs/export.md describes both formats. The flags, --out and the logdir's
-files are checked before the model and TensorFlow load (`load`).
+The model comes from the logdir as for eval.py, decoding in float32 unless --mixed_precision says
+otherwise; docs/export.md describes both formats. The flags, --out and the logdir's files are
+checked before the model and TensorFlow load.
 """
 
 import json
@@ -111,14 +109,6 @@ def check_out(out, overwrite, logdir):
                          "to replace it (the old one stays until the new export is complete)")
 
 
-def staging_dir(out):
-    """A new hidden directory beside `out`, to write the export in first (`staging_beside`)."""
-    try:
-        return staging_beside(out, "export")
-    except OSError as error:
-        raise SystemExit(f"error: cannot write beside --out {out} ({error})") from None
-
-
 def put_in_place(new, out, staging):
     """Moves the complete export `new` (in `staging`) to `out`. The old `out` goes into `staging`
     first, to be deleted with it, and back should the second rename fail; only a crash between the
@@ -168,13 +158,11 @@ def write_saved_model(args, model, subwords, checkpoints, precision, target):
     record = {"format": "saved_model", "signatures": signatures, "logdir": args.logdir,
               "checkpoint": describe(checkpoints), "checkpoints": checkpoints,
               "mixed_precision": precision, "compute_dtype": PRECISION_POLICIES[precision],
-              "beam_size": settings.beam_size, "alpha": settings.alpha,
-              "n_best": settings.n_best, "length_margin": settings.length_margin,
-              "batch_size": settings.batch_size,
+              **{name: getattr(settings, name)
+                 for name in ("beam_size", "alpha", "n_best", "length_margin", "batch_size")},
               "sample": None if serving.SAMPLE_SIGNATURE not in signatures else {
-                  "sampling_topk": sampling.sampling_topk, "sampling_topp": sampling.sampling_topp,
-                  "sampling_temperature": sampling.sampling_temperature,
-                  "n_best": sampling.n_best},
+                  name: getattr(sampling, name)
+                  for name in ("sampling_topk", "sampling_topp", "sampling_temperature", "n_best")},
               "maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
               "subword_model": serving.asset_name(subwords.path)}
     path = os.path.join(target, filenames.SAVED_MODEL_SETTINGS)
@@ -243,7 +231,10 @@ def main(argv=None):
     hparams, subwords, model, checkpoints, precision = load(args)
     from kyu_transformer import ctranslate2_export
 
-    staging = staging_dir(args.out)
+    try:  # a new hidden directory beside --out, to write the export in first
+        staging = staging_beside(args.out, "export")
+    except OSError as error:
+        raise SystemExit(f"error: cannot write beside --out {args.out} ({error})") from None
     try:
         target = os.path.join(staging, "new")
         if args.format == "ctranslate2":

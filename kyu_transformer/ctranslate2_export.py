@@ -1,28 +1,20 @@
-"""A trained `Transformer` as a CTranslate2 model, and translation with it.
+"""A trained `Transformer` as a CTranslate2 model (`convert`), and translation with it.
 
-`convert` fills CTranslate2's `TransformerSpec` with the model's weights. What the spec does not
-assume is set from the model: the position tables themselves (CTranslate2's built-in sinusoid is
-the concatenated layout from position 1; ours is interleaved from 0; ``maxlen1``/``maxlen2`` rows
-bound the inputs as they bound ours), the embedding scale and zero padding row, post- or pre-norm,
-the layer-norm epsilon, the tied output layer, and the subword model's one vocabulary.
-
-The source's EOS is appended by the front end (`translation.encoder_inputs`:
-``(pieces + ["</s>"])[:maxlen1]``, so a long source loses its EOS as in `Translator`), not by
-CTranslate2 (``add_source_eos`` false), whose own cut would keep it and drop a piece instead.
-
-`CTranslate2Translator` translates through the front end `Translator` has (`translation.Engine`).
-ctranslate2 is optional (``pip install -e ".[serve]"``), imported only when needed.
+`convert` fills CTranslate2's `TransformerSpec` with the model's weights and what the spec does
+not assume (docs/export.md): our position tables (``maxlen1``/``maxlen2`` rows), embedding scale,
+norm position and epsilon, tied output layer. The front end appends the source's EOS, not
+CTranslate2, whose own cut would keep it and drop a piece. ctranslate2 is optional.
 """
 
 import json
 import os
 import shutil
-import uuid
 
 import keras
 import numpy as np
 
 from kyu_transformer import filenames
+from kyu_transformer.files import staging_beside
 from kyu_transformer.decoding import NO_HYPOTHESIS_SCORE
 # Named apart: `length_penalty` is also CTranslate2's own option in this module.
 from kyu_transformer.decoding import length_penalty as gnmt_penalty
@@ -55,22 +47,13 @@ def _array(variable):
     return np.ascontiguousarray(keras.ops.convert_to_numpy(variable), dtype=np.float32)
 
 
-# ----------------------------------------------------------------- checking
-
 def _activation_name(function):
     return getattr(function, "__name__", str(function))
 
 
 def unsupported_settings(model, hparams=None):
-    """What of `model` CTranslate2's Transformer cannot represent.
-
-    Args:
-      model: A `Transformer` (built here if it is not yet).
-      hparams: Optional dict of hyperparameters; its ``epsilon`` must be the model's.
-
-    Returns:
-      A list of messages, each naming the setting (empty: it can be converted).
-    """
+    """Messages naming what of `model` (built here if not yet) CTranslate2's Transformer cannot
+    represent, empty if nothing; `hparams`' ``epsilon``, if given, must be the model's."""
     if not model.built:
         model.build()
     problems = []
@@ -137,23 +120,10 @@ def _norm_layers(model):
     return layers
 
 
-# ------------------------------------------------------------ the weights
-
-def _embedding_table(embedding):
-    """The lookup table as the model reads it: float32, padding row zero if `zero_pad`."""
-    table = _array(embedding.embeddings)
-    if embedding.zero_pad:
-        table[PAD_ID] = 0.0
-    return table
-
-
 def _position_table(positions, width):
     """`(maxlen, C)` encodings as the model adds them, for positions 0, 1, ..."""
-    if positions.sinusoid:
-        table = sinusoid_table(positions.maxlen, width, positions.style)
-    else:
-        table = _array(positions.position_embeddings)
-    table = np.array(table, dtype=np.float32)
+    table = np.array(sinusoid_table(positions.maxlen, width, positions.style) if positions.sinusoid
+                     else _array(positions.position_embeddings), dtype=np.float32)
     if positions.zero_pad:
         table[0] = 0.0
     if positions.scale:
@@ -161,14 +131,8 @@ def _position_table(positions, width):
     return table
 
 
-def _set_linear(spec, dense):
-    spec.weight = np.ascontiguousarray(_array(dense.kernel).T)  # (out, in)
-    if dense.use_bias:
-        spec.bias = _array(dense.bias)
-
-
-def _set_fused_linear(spec, denses):
-    """One CTranslate2 linear layer of several of ours side by side (fused Q/K/V)."""
+def _set_linear(spec, *denses):
+    """One CTranslate2 linear layer `(out, in)` of ours, several side by side (fused Q/K/V)."""
     spec.weight = np.ascontiguousarray(np.concatenate([_array(d.kernel).T for d in denses]))
     if any(d.use_bias for d in denses):
         spec.bias = np.concatenate(
@@ -183,11 +147,11 @@ def _set_layer_norm(spec, layer):
 
 def _set_attention(spec, attention, self_attention):
     if self_attention:
-        _set_fused_linear(spec.linear[0], [attention.query_dense, attention.key_dense,
-                                           attention.value_dense])
+        _set_linear(spec.linear[0], attention.query_dense, attention.key_dense,
+                    attention.value_dense)
     else:
         _set_linear(spec.linear[0], attention.query_dense)
-        _set_fused_linear(spec.linear[1], [attention.key_dense, attention.value_dense])
+        _set_linear(spec.linear[1], attention.key_dense, attention.value_dense)
     _set_linear(spec.linear[-1], attention.output_dense)
     _set_layer_norm(spec.layer_norm, attention.norm)
 
@@ -199,7 +163,10 @@ def _set_feed_forward(spec, feed_forward):
 
 
 def _set_inputs(spec, embedding, positions, width):
-    table = _embedding_table(embedding)
+    """Sets the embedding (as the model reads it) and position tables; returns the first."""
+    table = _array(embedding.embeddings)
+    if embedding.zero_pad:
+        table[PAD_ID] = 0.0
     (spec.embeddings[0] if isinstance(spec.embeddings, list) else spec.embeddings).weight = table
     spec.scale_embeddings = embedding.scale  # True: times sqrt(d_model), as ours
     spec.position_encodings.encodings = _position_table(positions, width)
@@ -207,19 +174,8 @@ def _set_inputs(spec, embedding, positions, width):
 
 
 def build_spec(model, hparams, subwords):
-    """CTranslate2's `TransformerSpec` of `model`, filled with its weights.
-
-    Args:
-      model: A `Transformer` with its weights (built here if it is not yet).
-      hparams: The hyperparameters (``epsilon`` is read from them).
-      subwords: The `data.Subwords` the model was trained with.
-
-    Returns:
-      The specification, validated, not yet optimized or saved.
-
-    Raises:
-      ExportError: naming what CTranslate2 cannot represent.
-    """
+    """CTranslate2's `TransformerSpec` of `model` and its `subwords`, filled with its weights
+    (``epsilon`` from `hparams`), validated; ExportError names what it cannot represent."""
     _import_ctranslate2()
     from ctranslate2.specs import common_spec, transformer_spec
 
@@ -242,8 +198,7 @@ def build_spec(model, hparams, subwords):
     config.bos_token = pieces[BOS_ID]
     config.eos_token = pieces[EOS_ID]
     config.decoder_start_token = pieces[BOS_ID]
-    # EOS is appended to the source by whoever cuts it (see the module's
-    # docstring): CTranslate2's own cut would keep it where ours drops it.
+    # EOS is appended to the source by whoever cuts it (see the module's docstring).
     config.add_source_bos = False
     config.add_source_eos = False
     spec.register_source_vocabulary(pieces)
@@ -283,66 +238,42 @@ def _vocabulary(subwords):
     return [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
 
 
-def check_quantization(quantization):
-    """Raises ExportError unless `quantization` is one of `QUANTIZATIONS`."""
+def convert(model, hparams, subwords, out_dir, quantization="float32"):
+    """Writes `model` (as `build_spec`) to `out_dir` (absent or empty), complete or not at all.
+
+    CTranslate2's files, the subword model (`filenames.SUBWORDS`) and what CTranslate2 does not
+    keep (`filenames.CTRANSLATE2_SETTINGS`: ``maxlen1``, ...) are written beside `out_dir`, then
+    renamed into place; `quantization` is CTranslate2's weight type. Returns `out_dir`.
+    """
     if quantization not in QUANTIZATIONS:
         raise ExportError(f"`quantization` must be one of {', '.join(QUANTIZATIONS)} (the weight "
                           f"types of CTranslate2's CPU wheel), got {quantization!r}")
-
-
-def convert(model, hparams, subwords, out_dir, quantization="float32"):
-    """Writes `model` as a CTranslate2 model directory, complete or absent.
-
-    CTranslate2's ``model.bin``, ``config.json`` and ``shared_vocabulary.json``, the subword
-    model (`filenames.SUBWORDS`: the directory is all a user needs) and what CTranslate2 does not
-    keep (`filenames.CTRANSLATE2_SETTINGS`: ``maxlen1``, ``maxlen2``, ...), written beside
-    `out_dir` and renamed into place.
-
-    Args:
-      model: A built `Transformer` with its trained weights (its float32 variables are written).
-      hparams: The dict of hparams.json (``epsilon`` is read from it).
-      subwords: The `data.Subwords` the model was trained with.
-      out_dir: The directory to write; must not exist or be empty.
-      quantization: CTranslate2's weight type, one of `QUANTIZATIONS`.
-
-    Returns:
-      `out_dir`.
-
-    Raises:
-      ExportError: a setting CTranslate2 cannot represent, an unknown `quantization`, or a
-        non-empty `out_dir`.
-    """
-    check_quantization(quantization)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ExportError(f"{out_dir}: already exists and is not an empty directory")
     spec = build_spec(model, hparams, subwords)
     spec.optimize(quantization=quantization)
     spec.register_file(subwords.path, filenames.SUBWORDS)
 
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    # Made with mode 0o777, which the process umask reduces as for any new folder
-    # (mkdtemp's 0o700 would follow the rename; the umask is never changed to be read).
-    staging = os.path.join(parent, f".ctranslate2-{uuid.uuid4().hex}")
-    os.mkdir(staging, 0o777)
+    staging = staging_beside(out_dir, "ctranslate2")
+    new = os.path.join(staging, "new")
+    # Mode 0o777 less the umask, as any new folder's (mkdtemp's 0o700 would follow the rename).
+    os.mkdir(new)
     try:
-        spec.save(staging)
+        spec.save(new)
         settings = {"maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
                     "norm_position": model.norm_position, "epsilon": spec.config.layer_norm_epsilon,
                     "quantization": quantization}
-        path = os.path.join(staging, filenames.CTRANSLATE2_SETTINGS)
-        with open(path, "w", encoding="utf-8") as handle:
+        with open(os.path.join(new, filenames.CTRANSLATE2_SETTINGS), "w",
+                  encoding="utf-8") as handle:
             json.dump(settings, handle, indent=2, sort_keys=True)
             handle.write("\n")
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty (checked above)
-        os.replace(staging, out_dir)
+        os.replace(new, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
-
-# ------------------------------------------------------------- translating
 
 def read_settings(model_dir):
     """Our settings written beside a converted model, as a dict."""
@@ -354,13 +285,6 @@ def read_settings(model_dir):
         return json.load(handle)
 
 
-def read_vocabulary(model_dir):
-    """The pieces of a converted model's shared vocabulary, in id order."""
-    path = os.path.join(model_dir, filenames.CTRANSLATE2_VOCABULARY)
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
-
-
 def _log_softmax(logits):
     logits = np.asarray(logits, dtype=np.float64)
     shifted = logits - logits.max()
@@ -368,34 +292,15 @@ def _log_softmax(logits):
 
 
 class CTranslate2Translator(Engine):
-    """A model directory written by `convert`, behind `Translator`'s methods.
+    """A model directory written by `convert`, behind the front end of `Translator`
+    (`translation.Engine`), with `settings` (default `SearchSettings()`) and `fields` replaced.
 
-    The front end is `translation.Engine`'s. ``translate_batch`` takes one limit a call, so each
-    batch is decoded in groups of equal limit (which changes no output). Settings map to options:
-
-    - the limit to ``max_decoding_length`` (EOS counted), ``min_decoding_length=0`` (else no
-      output ends before one token), ``max_input_length=0`` (the front end cuts);
-    - `beam_size`, `n_best` (``num_hypotheses``) and the sampling settings as they are.
-      CTranslate2's random generators belong to its worker threads, seeded by
-      ``set_random_seed`` at their first draw: each sampling `translate_ids` sets the seed and
-      loads the model anew. The same seed and batches reproduce the samples (sorted here by
-      score); other batches do not;
-    - greedy search and sampling: ``length_penalty=0`` (the score is the log-probability);
-    - beam search: ``length_penalty=alpha``, ``return_end_token=True``. CTranslate2 ranks by
-      ``log p / length ** alpha`` where we divide by GNMT's ``((5 + length) / 6) ** alpha``,
-      finishes a hypothesis only when EOS is among the `beam_size` best of ``2 * beam_size``
-      candidates (ours: among all) and ends a sentence once `beam_size` have finished (ours:
-      when no live one can beat the worst finished). Beam outputs may thus differ from ours and
-      come in CTranslate2's order (scored as ours); greedy ones do not differ.
-
-    Per-token log-probabilities (`with_log_probs`, greedy only) come from the logits of
-    ``return_logits_vocab``, which CTranslate2's beam search does not fill reliably.
-
-    Args:
-      model_dir: A directory written by `convert`.
-      settings: A `SearchSettings` (default its defaults), with `fields` replaced.
-      translator_options: Keyword arguments of ``ctranslate2.Translator`` (such as
-        ``intra_threads``); default the CPU. The model is loaded at the first translation.
+    Each batch is decoded in groups of equal limit (``max_decoding_length``: CTranslate2 takes
+    one a call). Beam outputs may differ from ours (CTranslate2's length penalty and stop rule,
+    docs/export.md) and come in its order, scored as ours; greedy ones do not differ. Sampling
+    reloads the model after setting the seed (its worker threads seed their generators at
+    their first draw): the same seed and batches repeat the samples, sorted here by score.
+    `translator_options` go to ``ctranslate2.Translator`` (default the CPU).
     """
 
     log_probs = True
@@ -408,7 +313,9 @@ class CTranslate2Translator(Engine):
         self.model_dir, self.quantization = model_dir, ours.get("quantization")
         self.translator_options = {"device": "cpu", **(translator_options or {})}
         self.translator = None
-        self._pieces = read_vocabulary(model_dir)
+        with open(os.path.join(model_dir, filenames.CTRANSLATE2_VOCABULARY),
+                  encoding="utf-8") as handle:
+            self._pieces = json.load(handle)  # in id order
         self._ids_of = {piece: i for i, piece in enumerate(self._pieces)}
 
     def load(self):
@@ -434,6 +341,8 @@ class CTranslate2Translator(Engine):
                 seed):
         settings = self.settings
         sources = [[self._pieces[i] for i in row] for row in inputs.to_list()]
+        # No minimum length (else no output ends before one token), no cut (the front end's);
+        # `return_logits_vocab` gives the log-probabilities (greedy only: beams fill it unreliably).
         options = dict(
             beam_size=settings.beam_size, num_hypotheses=n_best,
             length_penalty=settings.alpha if settings.beam_size > 1 else 0.0,

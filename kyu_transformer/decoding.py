@@ -1,11 +1,8 @@
 """Greedy search, beam search and sampling over batches, with a key/value cache.
 
-The encoder runs once per batch, the decoder one position per step
-(`Transformer.decode_step`), reading earlier positions from the cache. One
-`keras.ops.while_loop`, `search`, serves every strategy (`GreedySearch`,
-`BeamSearch`, `SamplingSearch`) and stops once every sentence is finished, each
-at its own output limit. Outputs are `Hypotheses`: ids `(N, K, L)`, `L` the
-largest limit, EOS included (none if cut at the limit), then padding (0).
+One `keras.ops.while_loop`, `search`, serves every strategy (`GreedySearch`, `BeamSearch`,
+`SamplingSearch`): the encoder runs once per batch, the decoder one cached position a step
+(`Transformer.decode_step`) until every sentence is done, each at its own limit.
 """
 
 import collections
@@ -17,8 +14,7 @@ from keras import ops
 from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID
 
 _NEG_INF = -1.0e9  # score of impossible hypotheses (finite: no NaN in sums)
-# Score of a hypothesis that does not exist where a fixed number must be given (the
-# SavedModel's `n_best` columns; `Translator` leaves them out).
+# Of a missing hypothesis where a fixed number is given (the SavedModel's `n_best` columns).
 NO_HYPOTHESIS_SCORE = _NEG_INF
 
 
@@ -28,12 +24,9 @@ def length_penalty(length, alpha):
 
 
 def output_limit(source_length, maxlen1, max_length, length_margin):
-    """A sentence's most output tokens, EOS included, on every path (`Translator`'s limit).
-
-    ``min(max_length, min(source_length + 1, maxlen1) + length_margin)``: `source_length`
-    (subwords without EOS) an int, int array (numpy out) or tensor; `maxlen1` the encoder's
-    limit, `max_length` any sentence's (at most `maxlen2`).
-    """
+    """A sentence's most output tokens, EOS included, on every path (`Translator`'s limit):
+    ``min(max_length, min(source_length + 1, maxlen1) + length_margin)``, `source_length`
+    (without EOS) an int, int array (numpy out) or tensor."""
     if isinstance(source_length, (int, np.integer, np.ndarray, list)):
         source_length = np.asarray(source_length)
         return np.minimum(max_length, np.minimum(source_length + 1, maxlen1) + length_margin)
@@ -50,9 +43,9 @@ def _limits(max_length, batch):
     return limits, ops.max(limits)
 
 
-# Beam layout: a sentence's `K` hypotheses share its self-attention cache, slot ``l * K + j``
-# holding position `l` of the hypothesis `j`-th when made. The cache is never reordered;
-# `history` `(N, K, l * K)` marks the slots each hypothesis descends from (`_self_mask`).
+# Beam layout: slot ``l * K + j`` of a sentence's self-attention cache holds position `l` of
+# its hypothesis `j`-th when made. The cache is never reordered; `history` `(N, K, l * K)` marks
+# the slots each hypothesis descends from (`_self_mask`).
 
 
 def own_history(length, hypotheses):
@@ -68,23 +61,19 @@ def _self_mask(history, batch, k):
 
 
 def _relaxed(structure):
-    """`structure` with its tensors' batch axis (and third, if any) unknown to the graph, so
-    that in the while-loop sentences may leave the batch and caches grow."""
+    """`structure` with its tensors' batch axis (and third) unknown to the graph: in the loop
+    sentences may leave the batch and caches grow."""
     def relax(tensor):
         if not isinstance(tensor, tf.Tensor) or len(tensor.shape) == 0:
             return tensor
-        shape = tensor.shape.as_list()
-        shape[0] = None
-        if len(shape) > 2:
-            shape[2] = None
+        shape = [None if axis in (0, 2) else size for axis, size in enumerate(tensor.shape)]
         return tf.raw_ops.PlaceholderWithDefault(input=tensor, shape=shape)
 
     return tf.nest.map_structure(relax, structure)
 
 
 def _gather_beams(tensor, indices):
-    """``tensor[n, indices[n, j], ...]`` `(N, J, ...)` of `tensor` `(N, K, ...)` (one graph
-    node, where `ops.take_along_axis` adds some sixty)."""
+    """``tensor[n, indices[n, j], ...]`` (one graph node; `ops.take_along_axis` adds sixty)."""
     return tf.gather(tensor, indices, batch_dims=1)
 
 
@@ -99,11 +88,8 @@ def _block_width(vocab):
 
 
 def _top_k_rows(values, count):
-    """``(values, indices, maxima (R, 1))``: ``ops.top_k`` of rows `(R, V)` (ties aside).
-
-    In blocks of about ``sqrt(V)``: the `count` with the largest maxima hold the top `count`
-    (a full-row top-k is otherwise the slowest op of a CPU beam step).
-    """
+    """``(values, indices, maxima (R, 1))``: ``ops.top_k`` of rows `(R, V)` (ties aside), in
+    blocks of about ``sqrt(V)``, the `count` of largest maxima holding the top `count`."""
     vocab = values.shape[-1]
     width = _block_width(vocab)
     if width is None or vocab // width <= count:
@@ -116,17 +102,13 @@ def _top_k_rows(values, count):
     block_rows = best_blocks + ops.arange(rows)[:, None] * (vocab // width)  # (R, count)
     candidates = tf.gather(ops.reshape(values, (-1, width)), block_rows)  # (R, count, W)
     best, flat = ops.top_k(ops.reshape(candidates, (rows, count * width)), count)
-    block = _gather_beams(best_blocks, flat // width)
-    indices = block * width + flat % width
+    indices = _gather_beams(best_blocks, flat // width) * width + flat % width
     return best, indices, ops.max(block_maxima, axis=-1, keepdims=True)
 
 
 def _top_extensions(logits, alive_scores, count):
-    """``(scores, beams, tokens)`` `(N, count)`: the best one-token extensions, best first.
-
-    Of `logits` `(N, K, V)` and log-probabilities `alive_scores` `(N, K)`; each hypothesis'
-    best `count` tokens are found first, so no `(N, K, V)` log-softmax is made.
-    """
+    """``(scores, beams, tokens)`` `(N, count)`: the best one-token extensions of `logits`
+    `(N, K, V)` and `alive_scores` `(N, K)`, best first (no `(N, K, V)` log-softmax made)."""
     batch, hypotheses, vocab = ops.shape(logits)[0], logits.shape[1], logits.shape[2]
     rows = ops.reshape(ops.cast(logits, "float32"), (-1, vocab))  # (N*K, V)
     best_logits, best_tokens, maxima = _top_k_rows(rows, count)  # (N*K, count), .., (N*K, 1)
@@ -135,9 +117,8 @@ def _top_extensions(logits, alive_scores, count):
     candidates = ops.reshape(best_logits - normalizer, (batch, hypotheses * count))
     candidates = candidates + ops.repeat(alive_scores, count, axis=1)  # (N, K*count)
     scores, flat = ops.top_k(candidates, count)
-    beams = flat // count
     tokens = _gather_beams(ops.reshape(best_tokens, (batch, hypotheses * count)), flat)
-    return scores, beams, ops.cast(tokens, "int32")
+    return scores, flat // count, ops.cast(tokens, "int32")
 
 
 Hypotheses = collections.namedtuple("Hypotheses", "ids scores coverage")
@@ -150,14 +131,10 @@ cross-attention averaged over heads (greedy search only, else None).
 
 
 def search(model, source, max_length, strategy):
-    """`Hypotheses` of one decoding loop: the source encoded once, then a position a step.
+    """`Hypotheses` of `model` (a `Transformer`) for `source` `(N, S)` (with EOS, 0-padded).
 
-    Args:
-      model: A `Transformer`.
-      source: Source ids `(N, S)` (with EOS, padded with 0).
-      max_length: Most output tokens per sentence, EOS included (at least 1): a Python
-        int, or an int tensor `(N,)` of each sentence's own.
-      strategy: A `GreedySearch`, `BeamSearch` or `SamplingSearch`: what a step picks.
+    `max_length`: most output tokens, EOS included, a Python int or an int tensor `(N,)` of
+    each sentence's own; `strategy`: a `GreedySearch`, `BeamSearch` or `SamplingSearch`.
     """
     memory, source_mask = model.encode(source, training=False)
     batch = ops.shape(source)[0]
@@ -188,12 +165,22 @@ def search(model, source, max_length, strategy):
     return strategy.hypotheses(state, results, bound)
 
 
-class GreedySearch:
+class _Strategy:
+    """What `search` asks a strategy: `start` the state, `inputs` a step's tokens and self-attention
+    mask, `advance` the next state, `hypotheses` the result. `leave` may retire done sentences to
+    `results` (`no_results` at the start); by default the state holds them all to the end."""
+
+    def no_results(self, batch, width):
+        return ()
+
+    def leave(self, state, results, all_done):
+        return state, results
+
+
+class GreedySearch(_Strategy):
     """The most likely next token, one hypothesis per sentence; records the `coverage`.
 
-    Args:
-      alpha: Length-penalty exponent of the score (it does not change the choice).
-      scores: Whether to score the outputs (a log-sum-exp a step; else scores are None).
+    `alpha` only scores; `scores` False saves a log-sum-exp a step (scores are then None).
     """
 
     def __init__(self, alpha, scores=True):
@@ -205,9 +192,6 @@ class GreedySearch:
                 "coverage": ops.zeros((batch, bound, source_length), "float32"),
                 "log_probs": ops.zeros((batch,), "float32"),
                 "done": ops.zeros((batch,), "bool")}
-
-    def no_results(self, batch, width):
-        return ()  # the state holds them: no sentence leaves the batch
 
     def inputs(self, state):
         return state["last"], None  # one query per sentence: it sees every cache slot
@@ -232,9 +216,6 @@ class GreedySearch:
                 "done": ops.logical_or(done, ops.logical_or(ops.equal(chosen, EOS_ID),
                                                             limit_reached))}
 
-    def leave(self, state, results, all_done):
-        return state, results
-
     def hypotheses(self, state, results, bound):
         scores = None
         if self.scores:
@@ -243,20 +224,13 @@ class GreedySearch:
         return Hypotheses(state["ids"][:, None], scores, state["coverage"])
 
 
-class BeamSearch:
-    """Beam search with GNMT length penalty; finished hypotheses kept apart.
+class BeamSearch(_Strategy):
+    """Beam search of `beam_size` `K` with GNMT length penalty (`alpha`), `n_best` returned.
 
-    Each step the ``2K`` best extensions of the ``K`` alive hypotheses are taken: those
-    ending in EOS compete (scored ``log p / length_penalty``) for the ``K`` finished slots,
-    the others for the ``K`` alive ones, so finished hypotheses never starve the beam. A
-    sentence is done when its worst finished score beats the best its alive ones could
-    still reach, or at its limit, where every extension competes for the finished slots.
-    Done sentences leave the batch in groups (`_retire`).
-
-    Args:
-      beam_size: `K`.
-      alpha: Length-penalty exponent (0: plain log-probability).
-      n_best: How many hypotheses to return per sentence (at most `K`).
+    Each step the ``2K`` best extensions of the ``K`` alive hypotheses are taken: those ending
+    in EOS compete (scored ``log p / length_penalty``) for the ``K`` finished slots, the others
+    for the ``K`` alive ones. A sentence is done when its worst finished score beats the best
+    its alive ones could reach, or at its limit (where every extension may finish).
     """
 
     def __init__(self, beam_size, alpha, n_best=1):
@@ -285,12 +259,36 @@ class BeamSearch:
     def inputs(self, state):
         return state["last"], _self_mask(state["history"], ops.shape(state["last"])[0], self.k)
 
-    def advance(self, step, logits, coverage, self_mask, state):
-        return _beam_step(step, logits, self_mask, state, self.k, self.alpha)
+    def advance(self, step, logits, coverage, history, state):
+        k, alpha = self.k, self.alpha
+        top_scores, top_beams, top_tokens = _top_extensions(logits, state["alive_scores"], 2 * k)
+        top_ids = ops.slice_update(_gather_beams(state["alive_ids"], top_beams), (0, 0, step),
+                                   top_tokens[:, :, None])  # (N, 2K, L)
+        ends = ops.equal(top_tokens, EOS_ID)
+        # Alive: the K best extensions that do not end here.
+        alive_scores, alive_pick = ops.top_k(ops.where(ends, _NEG_INF, top_scores), k)  # (N, K)
+        history = _gather_beams(history, _gather_beams(top_beams, alive_pick))
+        # Finished: the K best of those kept and those ending here (at the limit, all).
+        done, limits = state["done"], state["limits"]
+        at_limit = ops.greater_equal(step + 1, limits)  # (N,)
+        ending = ops.logical_or(ends, at_limit[:, None])
+        ended_scores = ops.where(ending, top_scores / length_penalty(step + 1, alpha), _NEG_INF)
+        ended_scores = ops.where(done[:, None], _NEG_INF, ended_scores)
+        pool_scores = ops.concatenate([state["finished_scores"], ended_scores], axis=1)  # (N, 3K)
+        pool_ids = ops.concatenate([state["finished_ids"], top_ids], axis=1)
+        finished_scores, finished_pick = ops.top_k(pool_scores, k)
+        # Done when the best alive score, under its largest penalty, cannot beat the worst finished.
+        best_possible = alive_scores[:, 0] / length_penalty(limits, alpha)
+        worst_finished = finished_scores[:, k - 1]
+        beaten = ops.logical_and(worst_finished > _NEG_INF / 2, best_possible < worst_finished)
+        return {**state, "last": _gather_beams(top_tokens, alive_pick), "history": history,
+                "alive_ids": _gather_beams(top_ids, alive_pick), "alive_scores": alive_scores,
+                "finished_ids": _gather_beams(pool_ids, finished_pick),
+                "finished_scores": finished_scores,
+                "done": ops.logical_or(done, ops.logical_or(at_limit, beaten))}
 
     def leave(self, state, results, all_done):
-        # Done sentences leave once that removes a quarter of the rows: a step costs in
-        # proportion to the rows, leaving costs one copy.
+        # Leave once that removes a quarter of the rows (a step costs per row, leaving one copy).
         rows = ops.shape(state["done"])[0]
         worth_it = ops.logical_and(ops.logical_not(all_done),
                                    _kept_rows(state["done"]) * 4 <= rows * 3)
@@ -305,18 +303,11 @@ class BeamSearch:
         return Hypotheses(ids[:, :, :bound], scores, None)
 
 
-class SamplingSearch:
-    """Random sampling: each of `n` hypotheses per sentence draws its next token (`_draw`).
+class SamplingSearch(_Strategy):
+    """`n` samples per sentence (`_draw`), scored as beam search's, best first (duplicates kept).
 
-    Hypothesis `j` of sentence `i` draws from a random stream of ``(seed, i, j)`` alone
-    (`_uniforms`), whatever batch the sentence is in. The hypotheses keep their own cache
-    slots (`own_history`), are scored as beam search's, and come best first, duplicates kept.
-
-    Args:
-      topk, topp, temperature: The cuts and the temperature (see `_draw`).
-      n, alpha: Samples per sentence; length-penalty exponent of the scores.
-      seed: An int64 scalar (a Python int or a tensor).
-      sentences: Each row's sentence number `(N,)` int tensor: its streams' ``i``.
+    Sample `j` of sentence `i` draws from a random stream of ``(seed, i, j)`` alone (`_uniforms`),
+    whatever its batch: `sentences` `(N,)` gives each row's ``i``, `seed` is an int64 scalar.
     """
 
     def __init__(self, topk, topp, temperature, n, alpha, seed, sentences):
@@ -331,9 +322,6 @@ class SamplingSearch:
                 "log_probs": ops.zeros((batch, n), "float32"),
                 "finished": ops.zeros((batch, n), "bool"),
                 "done": ops.zeros((batch,), "bool")}
-
-    def no_results(self, batch, width):
-        return ()  # the state holds them: no sentence leaves the batch
 
     def inputs(self, state):
         return state["last"], _self_mask(state["history"], ops.shape(state["last"])[0], self.n)
@@ -356,9 +344,6 @@ class SamplingSearch:
                 "ids": ops.slice_update(state["ids"], (0, 0, step), chosen[:, :, None]),
                 "done": ops.all(finished, axis=1)}
 
-    def leave(self, state, results, all_done):
-        return state, results
-
     def hypotheses(self, state, results, bound):
         lengths = ops.sum(ops.cast(ops.not_equal(state["ids"], PAD_ID), "int32"), axis=2)
         scores = state["log_probs"] / length_penalty(lengths, self.alpha)  # (N, n)
@@ -367,11 +352,9 @@ class SamplingSearch:
 
 
 def _draw(logits, temperature, topk, topp, uniforms):
-    """One token per row of `logits` `(N, n, V)`, drawn with `uniforms` `(N, n)` in [0, 1).
-
-    Never PAD (a hole in the output) or BOS. Logits over `temperature`, cut to the `topk`
-    largest (0: all), then to the fewest whose renormalized probability reaches `topp`.
-    """
+    """One token per row of `logits` `(N, n, V)`, drawn with `uniforms` `(N, n)` in [0, 1):
+    never PAD or BOS; logits over `temperature`, cut to the `topk` largest (0: all), then to
+    the fewest whose renormalized probability reaches `topp`."""
     vocab = logits.shape[-1]
     ids = ops.arange(vocab)
     never = ops.logical_or(ops.equal(ids, PAD_ID), ops.equal(ids, BOS_ID))  # (V,)
@@ -399,10 +382,9 @@ def _draw(logits, temperature, topk, topp, uniforms):
 
 def _mix(hash_):
     """MurmurHash3's 32-bit finalizer: every input bit changes each output bit by half."""
-    hash_ = tf.bitwise.bitwise_xor(hash_, tf.bitwise.right_shift(hash_, 16))
-    hash_ = hash_ * tf.constant(0x85EBCA6B, tf.uint32)
-    hash_ = tf.bitwise.bitwise_xor(hash_, tf.bitwise.right_shift(hash_, 13))
-    hash_ = hash_ * tf.constant(0xC2B2AE35, tf.uint32)
+    for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        hash_ = tf.bitwise.bitwise_xor(hash_, tf.bitwise.right_shift(hash_, shift))
+        hash_ = hash_ * tf.constant(factor, tf.uint32)
     return tf.bitwise.bitwise_xor(hash_, tf.bitwise.right_shift(hash_, 16))
 
 
@@ -443,45 +425,8 @@ def beam_search(model, source, max_length, beam_size, alpha, n_best=1):
     return found.ids, found.scores
 
 
-def _beam_step(step, logits, history, state, k, alpha):
-    """One beam-search position: `logits` `(N, K, V)` read with `history` `(N, K, (step+1)*K)`."""
-    top_scores, top_beams, top_tokens = _top_extensions(logits, state["alive_scores"], 2 * k)
-    top_ids = ops.slice_update(_gather_beams(state["alive_ids"], top_beams), (0, 0, step),
-                               top_tokens[:, :, None])  # (N, 2K, L)
-    ends = ops.equal(top_tokens, EOS_ID)
-
-    # Alive: the K best extensions that do not end here.
-    alive_scores, alive_pick = ops.top_k(ops.where(ends, _NEG_INF, top_scores), k)  # (N, K)
-    alive_ids = _gather_beams(top_ids, alive_pick)
-    history = _gather_beams(history, _gather_beams(top_beams, alive_pick))
-    last = _gather_beams(top_tokens, alive_pick)
-
-    # Finished: the K best of those kept so far and those ending here; at a
-    # sentence's limit every extension ends (its penalty is that of the limit).
-    done, limits = state["done"], state["limits"]
-    at_limit = ops.greater_equal(step + 1, limits)  # (N,)
-    ending = ops.logical_or(ends, at_limit[:, None])
-    ended_scores = ops.where(ending, top_scores / length_penalty(step + 1, alpha), _NEG_INF)
-    ended_scores = ops.where(done[:, None], _NEG_INF, ended_scores)
-    pool_scores = ops.concatenate([state["finished_scores"], ended_scores], axis=1)  # (N, 3K)
-    pool_ids = ops.concatenate([state["finished_ids"], top_ids], axis=1)
-    finished_scores, finished_pick = ops.top_k(pool_scores, k)
-    finished_ids = _gather_beams(pool_ids, finished_pick)
-
-    # Done: the best alive score can only fall; with the largest penalty
-    # it may still get (at its own limit) it cannot beat the worst finished.
-    best_possible = alive_scores[:, 0] / length_penalty(limits, alpha)
-    worst_finished = finished_scores[:, k - 1]
-    beaten = ops.logical_and(worst_finished > _NEG_INF / 2, best_possible < worst_finished)
-    done = ops.logical_or(done, ops.logical_or(at_limit, beaten))
-    return {**state, "last": last, "history": history, "alive_ids": alive_ids,
-            "alive_scores": alive_scores, "finished_ids": finished_ids,
-            "finished_scores": finished_scores, "done": done}
-
-
-# Done sentences leave the batch in groups: the undone stay, topped up with done ones (frozen)
-# to a multiple of `_ROW_GROUP` rows. Each new tensor shape pays the kernels' set-up on its
-# first run; so counted (ids of a fixed width), a batch meets the shapes earlier ones met.
+# Done sentences leave in groups: the undone stay, topped up with done ones (frozen) to a multiple
+# of `_ROW_GROUP` rows, so (ids of a fixed width) a batch meets the shapes earlier ones met.
 _ROW_GROUP = 16
 
 
@@ -494,13 +439,11 @@ def _kept_rows(done):
 def _retire(state, results, n_best):
     """Writes the done sentences' best hypotheses to `results`; keeps the undone (`_ROW_GROUP`)."""
     leaving = ops.nonzero(state["done"])[0]
-    results = _write_results(
-        results, tf.gather(state["rows"], leaving),
-        tf.gather(state["finished_ids"], leaving)[:, :n_best],
-        tf.gather(state["finished_scores"], leaving)[:, :n_best])
+    results = _write_results(results, tf.gather(state["rows"], leaving),
+                             tf.gather(state["finished_ids"], leaving)[:, :n_best],
+                             tf.gather(state["finished_scores"], leaving)[:, :n_best])
     staying = ops.argsort(ops.cast(state["done"], "int32"))[:_kept_rows(state["done"])]
-    # `tf.gather`, not `ops.take`: Keras' wrapping of negative indices (there are none)
-    # would add nodes for every tensor of the state.
+    # `tf.gather`: `ops.take`'s wrapping of negative indices would add nodes for every tensor.
     state = tf.nest.map_structure(lambda tensor: tf.gather(tensor, staying), state)
     return state, results
 

@@ -1,21 +1,9 @@
 """A trained `Transformer` as a TensorFlow SavedModel: raw text in, n-best translations out.
 
-`build_module`'s signatures decode exactly as `translation.Translator`: its front end in the
-graph, around the search function a `Translator` of the same settings compiles:
-
-- ``serving_default`` (tensorflow-text): ``text`` `(N,)` raw sentences to ``translations``
-  `(N,)` (the best, detokenized), ``n_best`` `(N, K)` and ``scores`` `(N, K)` float32;
-- ``ids`` (TensorFlow ops only): ``ids`` int32 `(N, S)` padded with 0, without EOS, to
-  ``ids`` `(N, K, L)` (EOS removed, padded with 0) and ``scores`` `(N, K)`;
-- ``sample`` (tensorflow-text, with export.py's ``--sampling_topk``): ``text`` and ``seed``
-  (int64 scalar) in, outputs as ``serving_default``'s: `K` samples, sentence `i` drawing
-  from streams of ``(seed, i, j)`` (the same output every time).
-
-Hypotheses come best first, scored as beam search ranks them. An empty sentence is not
-decoded: one empty hypothesis scored 0. Columns without a hypothesis (where `Translator`
-leaves them out) hold an empty one scored `decoding.NO_HYPOTHESIS_SCORE`. The subword model
-is an asset (``assets/subwords.model``) for ids clients; the text tokenizer's op holds the
-same bytes as a graph attribute (it cannot read them from the asset).
+Its signatures (``serving_default``, ``ids``, ``sample``: docs/export.md) decode exactly as
+`translation.Translator`: its front end in the graph, around the search function a `Translator`
+of the same settings compiles. Columns without a hypothesis (where `Translator` leaves them out)
+hold an empty one scored `decoding.NO_HYPOTHESIS_SCORE`.
 """
 
 import os
@@ -56,12 +44,9 @@ class _Decoder:
         self.search = self.translator.search_function(settings.n_best, scores=True)
 
     def decode(self, ids, seed=None):
-        """Hypotheses of ragged source ids `(N, None)` int32 (without EOS), `seed` int64.
-
-        Returns:
-          ``(hypotheses, scores)``: ragged ids `(N * K, None)` (EOS and padding removed; row
-          ``n * K + k`` is sentence n's k-th best) and scores `(N, K)` float32.
-        """
+        """``(hypotheses, scores)`` of ragged source ids `(N, None)` int32 (without EOS): ragged
+        ids `(N * K, None)` (row ``n * K + k`` sentence n's k-th best, EOS and padding removed)
+        and scores `(N, K)` float32."""
         count, k = ids.nrows(out_type=tf.int32), self.settings.n_best
         lengths = tf.cast(ids.row_lengths(), tf.int32)
         sources = encoder_inputs(ids, self.model.maxlen1)
@@ -98,17 +83,11 @@ def normalize_text(text):
 
 
 def build_module(model, subword_path, settings, sampling=None, with_text=True):
-    """The exported module and its signatures.
+    """``(module, signatures)`` for `tf.saved_model.save`, decoding in `model`'s compute dtype.
 
-    Args:
-      model: A built `Transformer` with its trained weights (decoding in its compute dtype).
-      subword_path: The model's subword model, saved as an asset (``assets/<name>``).
-      settings: The `SearchSettings` of the text and ids signatures.
-      sampling: The `SearchSettings` (with sampling) of the sample signature, or None.
-      with_text: Add the text signatures (they need tensorflow-text).
-
-    Returns:
-      ``(module, signatures)`` for `tf.saved_model.save`.
+    `settings`: the `SearchSettings` of the text and ids signatures; `sampling`: those of the
+    sample signature, or None; `with_text`: add the text signatures (they need tensorflow-text).
+    The subword model at `subword_path` is saved as an asset (``assets/<name>``).
     """
     decoder = _Decoder(model, settings)
     module = tf.Module(name="translator")
@@ -131,6 +110,15 @@ def build_module(model, subword_path, settings, sampling=None, with_text=True):
     return module, signatures
 
 
+def _in_range(tensor, name, limit, limit_name):
+    """`tensor`, once asserted to lie in ``[0, limit)`` (the messages name it `name`)."""
+    checks = [tf.debugging.assert_non_negative(tensor, message=f"{name} must be at least 0"),
+              tf.debugging.assert_less(tensor, tf.constant(limit, tensor.dtype),
+                                       message=f"{name} must be below {limit_name}")]
+    with tf.control_dependencies(checks):
+        return tf.identity(tensor)
+
+
 def _ids_function(decoder):
     """The ids signature's function (TensorFlow's own ops only)."""
     vocab_size, k = decoder.model.vocab_size, decoder.settings.n_best
@@ -139,12 +127,8 @@ def _ids_function(decoder):
                  autograph=False)
     def translate_ids(ids):
         # An id outside the vocabulary would fail deep in the embedding lookup.
-        checks = [tf.debugging.assert_non_negative(ids, message="ids must be at least 0"),
-                  tf.debugging.assert_less(ids, vocab_size, message="ids must be below the "
-                                           f"vocabulary size {vocab_size}")]
-        with tf.control_dependencies(checks):
-            ragged = tf.RaggedTensor.from_tensor(ids, padding=PAD_ID)
-        hypotheses, scores = decoder.decode(ragged)
+        checked = _in_range(ids, "ids", vocab_size, f"the vocabulary size {vocab_size}")
+        hypotheses, scores = decoder.decode(tf.RaggedTensor.from_tensor(checked, padding=PAD_ID))
         count = tf.shape(ids)[0]
         width = tf.cast(tf.maximum(tf.reduce_max(hypotheses.row_lengths()), 0), tf.int32)
         dense = hypotheses.to_tensor(shape=[count * k, width])  # (N*K, L), L the longest
@@ -159,11 +143,7 @@ def _text_function(tokenizer, decoder, seeded=False):
 
     def translate_text(text, seed=None):
         if seed is not None:  # as `SearchSettings` bounds a seed
-            checks = [tf.debugging.assert_non_negative(seed, message="seed must be at least 0"),
-                      tf.debugging.assert_less(seed, tf.constant(SEED_LIMIT, tf.int64),
-                                               message=f"seed must be below {SEED_LIMIT}")]
-            with tf.control_dependencies(checks):
-                seed = tf.identity(seed)
+            seed = _in_range(seed, "seed", SEED_LIMIT, SEED_LIMIT)
         ids = tokenizer.tokenize(normalize_text(text))
         hypotheses, scores = decoder.decode(ids, seed)
         # `data.Subwords.decode` skips BOS as well as padding.

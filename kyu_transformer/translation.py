@@ -1,10 +1,8 @@
 """Translation for every engine: sources in, translations out, as `SearchSettings` say.
 
-The front end (TensorFlow ops, run in the SavedModel's graph and eagerly by the engines) adds
-EOS to each source and cuts it to ``maxlen1`` (`encoder_inputs`), limits each output on its own
-(`decoding.output_limit`), batches sentences of similar length (`decoding_order`) and strips
-outputs (`strip`). An engine (`Translator`, `ctranslate2_export.CTranslate2Translator`)
-decodes one batch (`_decode`); `Engine.translate_ids` does the rest.
+The front end (TensorFlow ops, also run in the SavedModel's graph) adds EOS and cuts sources
+(`encoder_inputs`), batches by length (`decoding_order`) and strips outputs (`strip`); an engine
+(`Translator`, `ctranslate2_export.CTranslate2Translator`) decodes one batch (`_decode`).
 """
 
 import collections
@@ -18,8 +16,6 @@ from kyu_transformer.decoding import (
 from kyu_transformer.search_settings import SearchSettings
 from kyu_transformer.special_ids import EOS_ID, PAD_ID
 
-
-# ------------------------------------------------------------------ front end
 
 def encoder_inputs(ids, maxlen1):
     """Ragged source ids `(N, None)` as the encoder reads them: EOS added, cut to `maxlen1`."""
@@ -54,13 +50,12 @@ def padded(sequences):
 
 class Translations(collections.namedtuple("Translations", "hypotheses scores ended coverages "
                                           "token_log_probs truncated_sources truncated_outputs")):
-    """What `Engine.translate_ids` gives, per source in order (an empty one undecoded).
+    """What `Engine.translate_ids` gives, per source in order.
 
     `hypotheses`: output ids (EOS, padding removed), best first (an empty source: one empty,
-    scored 0); `scores` (if `n_best` was asked for); `ended`: whether each ended with EOS,
-    else it was cut at its limit; `coverages`, `token_log_probs` if asked for (None for an
-    empty source). `truncated_sources`, `truncated_outputs`: how many sources were cut to
-    ``maxlen1``, and best outputs at their limit.
+    scored 0, undecoded); `ended`: whether each ended with EOS (else it was cut at its limit);
+    `truncated_sources`, `truncated_outputs`: how many sources were cut to ``maxlen1``, and
+    best outputs at their limit. The other fields are None unless asked for.
     """
 
     @property
@@ -70,12 +65,8 @@ class Translations(collections.namedtuple("Translations", "hypotheses scores end
 
 
 class Engine:
-    """The front end of every engine; an engine decodes one batch (`_decode`).
-
-    Args:
-      maxlen1, maxlen2: The model's limits of its source and its output.
-      settings: A `SearchSettings`.
-    """
+    """The front end of every engine (`SearchSettings` `settings`, the model's limits
+    `maxlen1`, `maxlen2`); an engine decodes one batch (`_decode`)."""
 
     coverage = log_probs = False  # what an engine can give besides outputs
 
@@ -88,14 +79,11 @@ class Engine:
 
     def translate_ids(self, source_ids, n_best=None, with_coverage=False, with_log_probs=False,
                       seed=None):
-        """`Translations` of lists of subword ids; the batches do not change any output.
+        """`Translations` of lists of subword ids without EOS (batching changes no output).
 
-        Args:
-          source_ids: Lists of subword ids, without EOS.
-          n_best: Hypotheses per sentence, scored (default the settings' `n_best`, unscored).
-          with_coverage: Also give each output's cross-attention `(L, S)`.
-          with_log_probs: Also give each output's per-token log-probabilities.
-          seed: Sampling's seed (default the settings').
+        `n_best` hypotheses are scored (default the settings' `n_best`, unscored); `with_coverage`
+        adds cross-attentions `(L, S)`, `with_log_probs` per-token log-probabilities; `seed`
+        (sampling's) defaults to the settings'.
         """
         n = n_best or self.settings.n_best
         self._check_request(n, with_coverage, with_log_probs, seed)
@@ -168,15 +156,8 @@ class ScoredOutput(collections.namedtuple("ScoredOutput", "log_prob tokens score
 
 
 class Translator(Engine):
-    """Batched translation of subword ids or text with a trained `Transformer`.
-
-    A score is beam search's: log-probability over GNMT's length penalty, EOS included.
-
-    Args:
-      model: The `Transformer`.
-      settings: A `SearchSettings` (default its defaults), with `fields` replaced.
-      jit_compile: Compile the search with XLA.
-    """
+    """Batched translation with a trained `Transformer`, by `settings` (a `SearchSettings`,
+    default its defaults) with `fields` replaced; `jit_compile` compiles with XLA."""
 
     coverage = True
 
@@ -217,14 +198,9 @@ class Translator(Engine):
                 "coverages": found.coverage.numpy() if with_coverage else None}
 
     def score_ids(self, source_ids, target_ids):
-        """The model's scores of given outputs (forced decoding), in the order given.
-
-        Sources are read as for translation; a target gets EOS and is cut to `max_length`
-        (then without EOS), as beam search scores a hypothesis cut at its limit.
-
-        Returns:
-          ``(scored, truncated_sources)``: a `ScoredOutput` per sentence, how many sources were cut.
-        """
+        """``(scored, truncated_sources)``: a `ScoredOutput` of each given output (forced
+        decoding), how many sources were cut. A target gets EOS and is cut to `max_length`
+        (then without EOS), as beam search scores a hypothesis cut at its limit."""
         if len(source_ids) != len(target_ids):
             raise ValueError(f"{len(source_ids)} sources but {len(target_ids)} targets")
         targets = [(list(ids) + [EOS_ID])[:self.max_length] for ids in target_ids]
@@ -239,6 +215,6 @@ class Translator(Engine):
         lengths = np.array([len(ids) for ids in targets])
         scores = log_probs / np.asarray(length_penalty(lengths, self.settings.alpha), "float64")
         cut = [len(ids) + 1 > self.max_length for ids in target_ids]
-        scored = [ScoredOutput(*values) for values in
-                  zip(log_probs.tolist(), lengths.tolist(), scores.tolist(), cut)]
-        return scored, self._cut_sources([len(ids) for ids in source_ids])
+        return ([ScoredOutput(*values) for values in
+                 zip(log_probs.tolist(), lengths.tolist(), scores.tolist(), cut)],
+                self._cut_sources([len(ids) for ids in source_ids]))
