@@ -3,22 +3,17 @@
     python train.py --hparams small --data_dir ../shared/data/multi30k --logdir log/small
 
 Re-running the same command after a crash resumes from the last checkpoint; SIGTERM or SIGINT
-stops after an update with a checkpoint (exit status 75). A run holds its logdir's lock. A logdir
-trained with other hyperparameters is refused unless ``--overwrite`` (which moves it aside).
-``--init_from LOGDIR`` starts from another run's weights (fine-tuning: docs/fine_tuning.md).
-Flags, hparams, the data folder and the logdir are checked before TensorFlow loads
-(`check_before_tensorflow`; the modules on TensorFlow are imported in the functions that use
-them): a mistake costs no start-up.
+stops after an update with a checkpoint (exit status 75). A run holds its logdir's lock; a logdir
+trained otherwise is refused unless ``--overwrite`` moves it aside. ``--init_from LOGDIR``
+fine-tunes (docs/fine_tuning.md). Mistakes are refused before TensorFlow loads (the modules on
+it are imported in the functions that use them).
 """
 
-import atexit
 import json
 import os
 import shlex
-import shutil
 import signal
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -80,10 +75,8 @@ def run_hparams(args):
         raise SystemExit(f"error: --init_from {args.init_from} is this run's own --logdir: "
                          "fine-tune into a new --logdir")
     try:
-        if not args.overwrite and has_own_checkpoint(own) and os.path.isfile(
-                os.path.join(own, filenames.HPARAMS)):
-            origin = os.path.join(own, filenames.HPARAMS)
-        else:
+        origin = os.path.join(own, filenames.HPARAMS)
+        if args.overwrite or not (has_own_checkpoint(own) and os.path.isfile(origin)):
             origin = check_source(args.init_from, args.init_ckpt)
         return hp.resolve(with_architecture(hparams, hp.given_keys(args), hp.load(origin),
                                             args.init_from))
@@ -163,27 +156,12 @@ def corpus_fingerprint(hparams):
     return data.fingerprint(hparams["data_dir"], "train", hparams["src_lang"], hparams["tgt_lang"])
 
 
-def subword_dir(logdir, chief):
-    """Where the subword model is read or trained: the logdir, except on a worker that
-    cannot see one there yet (it trains the same model, deterministically, apart)."""
-    if chief or os.path.isfile(os.path.join(logdir, filenames.SUBWORDS)):
-        return logdir
-    private = tempfile.mkdtemp(prefix="worker-subwords-")
-    atexit.register(shutil.rmtree, private, ignore_errors=True)  # also when the run fails
-    return private
-
-
 def prepare_run(args, strategy, chief):
     """``(hparams, corpus, source)``: the logdir settled, the subword model ready, and a
-    fine-tuning run's `fine_tuning.Source` (None when there is none to read).
-
-    The chief goes first: it alone takes the lock (until the process ends; a run of one process
-    took it in `check_before_tensorflow`), downloads a missing corpus, moves an old logdir aside
-    and writes the subword model and `hparams.json`; then the others read or remake them, and
-    all check that they agree with it. A worker that fails says so at the next barrier, so that
-    none waits for it in a collective.
-    """
-    from kyu_transformer.workers import (
+    fine-tuning run's `fine_tuning.Source` (or None). The chief goes first (it alone locks and
+    writes the logdir), then the others; all check that they agree. A worker that fails says so
+    at the next barrier."""
+    from kyu_transformer.distribution import (
         barrier, check_agreement, chief_choice, is_multi_worker, short_digest)
 
     state = {}
@@ -218,8 +196,7 @@ def prepare_run(args, strategy, chief):
         digests["subword vocabulary"] = short_digest(json.dumps(
             [(processor.id_to_piece(i), processor.get_score(i))
              for i in range(processor.get_piece_size())]))
-        # Every worker brings it (null without a source: one that resumes from a logdir the
-        # others do not see would read the source): a source still training may save between reads.
+        # A source still training may save between reads (null: a worker that read none).
         source = state["source"]
         digests["fine-tuning source"] = short_digest(json.dumps(
             source and source.record["sha256"], sort_keys=True))
@@ -230,7 +207,7 @@ def prepare_run(args, strategy, chief):
 def failure_of(step, strategy):
     """Runs `step()`; returns None, or the message of the error that stopped it."""
     from kyu_transformer.checkpoints import CheckpointError
-    from kyu_transformer.workers import is_multi_worker
+    from kyu_transformer.distribution import is_multi_worker
 
     try:
         step()
@@ -250,7 +227,9 @@ def prepare_logdir(hparams, overwrite, chief, source=None):
     """``(hparams, corpus)``: the data folder checked (the default one downloaded if missing),
     the logdir settled; the chief also writes `hparams.json` and `corpus.json` the first time.
     A fine-tuning run's corpus is encoded with its `source`'s subword model, copied first."""
+    from kyu_transformer.checkpoints import list_checkpoints, unreadable
     from kyu_transformer.corpus import Corpus
+    from kyu_transformer.resumption import private_dir, refuse_weights_only
 
     data_dir = hparams["data_dir"]
     if to_download(data_dir):
@@ -261,8 +240,15 @@ def prepare_logdir(hparams, overwrite, chief, source=None):
     if chief:  # the others take the chief's choice (`prepare_run`)
         hparams["mixed_precision"] = resolve_precision(hparams["mixed_precision"], hparams)
     if chief and not os.path.isfile(os.path.join(hparams["logdir"], filenames.CORPUS)):
-        refuse_weights_only(hparams["logdir"])  # an imported logdir: before anything is written
-    model_dir = subword_dir(hparams["logdir"], chief)
+        # An imported logdir, refused before anything is written (the restore would refuse it
+        # after; it also sets an unreadable checkpoint aside).
+        for path in list_checkpoints(hparams["logdir"])[-1:]:
+            if unreadable(path) is None:
+                refuse_weights_only(path)
+    model_dir = hparams["logdir"]
+    if not chief and not os.path.isfile(os.path.join(model_dir, filenames.SUBWORDS)):
+        # A worker that cannot see the chief's trains the same model, deterministically, apart.
+        model_dir = private_dir("worker-subwords-")
     if source is not None:
         copy_subwords(source.logdir, model_dir)
     corpus = Corpus(hparams["data_dir"], model_dir, hparams)
@@ -276,21 +262,9 @@ def prepare_logdir(hparams, overwrite, chief, source=None):
     return hparams, corpus
 
 
-def refuse_weights_only(logdir):
-    """A `CheckpointError` if the latest checkpoint of `logdir` holds weights without a run state
-    (`RunCheckpoints.restore` refuses it too, but only after the run has written its files)."""
-    from kyu_transformer.checkpoints import list_checkpoints, unreadable
-    from kyu_transformer.resumption import refuse_weights_only as refuse
-
-    for path in list_checkpoints(logdir)[-1:]:
-        if unreadable(path) is None:  # an unreadable one is the restore's to set aside
-            refuse(path)
-
-
 def make_trainer(hparams, corpus, strategy, deterministic, source=None):
     from kyu_transformer.evaluation import ValidationBleu
-    from kyu_transformer.seeding import seed_everything
-    from kyu_transformer.training import Trainer
+    from kyu_transformer.training import Trainer, seed_everything
 
     seed_everything(hparams["seed"], deterministic)
     print(f"strategy: {type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)")
@@ -330,16 +304,13 @@ def main(argv=None):
     finally:
         signal.signal(signal.SIGTERM, previous)
         while _HELD:  # the logdir is free again (for a later run in this process)
-            lock = _HELD.pop()
-            if lock is not None:
-                lock.release()
+            _HELD.pop().release()
 
 
 def check_before_tensorflow(args):
-    """Refuses at once what a run of one process would refuse as it starts, in its order: its
-    hparams, a busy or unwritable logdir (the lock is taken here, for the whole process), its
-    data folder, a logdir trained otherwise. (In a cluster each worker reports its own at a
-    barrier instead, so that none waits for another.)"""
+    """Refuses at once, in a run of one process, its hparams, a busy or unwritable logdir (the
+    lock is taken here, for the whole process), its data folder, a logdir trained otherwise.
+    (In a cluster each worker reports its own at a barrier instead.)"""
     try:
         hparams = run_hparams(args)
         _HELD.append(hold_logdir(hparams["logdir"]))  # the lock lives as long as the process
@@ -363,14 +334,12 @@ def train(argv):
     if args.strategy != "multi_worker":
         check_before_tensorflow(args)
     from kyu_transformer.checkpoints import CheckpointError
-    from kyu_transformer.distribution import is_chief, make_strategy
+    from kyu_transformer.distribution import WorkerDisagreement, is_chief, make_strategy
     from kyu_transformer.training import TrainingError
-    from kyu_transformer.workers import WorkerDisagreement
 
     # Multi-worker collectives must be set up before TensorFlow runs anything else.
     strategy = make_strategy(args.strategy)
     chief, hparams = is_chief(strategy), {}
-    started = time.time()
     try:
         hparams, corpus, source = prepare_run(args, strategy, chief)
         trainer = make_trainer(hparams, corpus, strategy, args.deterministic, source)

@@ -1,8 +1,6 @@
-"""Finding, restoring and averaging the checkpoints of a logdir.
-
-A checkpoint that cannot be read (cut short, its checksums fail) is told apart from one that
-does not fit the model. In place of the latest, the latest readable one is used, with a note;
-one asked for by name, or one to average, is refused, named.
+"""Finding, restoring and averaging the checkpoints of a logdir. One that cannot be read (cut
+short, its checksums fail) is told apart from one that does not fit the model, and skipped with a
+note in place of the latest (refused when asked for by name or to average).
 """
 
 import glob
@@ -53,8 +51,7 @@ def checkpoint_files(path):
 
 
 def held_objects(path):
-    """The names of the objects a TensorFlow checkpoint holds at its top (``weights``,
-    ``optimizer``, ``epoch``...); a .h5 file holds weights alone."""
+    """The names of the objects at a checkpoint's top (``weights``, ``optimizer``...)."""
     if path.endswith(".h5"):
         return {"weights"}
     keys = tf.train.load_checkpoint(path).get_variable_to_shape_map()
@@ -62,10 +59,8 @@ def held_objects(path):
 
 
 def model_weights(model):
-    """The model's variables by path below it (``encoder_0/.../kernel``), as checkpoints name them.
-
-    Not by the object graph: any model of the same hparams restores them, whatever its name.
-    """
+    """The model's variables by path below it (``encoder_0/.../kernel``), as checkpoints name them
+    (not by the object graph: any model of the same hparams restores them, whatever its name)."""
     return {variable.path.split("/", 1)[1]: variable for variable in model.weights}
 
 
@@ -135,17 +130,6 @@ def _restore_latest_readable(model, logdir):
                           f"{', '.join(skipped)})")
 
 
-def checkpoints_to_average(logdir, count):
-    """The last `count` rolling checkpoints of `logdir`, oldest first (or `CheckpointError`)."""
-    available = list_checkpoints(logdir)
-    if len(available) < count:
-        names = ", ".join(os.path.basename(path) for path in available) or "none"
-        raise CheckpointError(
-            f"{checkpoint_dir(logdir)}: asked to average the last {count} checkpoints "
-            f"(average_last={count}), but {len(available)} exist: {names}")
-    return available[-count:]
-
-
 def _average_into(model, paths):
     """Sets the model's weights to the mean of the checkpoints at `paths`."""
     total = None
@@ -171,17 +155,10 @@ def describe(paths):
 
 
 def load_model(hparams, logdir, ckpt=None, average_last=0):
-    """``(model, paths)``: a `Transformer` of `hparams` with the weights of checkpoints `paths`.
-
-    Args:
-      ckpt: A checkpoint path, or "best"; default: the latest that can be read (those
-        skipped named in a note).
-      average_last: N > 1: the mean of the last N rolling checkpoints (the paper's
-        checkpoint averaging); excludes `ckpt` (else ValueError, as for N < 0).
-
-    Raises `CheckpointError` for no such checkpoint, too few, or one that does not fit the
-    model; `UnreadableCheckpoint` when `ckpt`, or one to average, cannot be read.
-    """
+    """``(model, paths)``: a `Transformer` of `hparams` with the weights of checkpoints `paths`:
+    `ckpt` (a path, or "best"), the mean of the last `average_last` rolling ones (the paper's
+    averaging), or by default the latest that can be read. A `CheckpointError` (its subclass
+    `UnreadableCheckpoint`) says which is missing, too few, unreadable, or does not fit."""
     average_last = int(average_last or 0)
     if average_last < 0:
         raise ValueError(f"`average_last` must be at least 0, got {average_last}")
@@ -191,9 +168,14 @@ def load_model(hparams, logdir, ckpt=None, average_last=0):
     model = Transformer.from_hparams(hparams, name="transformer")
     model.build()
     if average_last > 1:
-        paths = checkpoints_to_average(logdir, average_last)
-        _average_into(model, paths)
-        return model, paths
+        available = list_checkpoints(logdir)
+        if len(available) < average_last:
+            names = ", ".join(os.path.basename(path) for path in available) or "none"
+            raise CheckpointError(
+                f"{checkpoint_dir(logdir)}: asked to average the last {average_last} checkpoints "
+                f"(average_last={average_last}), but {len(available)} exist: {names}")
+        _average_into(model, available[-average_last:])
+        return model, available[-average_last:]
     if not ckpt:
         return model, [_restore_latest_readable(model, logdir)]
     path = resolve(logdir, ckpt)

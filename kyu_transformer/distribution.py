@@ -1,21 +1,24 @@
-"""Which tf.distribute strategy a run uses, which process leads, and how batches reach replicas.
+"""Strategies, the chief, batches cut per replica, and the workers of a multi-worker run agreeing.
 
-Each global batch is cut into contiguous slices, one per replica, so any replica count
-computes the same loss.
+Each global batch is cut into contiguous slices, one per replica: any replica count computes the
+same loss. Workers that do not see the chief's files would mix two runs in the collectives: over
+the all-reduce, a barrier carries each worker's verdict, and a comparison of facts stops all alike.
 """
 
+import hashlib
 import os
 
+import numpy as np
 import tensorflow as tf
 
-from kyu_transformer.flags import STRATEGIES
+
+class WorkerDisagreement(RuntimeError):
+    """The workers of one run do not agree with the chief; the message says on what."""
 
 
 def make_strategy(name="auto"):
     """The tf.distribute strategy called `name` (``auto``: mirrored if more than one GPU is
     visible, else the default; ``multi_worker`` reads the cluster from ``TF_CONFIG``)."""
-    if name not in STRATEGIES:
-        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
     if name == "auto":
         name = "mirrored" if len(tf.config.list_logical_devices("GPU")) > 1 else "default"
     if name == "default":
@@ -33,10 +36,13 @@ def is_chief(strategy):
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None or not resolver.task_type:
         return True
-    cluster = resolver.cluster_spec().as_dict()
-    if "chief" in cluster:
+    if "chief" in resolver.cluster_spec().as_dict():
         return resolver.task_type == "chief"
     return resolver.task_type == "worker" and resolver.task_id == 0
+
+
+def is_multi_worker(strategy):
+    return bool(strategy.extended._in_multi_worker_mode())  # pylint: disable=protected-access
 
 
 def replica_slices(dataset, num_replicas, first_replica, local_replicas):
@@ -59,11 +65,8 @@ def replica_slices(dataset, num_replicas, first_replica, local_replicas):
 
 
 def distribute_batches(strategy, make_global_batches, endless=False):
-    """A distributed dataset from `make_global_batches()`, each global batch cut per replica.
-
-    `endless`: then empty batches (no rows) for ever, for a step that takes several batches
-    at once: it needs no condition on each, and tells the end of the data by their rows.
-    """
+    """A distributed dataset from `make_global_batches()`, each global batch cut per replica;
+    `endless`: then empty batches for ever (a step of several batches tells the end by them)."""
 
     def dataset_fn(context):
         local = strategy.num_replicas_in_sync // context.num_input_pipelines
@@ -77,3 +80,73 @@ def distribute_batches(strategy, make_global_batches, endless=False):
 
     options = tf.distribute.InputOptions(experimental_fetch_to_device=False)
     return strategy.distribute_datasets_from_function(dataset_fn, options)
+
+
+def gather(strategy, values):
+    """Every worker's `values` (numbers) as a ``(workers, len(values))`` float64 array (exact
+    below 2**53), in one all-reduce: each worker's first local replica fills its row of zeros."""
+    resolver = strategy.cluster_resolver
+    cluster = resolver.cluster_spec().as_dict()
+    chiefs = len(cluster.get("chief", []))
+    count = chiefs + len(cluster.get("worker", []))
+    index = resolver.task_id if resolver.task_type == "chief" else chiefs + resolver.task_id
+    rows = np.zeros((count, len(values)), "float64")
+    rows[index] = values
+    local_replicas = strategy.num_replicas_in_sync // count
+
+    def contribute():
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        first = tf.equal(replica % local_replicas, 0)
+        return tf.where(first, tf.constant(rows), tf.zeros_like(rows))
+
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(contribute), axis=None).numpy()
+
+
+def chief_choice(strategy, value, choices):
+    """The chief's `value` (one of `choices`), on every worker: what the chief chose."""
+    return choices[int(gather(strategy, [float(choices.index(value))])[0, 0])]
+
+
+def short_digest(data):
+    """48 bits of the SHA-256 of `data` (bytes or str), as an int: exact in a float64."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    return int.from_bytes(hashlib.sha256(data).digest()[:6], "big")
+
+
+def barrier(strategy, failure=None):
+    """Waits until every worker is here; if one failed (`failure`: its message), it raises its
+    message and the others one naming it, so that none waits for ever in a collective."""
+    failed = np.zeros(1)
+    if is_multi_worker(strategy):
+        failed = gather(strategy, [float(failure is not None)])[:, 0]
+    if failure is not None:
+        raise WorkerDisagreement(failure)
+    if failed.any():
+        names = ", ".join("the chief" if worker == 0 else f"worker {worker}"
+                          for worker in np.flatnonzero(failed))
+        raise WorkerDisagreement(f"{names} stopped before training (see its output); "
+                                 "this worker stops too")
+
+
+def check_agreement(strategy, values=None, digests=None):
+    """Raises `WorkerDisagreement` on every worker unless all agree with the chief (no-op
+    unless multi-worker): `values` ``{description: integer}`` are named with their numbers
+    (e.g. the step), `digests` ``{description: short_digest(...)}`` without."""
+    if not is_multi_worker(strategy):
+        return
+    values, digests = dict(values or {}), dict(digests or {})
+    names = list(values) + list(digests)
+    table = gather(strategy, [float(values.get(name, digests.get(name))) for name in names])
+    problems = []
+    for column, name in enumerate(names):
+        for worker in range(1, len(table)):
+            if table[worker, column] != table[0, column]:
+                problems.append(f"worker {worker} has {name} {int(table[worker, column])} but "
+                                f"the chief {int(table[0, column])}" if name in values else
+                                f"worker {worker} has another {name} than the chief")
+    if problems:
+        raise WorkerDisagreement(
+            "the workers do not agree with the chief: " + "; ".join(problems) + ". Give every "
+            "worker the same command and the same --logdir on a file system they all see, so "
+            "that all of them read the chief's subword model and checkpoints.")

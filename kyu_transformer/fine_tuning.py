@@ -1,11 +1,6 @@
-"""Fine-tuning: a run that starts from another run's weights (``train.py --init_from LOGDIR``).
-
-The new run takes the source's architecture, its subword model (copied, byte-identical: the
-embeddings are indexed by its pieces) and its weights, with a fresh optimizer (or, asked, the
-source's Adam moments), step counter and learning-rate schedule. From its first checkpoint on
-it is a run like any other: it resumes from its own checkpoints and never reads the source again.
-TensorFlow is imported by the parts that need it, so that train.py refuses a wrong source before
-TensorFlow loads.
+"""Fine-tuning: a run that starts from another run's weights (``train.py --init_from LOGDIR``,
+docs/fine_tuning.md). TensorFlow is imported by the parts that need it, so that train.py refuses
+a wrong source before TensorFlow loads.
 """
 
 import filecmp
@@ -31,9 +26,8 @@ def has_own_checkpoint(logdir):
 
 
 def check_source(logdir, ckpt=None):
-    """The path of the source's hparams.json, or a FineTuningError: no such folder, not a
-    trained run's logdir (no hparams.json, subword model or, unless `ckpt` names one,
-    checkpoint)."""
+    """The path of the source's hparams.json, or a FineTuningError: not a trained run's logdir
+    (no hparams.json, subword model or, unless `ckpt` names one, checkpoint)."""
     flag = f"--init_from {logdir}"
     if not os.path.exists(logdir):
         raise FineTuningError(f"{flag}: no such folder")
@@ -85,15 +79,10 @@ def copy_subwords(source_logdir, directory):
 
 
 class Source:
-    """A source run's weights, read (and checked against its hparams) before the new run writes
-    anything; `initialize` sets a trainer to them.
-
-    Args:
-      logdir, hparams: The source's logdir and its hparams.
-      ckpt, average_last: Which of its checkpoints, as `checkpoints.load_model` takes them.
-      optimizer: Also take its optimizer's moments (a single checkpoint of train.py's).
-      run_precision: The new run's `mixed_precision`, checked against the source's with
-        `optimizer` (float16's optimizer state is not the others').
+    """A source run's weights (`ckpt`, `average_last`: as `checkpoints.load_model` takes them),
+    read and checked against its `hparams` before the new run writes anything; `initialize`
+    sets a trainer to them. With `optimizer`, also its optimizer's moments (whose float16 loss
+    scaling, or not, must be that of `run_precision`, the new run's `mixed_precision`).
     """
 
     def __init__(self, logdir, hparams, ckpt=None, average_last=0, optimizer=False,
@@ -105,7 +94,10 @@ class Source:
         # A source still training replaces its best.weights.h5 whole at each better model:
         # hashed before and after the read, it is known to hold the weights read.
         whole = resolve(logdir, ckpt) if ckpt else ""
-        before = _readable_digest(whole) if whole.endswith(".h5") else None
+        try:
+            before = sha256(whole) if whole.endswith(".h5") else None
+        except OSError:  # `load_model` says why
+            before = None
         model, self.paths = load_model(hparams, logdir, ckpt, average_last)
         self.weights = {key: variable.numpy() for key, variable in model_weights(model).items()}
         if optimizer:
@@ -189,11 +181,3 @@ class Source:
             taken = "weights and optimizer moments" if self.optimizer else "weights"
             print(f"fine-tuning: the {taken} of {', '.join(self.paths)}; a fresh step counter "
                   "and learning-rate schedule", flush=True)
-
-
-def _readable_digest(path):
-    """The sha256 of `path`, or None where it cannot be read (`load_model` then says so)."""
-    try:
-        return sha256(path)
-    except OSError:
-        return None

@@ -1,9 +1,8 @@
 """One training run per logdir: `flock(2)` on `<logdir>/.lock`, held for the run's whole life.
 
-The kernel releases it however the process ends (`kill -9` included): no stale lock is left.
-The file names the holder (PID and host) for a second run's message. Across hosts it holds on
-Linux NFS (carried by the server's byte-range locks); other network file systems may lock per
-host only.
+The kernel releases it however the process ends (`kill -9` included). The file names the holder
+(PID and host) for a second run's message. Across hosts it holds on Linux NFS; other network file
+systems may lock per host only.
 """
 
 import fcntl
@@ -21,8 +20,7 @@ class LogdirLock:
     """The lock on `logdir` (made if missing), in file `path`; `acquire()` takes it."""
 
     def __init__(self, logdir):
-        self.logdir = logdir
-        self.path = os.path.join(logdir, LOCK)
+        self.logdir, self.path = logdir, os.path.join(logdir, LOCK)
         self._handle, self._made = None, False
 
     def acquire(self):
@@ -47,8 +45,7 @@ class LogdirLock:
         return self
 
     def release(self):
-        """Releases the lock. A logdir it made that holds nothing but the lock goes too: a run
-        refused before writing anything leaves nothing behind."""
+        """Releases the lock; a logdir it made that holds only the lock goes too."""
         if self._handle is None:
             return
         if self._made and os.listdir(self.logdir) == [LOCK]:

@@ -1,8 +1,6 @@
-"""A training run's checkpoints: what they hold, and resuming from the latest.
-
-A checkpoint holds the weights, the optimizer, the data position, the dropout layers' random
-states and the seconds trained, so that a killed run ends as an uninterrupted one would. Its
-object names are its keys: renaming one orphans the checkpoints written before.
+"""A training run's checkpoints (weights, optimizer, data position, dropout random states, seconds
+trained: a killed run ends as an uninterrupted one would), and resuming from the latest. Their
+object names are their keys: renaming one orphans the checkpoints written before.
 """
 
 import atexit
@@ -27,12 +25,9 @@ RUN_STATE = ("optimizer", "epoch", "step_in_epoch")
 
 
 class RunCheckpoints:
-    """The checkpoints of a run in `directory`, and the run-state variables they hold.
-
-    The variables live in `strategy`; only the `chief` keeps what it saves, the `max_to_keep`
-    latest (see `writable_dir`). Attributes: the data position `epoch` and `step_in_epoch`
-    (batches done in it), `train_seconds` (resumed runs included: what `max_minutes` limits),
-    the `checkpoint` and its `manager`.
+    """The checkpoints of a run in `directory` (the chief keeps the `max_to_keep` latest, the
+    others none) and the run state they hold: the data position `epoch` and `step_in_epoch`
+    (batches done in it), `train_seconds` (resumed runs included: what `max_minutes` limits).
     """
 
     def __init__(self, strategy, model, optimizer, directory, max_to_keep, chief):
@@ -49,16 +44,16 @@ class RunCheckpoints:
             epoch=self.epoch, step_in_epoch=self.step_in_epoch,
             # Not in `model.weights`; without them a resumed run redraws step 1's dropout masks.
             random_states=random_states(model), train_seconds=self.train_seconds)
-        self.manager = tf.train.CheckpointManager(
-            self.checkpoint, writable_dir(directory, chief), max_to_keep=max_to_keep,
-            checkpoint_name=filenames.CHECKPOINT_PREFIX)
+        self.manager = self._manager(writable_dir(directory, chief))
+
+    def _manager(self, directory):
+        return tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=self.max_to_keep,
+                                          checkpoint_name=filenames.CHECKPOINT_PREFIX)
 
     def restore(self):
         """Restores the latest readable checkpoint (of the chief's), if any; returns its path.
-
         Each is read in full first (a damaged one never leaves half its values in the model);
-        one that cannot be read is skipped, named, and moved aside by the chief.
-        """
+        one that cannot be read is skipped, named, and moved aside by the chief."""
         bad = {}
         for path in reversed(listed_checkpoints(self.directory)):
             bad[path] = unreadable(path)
@@ -74,13 +69,11 @@ class RunCheckpoints:
                     + "); nothing was moved. Copy them again, or start afresh with --overwrite")
             return None
         refuse_weights_only(path)
-        for bad_path, reason in bad.items() if self.chief else ():
-            print(f"note: {bad_path} cannot be read ({reason}); moved to "
-                  f"{set_aside(bad_path)}; resuming from {path}", flush=True)
-        if bad and self.chief:  # the manager's list still holds what was moved: read it again
-            self.manager = tf.train.CheckpointManager(
-                self.checkpoint, self.directory, max_to_keep=self.max_to_keep,
-                checkpoint_name=filenames.CHECKPOINT_PREFIX)
+        if bad and self.chief:
+            for bad_path, reason in bad.items():
+                print(f"note: {bad_path} cannot be read ({reason}); moved to "
+                      f"{set_aside(bad_path)}; resuming from {path}", flush=True)
+            self.manager = self._manager(self.directory)  # its list still held what was moved
         self._restore(path)
         return path
 
@@ -96,10 +89,8 @@ class RunCheckpoints:
                       "checkpoint): dropout masks and the time budget start afresh", flush=True)
 
     def save(self, step, train_seconds):
-        """Saves checkpoint number `step`; returns its path on the chief, else None.
-
-        A full disk raises `files.OutOfSpace`, what the save had written removed.
-        """
+        """Saves checkpoint number `step`; returns its path on the chief, else None. A full disk
+        raises `files.OutOfSpace`, what the save had written removed."""
         self.train_seconds.assign(train_seconds)
         try:
             path = self.manager.save(checkpoint_number=step)
@@ -152,21 +143,24 @@ def random_states(model):
             if id(variable) not in weights and "seed_generator" in variable.path]
 
 
+def private_dir(prefix):
+    """A throw-away folder, removed when the process ends (also when the run fails)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def writable_dir(directory, chief):
     """`directory` on the chief; a throw-away folder on the others (a save is collective)."""
-    if chief:
-        os.makedirs(directory, exist_ok=True)
-        return directory
-    private = tempfile.mkdtemp(prefix="worker-checkpoints-")
-    atexit.register(shutil.rmtree, private, ignore_errors=True)  # also when the run fails
-    return private
+    if not chief:
+        return private_dir("worker-checkpoints-")
+    os.makedirs(directory, exist_ok=True)
+    return directory
 
 
 def set_aside(path):
-    """Moves checkpoint `path`'s files to `corrupt/` beside it, out of the index; returns where.
-
-    Never deleted; neither a later save of the same step nor the rotation reaches them there.
-    """
+    """Moves checkpoint `path`'s files to `corrupt/` beside it, out of the index; returns where
+    (never deleted; neither a later save of the same step nor the rotation reaches them)."""
     directory, name = os.path.split(path)
     target = os.path.join(directory, filenames.CORRUPT, f"{name}.{time.strftime('%Y%m%d-%H%M%S')}")
     number, unique = 1, target
@@ -181,11 +175,9 @@ def set_aside(path):
 
 
 def drop_from_index(directory, path):
-    """Rewrites the checkpoint index of `directory` without `path`, as the manager writes it.
-
-    Relative names (a copied logdir still reads), timestamps (without them the manager neither
-    lists nor rotates), and no index at all for none (TensorFlow reads an empty one as broken).
-    """
+    """Rewrites the checkpoint index of `directory` without `path`, as the manager writes it:
+    relative names (a copied logdir still reads), timestamps (without them the manager neither
+    lists nor rotates), and no index at all for none (TensorFlow reads an empty one as broken)."""
     state = tf.train.get_checkpoint_state(directory)
     stamps = list(state.all_model_checkpoint_timestamps)
     kept = [(os.path.basename(listed), stamps[number] if stamps else None)

@@ -5,19 +5,14 @@ import time
 
 import tensorflow as tf
 
+from kyu_transformer.distribution import is_multi_worker
+
 
 class TimeBudget:
-    """`minutes` of training (0: no limit), counted across resumptions; all workers stop together.
-
-    Args:
-      minutes: The budget; 0 for none.
-      strategy: The run's `tf.distribute.Strategy` (its workers vote on stopping).
-    """
+    """`minutes` of training (0: no limit) across resumptions; all workers stop together."""
 
     def __init__(self, minutes, strategy):
-        self.minutes = minutes
-        self.seconds = minutes * 60.0 or math.inf
-        self.strategy = strategy
+        self.minutes, self.seconds, self.strategy = minutes, minutes * 60.0 or math.inf, strategy
         self.start(0.0)
 
     def start(self, restored_seconds):
@@ -37,7 +32,7 @@ class TimeBudget:
         if self.seconds == math.inf:
             return False
         spent = self.used() > self.seconds
-        if not self.strategy.extended._in_multi_worker_mode():  # pylint: disable=protected-access
+        if not is_multi_worker(self.strategy):
             return spent
         votes = self.strategy.reduce(
             tf.distribute.ReduceOp.SUM,
@@ -46,22 +41,15 @@ class TimeBudget:
 
     def resume_line(self, path, step):
         """What a resumed run prints: where it resumes, and the budget left."""
-        seconds = self.used()
-        line = f"resuming from {path} at step {step}, after {seconds / 60:.1f} min of training"
+        line = f"resuming from {path} at step {step}, after {self.used() / 60:.1f} min of training"
         if self.seconds == math.inf:
             return line
-        left = max(self.seconds - seconds, 0.0) / 60
-        return line + f"; {left:.1f} of the {self.seconds / 60:g} min budget left"
+        return line + f"; {self.left() / 60:.1f} of the {self.minutes:g} min budget left"
 
 
 class UpdatePlan:
-    """How many updates a run makes, and how long the rest takes at the pace measured here.
-
-    Args:
-      epochs: Epochs of the run.
-      per_epoch: Updates of an epoch (at most `steps_per_epoch`).
-      done: Updates made before this process (a resumed run).
-    """
+    """How many updates a run makes (`epochs` of `per_epoch`, `done` of them before this
+    process), and how long the rest takes at the pace measured here."""
 
     WARM_UP = 10  # updates left out of the pace: the first ones trace and compile
     MEASURE = 20  # updates timed before the first estimate is said
@@ -73,17 +61,15 @@ class UpdatePlan:
 
     @classmethod
     def of_run(cls, first_epoch, epochs, steps_per_epoch, done, per_update=1):
-        """The plan of a run whose first epoch is the dataset `first_epoch`, counted (a second
-        or two; later epochs may bucket into a few batches more or less), of `per_update`
-        batches an update (the last of an epoch takes those left)."""
+        """The plan of a run whose first epoch, the dataset `first_epoch`, is counted (a second
+        or two), of `per_update` batches an update (the last of an epoch takes those left)."""
         if steps_per_epoch:
             first_epoch = first_epoch.take(steps_per_epoch * per_update)
         batches = int(first_epoch.reduce(0, lambda count, _: count + 1))
         return cls(epochs, math.ceil(batches / per_update), done)
 
     def line(self, minutes=0, decay_steps=0):
-        """What the run says at its start (`minutes`: its time budget, if any); a warning
-        too where the rate's decay (`decay_steps`) ends it well before the plan does."""
+        """What the run says at its start (a warning if the rate decays to 0 well before)."""
         left = max(self.total - self.done, 0)
         line = (f"plan: {self.epochs} epochs of about {self.per_epoch:,} updates, about "
                 f"{self.total:,} updates" + (f" ({left:,} to go)" if self.done else "")

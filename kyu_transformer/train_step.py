@@ -1,9 +1,6 @@
-"""One training step under any tf.distribute strategy.
-
-Keras 3's ``fit`` fails under ``MultiWorkerMirroredStrategy`` (keras-team/keras#20585), so
-the step is our own: the loss summed over tokens, divided by the *global* batch's count. With
-``accumulate_steps`` N, a step is one update on N batches: their gradients summed, each loss
-divided by the count of all N, the update of one batch made of them all.
+"""One training step under any tf.distribute strategy (Keras 3's ``fit`` fails under
+``MultiWorkerMirroredStrategy``, keras-team/keras#20585): the loss summed over tokens, divided by
+the *global* batch's count; with ``accumulate_steps`` N, one update on N batches as on their union.
 """
 
 import keras
@@ -15,12 +12,9 @@ from kyu_transformer.special_ids import PAD_ID
 
 
 def loss_terms_function(loss_fn, xla=True):
-    """``loss_terms(labels, logits)`` -> ``(loss_sum, correct, tokens)``; XLA-compiled if `xla`.
-
-    With `xla` (a fast path) XLA fuses the loss's passes over the `(N, T, V)` logits and
-    shares their row maxima with the hits, while the step's matrix products stay on
-    TensorFlow's oneDNN kernels, faster than XLA's in bfloat16.
-    """
+    """``loss_terms(labels, logits)`` -> ``(loss_sum, correct, tokens)``; XLA-compiled if `xla`
+    (a fast path: XLA fuses the loss's passes over the logits, while the step's matrix products
+    stay on TensorFlow's oneDNN kernels, faster than XLA's in bfloat16)."""
     def loss_terms(labels, logits):
         token_losses = loss_fn.token_losses(labels, logits)  # (N, T)
         correct, tokens = masked_accuracy_counts(labels, logits)
@@ -30,27 +24,20 @@ def loss_terms_function(loss_fn, xla=True):
 
 
 class TrainStep:
-    """``step(iterator)`` -> ``(batches, loss_sum, correct, tokens, stops)``: one update.
+    """``step(iterator)`` -> ``(batches, loss_sum, correct, tokens, stops)``: one update of
+    `accumulate_steps` batches from an iterator of `distribute`'s (`loss_terms`: from
+    `loss_terms_function`; `jit_compile`: the whole step compiled with XLA).
 
-    Args:
-      strategy: The `tf.distribute.Strategy` the model and optimizer live in.
-      model: The model; called as ``model(features, training=True)``.
-      optimizer: A Keras optimizer (a `LossScaleOptimizer` scales the loss).
-      loss_terms: A function from `loss_terms_function`.
-      jit_compile: Whether to compile the whole step with XLA.
-      accumulate_steps: Batches per update; the iterator comes from `distribute`.
-
-    ``batches`` counts the batches the update took: `accumulate_steps`, fewer at the end of
-    the data, 0 (and the sums 0) once it has ended. ``stops`` counts the replicas whose
-    process called `request_stop`: it rides on the token count's all-reduce, so every
-    worker learns of any stop after the same update, at no cost.
+    ``batches`` counts the batches the update took: fewer at the end of the data, 0 (and the
+    sums 0) once it has ended. ``stops`` counts the replicas whose process called
+    `request_stop`: riding on the token count's all-reduce, it tells every worker of any stop
+    after the same update, at no cost.
     """
 
     def __init__(self, strategy, model, optimizer, loss_terms, jit_compile=False,
                  accumulate_steps=1):
-        self.strategy, self.model = strategy, model
-        self.optimizer, self.loss_terms = optimizer, loss_terms
-        self.accumulate_steps = accumulate_steps
+        self.strategy, self.model, self.optimizer = strategy, model, optimizer
+        self.loss_terms, self.accumulate_steps = loss_terms, accumulate_steps
         # This process's request, outside the strategy: every worker has its own.
         self.stop_requested = tf.Variable(0.0, trainable=False, name="stop_requested")
         step = self._distributed_step if accumulate_steps == 1 else self._accumulated_step
@@ -94,15 +81,13 @@ class TrainStep:
         if not batch.has_value():
             return (tf.constant(0), *[tf.constant(0.0)] * 4)
         *sums, stops = self.strategy.run(self._replica_step, args=batch.get_value())
-        totals = [self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-                  for value in sums]
         # Already summed over all replicas: every replica holds the same count.
-        return (tf.constant(1), *totals, self.strategy.experimental_local_results(stops)[0])
+        return (tf.constant(1), *self._summed(sums),
+                self.strategy.experimental_local_results(stops)[0])
 
     def _accumulated_step(self, iterator):
-        """One update on the next `accumulate_steps` batches of an endless iterator (see
-        `distribute`). Their tokens are counted first, so each batch's gradient is taken of its
-        loss divided by the count of all: their sum is the gradient of the batches' union."""
+        """One update on the next `accumulate_steps` batches of an endless iterator: their
+        tokens counted first, each batch's loss is divided by the count of all."""
         micro_batches = [next(iterator) for _ in range(self.accumulate_steps)]
         counts = self.strategy.run(self._counts, args=(micro_batches,))
         tokens_stops_rows = self.strategy.experimental_local_results(counts)[0]
@@ -111,9 +96,11 @@ class TrainStep:
         if batches == 0:
             return (batches, *[tf.constant(0.0)] * 3, tokens_stops_rows[1])
         sums = self.strategy.run(self._replica_update, args=(micro_batches, counts))
-        totals = [self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-                  for value in sums]
-        return (batches, *totals, tokens_stops_rows[1])
+        return (batches, *self._summed(sums), tokens_stops_rows[1])
+
+    def _summed(self, values):
+        return [self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+                for value in values]
 
     def _counts(self, micro_batches):
         """``[tokens, stops, rows of each batch]`` summed over replicas (one all-reduce). A
@@ -130,7 +117,9 @@ class TrainStep:
         variables, gradients, sums = self.model.trainable_variables, None, []
         for features, labels in micro_batches:
             if gradients is not None:  # a batch's forward pass waits for the last one's gradients
-                with tf.control_dependencies(_tensors(gradients)):
+                done = [tensor for tensor in tf.nest.flatten(gradients, expand_composites=True)
+                        if tensor is not None]
+                with tf.control_dependencies(done):
                     features, labels = tf.nest.map_structure(tf.identity, (features, labels))
             with tf.GradientTape() as tape:
                 logits = self.model(features, training=True)  # (n, T, V)
@@ -152,8 +141,3 @@ def _added(total, more):
         return tf.IndexedSlices(tf.concat([total.values, more.values], 0),
                                 tf.concat([total.indices, more.indices], 0), total.dense_shape)
     return tf.convert_to_tensor(total) + tf.convert_to_tensor(more)
-
-
-def _tensors(gradients):
-    return [tensor for tensor in tf.nest.flatten(gradients, expand_composites=True)
-            if tensor is not None]

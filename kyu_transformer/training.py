@@ -1,15 +1,13 @@
-"""The trainer: builds a run's parts and drives them, epoch by epoch.
-
-Each part is its own module: `train_step`, `distribution`, `resumption`, `time_budget`,
-`stop_requests`, `training_log`, `precision`. The ``fast_paths`` hparam (on by default)
-selects the CPU fast paths: the fused Adam, the loss's stated gradient and the loss compiled
-alone with XLA (also subject to ``xla_loss``); off, `keras.optimizers.Adam` and automatic
-differentiation, the same function on any device (``jit_compile`` still applies).
+"""The trainer: builds a run's parts (`train_step`, `distribution`, `resumption`, `time_budget`,
+`training_log`, `precision`) and drives them, epoch by epoch. The ``fast_paths`` hparam selects
+the fused Adam, the loss's stated gradient and the loss compiled alone with XLA (``xla_loss``).
 """
 
 import hashlib
 import math
 import os
+import signal
+import threading
 
 import keras
 import numpy as np
@@ -17,7 +15,7 @@ import tensorflow as tf
 
 from kyu_transformer import filenames
 from kyu_transformer.checkpoints import CheckpointError, checkpoint_dir
-from kyu_transformer.distribution import is_chief
+from kyu_transformer.distribution import barrier, check_agreement, is_chief, is_multi_worker
 from kyu_transformer.files import replaced_atomically
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
@@ -26,11 +24,18 @@ from kyu_transformer.plots import plot_training
 from kyu_transformer.precision import resolve_precision, set_precision
 from kyu_transformer.resumption import RunCheckpoints
 from kyu_transformer.schedules import NoamSchedule
-from kyu_transformer.stop_requests import StopRequests
 from kyu_transformer.time_budget import TimeBudget, UpdatePlan
 from kyu_transformer.train_step import TrainStep, loss_terms_function
 from kyu_transformer.training_log import Progress, TrainingLog, Window
-from kyu_transformer.workers import barrier, check_agreement, is_multi_worker
+
+
+def seed_everything(seed, deterministic=False):
+    """Seeds Python, NumPy, TensorFlow and Keras; with `deterministic`, TensorFlow's ops
+    also run deterministically (two runs with one seed give bit-identical weights)."""
+    keras.utils.set_random_seed(seed)
+    np.random.seed(seed)
+    if deterministic:
+        tf.config.experimental.enable_op_determinism()
 
 
 def weights_digest(model):
@@ -41,31 +46,46 @@ def weights_digest(model):
     return digest.hexdigest()
 
 
+class StopRequests:
+    """A context in which SIGTERM and SIGINT only note a request to stop after an update, with a
+    checkpoint: `received` names the first (``"SIGTERM"``) or is None. A second one interrupts
+    nothing; a third raises `KeyboardInterrupt` (a hung run). Notes nothing outside the main
+    thread (where Python cannot install handlers)."""
+
+    def __init__(self):
+        self.received, self.count, self._previous = None, 0, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {number: signal.signal(number, self._note)
+                              for number in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exception):
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+
+    def _note(self, number, frame):  # pylint: disable=unused-argument
+        # Only flags: printing from a handler can re-enter a stream being written.
+        self.count += 1
+        if self.received is None:
+            self.received = signal.Signals(number).name
+        if self.count >= 3:
+            raise KeyboardInterrupt
+
+
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. the loss is no longer finite)."""
 
 
-def make_optimizer(hparams, schedule):
-    """Adam as the paper sets it, with loss scaling under ``fp16``."""
-    optimizer = make_adam(schedule, fast_paths=hparams.get("fast_paths", True),
-                          beta_1=0.9, beta_2=0.98, epsilon=1e-9)
-    if hparams["mixed_precision"] == "fp16":
-        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-    return optimizer
-
-
 class Trainer:
-    """Trains a `Transformer` under a strategy, with checkpoints and summaries.
+    """Trains a `Transformer` under `strategy`, with checkpoints and summaries in `logdir`.
 
-    Args:
-      hparams: dict of hyperparameters (see `hparams.py`); ``auto`` precision is resolved
-        per process (on several workers, pass the chief's choice, as train.py does).
-      strategy: A `tf.distribute.Strategy`; the default strategy when None.
-      logdir: Where checkpoints, history, events and plots go; default `hparams["logdir"]`.
-      hooks: ``hook(trainer, epoch, logs)``, run on the chief after each epoch; may add to `logs`.
-      verbose: Whether to show a progress bar.
-      initialize: ``initialize(trainer)``, run when there is no checkpoint to resume from,
-        sets the starting weights (fine-tuning's `fine_tuning.Source.initialize`).
+    ``auto`` precision is resolved per process (on several workers, pass the chief's choice).
+    `hooks`: ``hook(trainer, epoch, logs)``, run on the chief after each epoch (may add to
+    `logs`). `initialize(trainer)` sets the starting weights when there is no checkpoint to
+    resume from (fine-tuning's `fine_tuning.Source.initialize`).
     """
 
     def __init__(self, hparams, strategy=None, logdir=None, hooks=(), verbose=True,
@@ -83,19 +103,22 @@ class Trainer:
             self.model.build()
             self.schedule = NoamSchedule(hparams["d_model"], hparams["warmup_steps"],
                                          hparams["lr"], hparams.get("decay_steps", 0))
-            self.optimizer = make_optimizer(hparams, self.schedule)
+            # Adam as the paper sets it, with loss scaling under fp16.
+            self.optimizer = make_adam(self.schedule, fast_paths=fast_paths, beta_1=0.9,
+                                       beta_2=0.98, epsilon=1e-9)
+            if hparams["mixed_precision"] == "fp16":
+                self.optimizer = keras.optimizers.LossScaleOptimizer(self.optimizer)
             self.optimizer.build(self.model.trainable_variables)
-        self.checkpoint_dir = checkpoint_dir(self.logdir)
         self.checkpoints = RunCheckpoints(self.strategy, self.model, self.optimizer,
-                                          self.checkpoint_dir, hparams["keep_checkpoints"],
+                                          checkpoint_dir(self.logdir), hparams["keep_checkpoints"],
                                           self.chief)
         self.last_saved, self.plan, self.per_update = None, None, hparams.get("accumulate_steps", 1)
         self._stop_requests = StopRequests()
         self.budget = TimeBudget(hparams["max_minutes"], self.strategy)
         self.log = TrainingLog(self.logdir, self.chief)
         self.loss_fn = LabelSmoothedCrossEntropy(hparams["smoothing"], fast_paths=fast_paths)
-        self._loss_terms = loss_terms_function(self.loss_fn, xla=fast_paths and hparams["xla_loss"])
-        self._train_step = TrainStep(self.strategy, self.model, self.optimizer, self._loss_terms,
+        loss_terms = loss_terms_function(self.loss_fn, xla=fast_paths and hparams["xla_loss"])
+        self._train_step = TrainStep(self.strategy, self.model, self.optimizer, loss_terms,
                                      hparams["jit_compile"], self.per_update)
 
     # The run state, as the checkpoints hold it.
@@ -132,31 +155,16 @@ class Trainer:
         self.last_saved = self.checkpoints.save(self.global_step(), self.budget.used())
         return self.last_saved
 
-    def export(self):
-        """Writes the model to `<logdir>/model.keras` (replaced atomically)."""
-        if not self.chief:
-            return None
-        path = os.path.join(self.logdir, filenames.MODEL)
-        with replaced_atomically(path) as temporary:
-            self.model.save(temporary)
-        return path
-
     def fit(self, make_epoch_batches, steps_per_epoch=None):
-        """Trains until `num_epochs`, `max_minutes` or the end of the data.
+        """Trains until `num_epochs`, `max_minutes` or the end of the data; a signal stops it
+        after an update with a checkpoint (`model.keras` and the plots left to a later run).
 
-        Args:
-          make_epoch_batches: ``epoch -> tf.data.Dataset`` of global batches
-            ``({"source", "target_in"}, target_out)``, the same for the same epoch
-            (a resumed run skips what it has done).
-          steps_per_epoch: Cap on the steps (updates) of an epoch (None: the whole data).
-
-        Returns:
-          A dict: ``resumed_from``, ``steps``, ``epochs``, ``stopped`` (``"done"``, ``"time"``,
-          ``"SIGTERM"`` or ``"SIGINT"``), ``last_loss``, ``train_seconds`` (resumed runs
-          included: what `max_minutes` limits), ``checkpoint`` (the last saved, on the chief).
-
-        A signal stops it after an update with a checkpoint, leaving `model.keras` and the
-        plots to the run that completes it.
+        `make_epoch_batches`: ``epoch -> tf.data.Dataset`` of global batches
+        ``({"source", "target_in"}, target_out)``, the same for the same epoch (a resumed run
+        skips what it has done); `steps_per_epoch` caps an epoch's updates. Returns a dict:
+        ``resumed_from``, ``steps``, ``epochs``, ``stopped`` (``"done"``, ``"time"``,
+        ``"SIGTERM"``...), ``last_loss``, ``train_seconds`` (resumed runs included) and
+        ``checkpoint`` (the last saved, on the chief).
         """
         self._train_step.stop_requested.assign(0.0)
         with StopRequests() as self._stop_requests:
@@ -170,7 +178,8 @@ class Trainer:
             while int(self.epoch.numpy()) < self.hparams["num_epochs"] and stopped == "done":
                 stopped, last_loss = self._train_epoch(make_epoch_batches, steps_per_epoch)
             if self.chief and stopped in ("done", "time"):
-                self.export()
+                with replaced_atomically(os.path.join(self.logdir, filenames.MODEL)) as temporary:
+                    self.model.save(temporary)
                 plot_training(self.logdir)
         self.checkpoints.discard_private()
         return {"resumed_from": resumed_from, "steps": self.global_step(),

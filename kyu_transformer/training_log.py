@@ -13,11 +13,8 @@ from kyu_transformer.files import as_out_of_space, drop_torn_last_line, is_out_o
 
 
 class TrainingLog:
-    """Records to `<logdir>/history.jsonl` and TensorBoard scalars in `<logdir>/train`.
-
-    Only the chief writes. A record is a dict of ``kind`` (``"train"``, ``"epoch"``...),
-    ``step``, ``epoch`` and numbers, each a TensorBoard scalar ``<kind>/<key>``.
-    """
+    """Records, written by the chief to `<logdir>/history.jsonl` and as TensorBoard scalars
+    ``<kind>/<key>`` in `<logdir>/train`: dicts of ``kind``, ``step``, ``epoch`` and numbers."""
 
     def __init__(self, logdir, chief):
         self.logdir, self.chief, self.writer = logdir, chief, None
@@ -92,10 +89,9 @@ class Progress:
             self.bar.update(done, values)
 
     def say(self, line):
-        if self.enabled and line:
-            if self.bar is not None:
-                print()
-            print(line, flush=True)
+        """Prints `line` (if any) below the bar."""
+        if line:
+            self.finish(line)
 
     def log(self, record):
         if self.enabled and self.bar is None:

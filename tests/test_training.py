@@ -21,11 +21,10 @@ from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.metrics import masked_accuracy
 from kyu_transformer.resumption import random_states
 from kyu_transformer.schedules import NoamSchedule
-from kyu_transformer.seeding import seed_everything
 from kyu_transformer.time_budget import UpdatePlan
 from kyu_transformer.distribution import replica_slices
 from kyu_transformer.train_step import loss_terms_function
-from kyu_transformer.training import Trainer, TrainingError
+from kyu_transformer.training import Trainer, TrainingError, seed_everything
 from tests.test_data import MULTI30K
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
