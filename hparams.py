@@ -19,9 +19,8 @@ SPEC = {
     "tgt_lang": ("en", "target language suffix"),
     "vocab_size": (8000, "size of the joint SentencePiece vocabulary"),
     "subword_model_type": ("unigram", "SentencePiece model type: unigram or bpe"),
-    "subword_alpha": (0.0, "subword regularization (unigram only): each epoch draws every "
-                           "training sentence's segmentation among its 16 best, with "
-                           "probability ~ p^alpha, seeded by seed and epoch; 0: the best one"),
+    "subword_alpha": (0.0, "subword regularization (unigram only): each epoch draws a training "
+                           "sentence's segmentation among its 16 best, ~ p^alpha; 0: the best"),
     "maxlen1": (100, "longest source, in subwords with EOS; longer pairs are dropped"),
     "maxlen2": (100, "longest target, in subwords with BOS/EOS; longer pairs are dropped"),
     "batch_size": (128, "most sentence pairs in a batch"),
@@ -39,9 +38,8 @@ SPEC = {
     "sinusoid": (True, "sinusoid (true) or learned (false) positions"),
     "share_embeddings": (True, "one embedding table for source, target and output"),
     "epsilon": (1e-6, "layer-norm epsilon"),  # why 1e-6: kyu_transformer.layers
-    "fast_paths": (True, "CPU fast paths (kyu_transformer/fast_paths.py, the loss's stated "
-                         "gradient, fused Adam, XLA loss); false: Keras' own layers, autodiff "
-                         "and Adam, the same function on any device"),
+    "fast_paths": (True, "CPU fast paths (fast_paths.py, the loss's stated gradient, fused Adam, "
+                         "XLA loss); false: Keras' own, the same function on any device"),
     # training
     "lr": (1.0, "scale of the Noam learning-rate schedule"),
     "warmup_steps": (4000, "warm-up steps of the Noam schedule"),
@@ -50,15 +48,12 @@ SPEC = {
     "smoothing": (0.1, "label smoothing"),
     "num_epochs": (20, "epochs to train"),
     "steps_per_epoch": (0, "cap on the steps (updates) of an epoch; 0: the whole training set"),
-    "accumulate_steps": (1, "batches per update (gradient accumulation): their gradients are "
-                            "summed, the loss normalized by all their tokens, as for one batch "
-                            "that many times as large"),
+    "accumulate_steps": (1, "batches per update (gradient accumulation), as one batch that many "
+                            "times as large: the loss normalized by all their tokens"),
     "max_minutes": (0.0, "stop cleanly after this many minutes of training; 0: no limit"),
     "seed": (42, "seed of initialization, shuffling and dropout"),
     "mixed_precision": ("no", "no, bf16 (CPU/TPU), fp16 (GPU, with loss scaling), or auto: "
-                              "chosen for this machine (GPU: bf16 where native, else fp16; "
-                              "CPU: bf16 where its matrix products measure 1.2x faster) and "
-                              "saved as chosen"),
+                              "chosen for this machine (README) and saved as chosen"),
     "jit_compile": (False, "compile the training step with XLA"),
     "xla_loss": (True, "compile the loss alone with XLA (a fast path: off without fast_paths)"),
     "logdir": ("log/default", "where checkpoints, summaries, plots and the subword model go"),
@@ -72,11 +67,8 @@ SPEC = {
 
 DEFAULTS = {name: default for name, (default, _) in SPEC.items()}
 
-CHOICES = {
-    "norm_position": ("post", "pre"),
-    "mixed_precision": ("no", "bf16", "fp16", "auto"),
-    "subword_model_type": ("unigram", "bpe"),
-}
+CHOICES = {"norm_position": ("post", "pre"), "mixed_precision": ("no", "bf16", "fp16", "auto"),
+           "subword_model_type": ("unigram", "bpe")}
 POSITIVE = ("vocab_size", "maxlen1", "maxlen2", "batch_size", "d_model", "d_ff", "num_blocks",
             "num_heads", "lr", "warmup_steps", "num_epochs", "keep_checkpoints", "log_every",
             "epsilon", "eval_batch_size", "accumulate_steps")
@@ -95,8 +87,7 @@ PRESETS = {
     # the rate to 0 at their end (chosen on val; benchmarks/RESULTS.md, "Recipe search").
     "small": dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4,
                   maxlen1=64, maxlen2=64, batch_size=256, batch_tokens=4096, dropout_rate=0.1,
-                  lr=0.8, warmup_steps=800, decay_steps=4500, num_epochs=30,
-                  mixed_precision="auto",
+                  lr=0.8, warmup_steps=800, decay_steps=4500, num_epochs=30, mixed_precision="auto",
                   checkpoint_every=100, keep_checkpoints=8, logdir="log/small"),
     # The paper's base model.
     "base": dict(d_model=512, d_ff=2048, num_blocks=6, num_heads=8, dropout_rate=0.1,
@@ -195,19 +186,13 @@ def resolve(values):
 
 def check(hparams):
     """The list of problems of a fully typed hparams dict (empty when valid)."""
-    problems = []
-    for name in POSITIVE:
-        if hparams[name] <= 0:
-            problems.append(f"`{name}` must be positive, got {hparams[name]}")
-    for name in NON_NEGATIVE:
-        if hparams[name] < 0:
-            problems.append(f"`{name}` must be >= 0, got {hparams[name]}")
-    for name in RATES:
-        if not 0.0 <= hparams[name] < 1.0:
-            problems.append(f"`{name}` must be in [0, 1), got {hparams[name]}")
-    for name, choices in CHOICES.items():
-        if hparams[name] not in choices:
-            problems.append(f"`{name}` must be one of {', '.join(choices)}, got {hparams[name]!r}")
+    ranges = ((POSITIVE, lambda value: value > 0, "positive"),
+              (NON_NEGATIVE, lambda value: value >= 0, ">= 0"),
+              (RATES, lambda value: 0.0 <= value < 1.0, "in [0, 1)"))
+    problems = [f"`{name}` must be {text}, got {hparams[name]}"
+                for names, valid, text in ranges for name in names if not valid(hparams[name])]
+    problems += [f"`{name}` must be one of {', '.join(choices)}, got {hparams[name]!r}"
+                 for name, choices in CHOICES.items() if hparams[name] not in choices]
     if hparams["num_heads"] > 0 and hparams["d_model"] % hparams["num_heads"]:
         problems.append(f"`d_model` ({hparams['d_model']}) must be divisible by `num_heads` "
                         f"({hparams['num_heads']})")
@@ -227,29 +212,17 @@ def check(hparams):
     return problems
 
 
-def add_arguments(parser):
-    """`--hparams` plus one `--<name>` flag per hyperparameter."""
-    parser.add_argument("--hparams", default="",
-                        help="preset (" + ", ".join(PRESETS) + "), JSON file, or key=value,...")
-    group = parser.add_argument_group("hyperparameters (override --hparams)")
-    for name, (default, text) in SPEC.items():
-        group.add_argument(f"--{name}", default=None, metavar=type(default).__name__.upper(),
-                           help=f"{text} (default {default!r})")
-    return parser
-
-
 def _overrides(args):
     return {name: getattr(args, name) for name in SPEC if getattr(args, name) is not None}
 
 
 def from_args(args):
-    """The hparams given by parsed `add_arguments` flags."""
+    """The hparams given by parsed `argument_parser` flags."""
     return parse(args.hparams, _overrides(args))
 
 
 def given_keys(args):
-    """The names the flags set explicitly (by a preset, a JSON file, key=value or a flag), as
-    opposed to those left at their defaults."""
+    """The names the flags set (by a preset, a JSON file, key=value or a flag), not defaulted."""
     return set(_given(args.hparams, _overrides(args)))
 
 
@@ -290,4 +263,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def argument_parser(description):
-    return add_arguments(ArgumentParser(description=description))
+    """An `ArgumentParser` with `--hparams` plus one `--<name>` flag per hyperparameter."""
+    parser = ArgumentParser(description=description)
+    parser.add_argument("--hparams", default="",
+                        help="preset (" + ", ".join(PRESETS) + "), JSON file, or key=value,...")
+    group = parser.add_argument_group("hyperparameters (override --hparams)")
+    for name, (default, text) in SPEC.items():
+        group.add_argument(f"--{name}", default=None, metavar=type(default).__name__.upper(),
+                           help=f"{text} (default {default!r})")
+    return parser

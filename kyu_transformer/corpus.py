@@ -4,15 +4,9 @@ from kyu_transformer import data, pipeline
 
 
 class Corpus:
-    """The train and validation splits of corpus folder `data_dir`, as subword ids.
-
-    The subword model lives in `model_dir` (the logdir), trained there on both sides of the
-    training split the first time. `hparams` holds `src_lang`, `tgt_lang`, `vocab_size`,
-    `subword_model_type`, `maxlen1`, `maxlen2`, `batch_size`, `batch_tokens`, `seed` and
-    optionally `subword_alpha` (>0: each epoch its own segmentations of the training pairs);
-    `log` takes two lines of report (the second counts the unknown pieces: a subword model of
-    another corpus, as when fine-tuning, may lack some of its characters).
-    """
+    """The train and validation splits of corpus folder `data_dir`, as subword ids; the subword
+    model lives in `model_dir` (the logdir), trained on the training split the first time. `log`
+    reports, with the unknown pieces (a fine-tuning run's subword model may lack characters)."""
 
     def __init__(self, data_dir, model_dir, hparams, log=print):
         self.hparams = hparams
@@ -60,9 +54,8 @@ class Corpus:
 
 
 def count_unknown(sentences):
-    """How many of `sentences` (subword ids) hold the unknown id, and how many of all pieces are
-    it: ``{"sentences", "of", "pieces", "total", "share"}``."""
-    unknown = [sum(1 for piece in ids if piece == data.UNK_ID) for ids in sentences]
+    """How many of `sentences` (subword ids) hold the unknown id, and how many pieces are it."""
+    unknown = [list(ids).count(data.UNK_ID) for ids in sentences]
     total = sum(len(ids) for ids in sentences)
     return {"sentences": sum(1 for count in unknown if count), "of": len(unknown),
             "pieces": sum(unknown), "total": total, "share": sum(unknown) / max(total, 1)}

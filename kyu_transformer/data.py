@@ -1,11 +1,6 @@
-"""Parallel text in, subword ids out.
-
-Sentence-aligned text, plain or ``.gz`` (`read_lines`, `read_parallel`); a corpus folder's
-splits in the plain layout (``<split>.<lang>[.gz]``, e.g. Multi30k) or IWSLT 2016's
-(`load_split`); the Multi30k download (`ensure_multi30k`); a joint SentencePiece model
-(`Subwords`); pairs marked for training (`add_markers`; batched by `pipeline`). No TensorFlow:
-the programs read and check text before it loads.
-"""
+"""Parallel text in, subword ids out: plain or ``.gz`` files, a corpus folder's splits (plain
+``<split>.<lang>[.gz]`` as Multi30k's, or IWSLT 2016's), the Multi30k download, a joint
+SentencePiece model. No TensorFlow: the programs read and check text before it loads."""
 
 import glob
 import gzip
@@ -60,8 +55,9 @@ def read_lines(path):
     return lines
 
 
-def pair_lines(sources, targets, source_path, target_path):
-    """Aligned non-empty pairs; returns ``(sources, targets, num_empty)``."""
+def read_parallel(source_path, target_path, reader=read_lines):
+    """Two aligned files' non-empty pairs: ``(sources, targets, num_empty)``."""
+    sources, targets = reader(source_path), reader(target_path)
     if len(sources) != len(targets):
         raise DataError(f"{source_path} has {len(sources)} lines but {target_path} has "
                         f"{len(targets)}: the two sides must be sentence-aligned")
@@ -69,11 +65,6 @@ def pair_lines(sources, targets, source_path, target_path):
     if not kept:
         raise DataError(f"{source_path} / {target_path}: no non-empty sentence pair")
     return [s for s, _ in kept], [t for _, t in kept], len(sources) - len(kept)
-
-
-def read_parallel(source_path, target_path):
-    """Reads two aligned files; returns ``(sources, targets, num_empty)``."""
-    return pair_lines(read_lines(source_path), read_lines(target_path), source_path, target_path)
 
 
 _SEGMENT = re.compile(r"<seg[^>]*>(.*?)</seg>", re.IGNORECASE)
@@ -90,32 +81,27 @@ def read_iwslt_xml(path):
             for segment in _SEGMENT.findall(line)]
 
 
-def _iwslt_paths(data_dir, split, source_lang, target_lang):
-    pair = f"{source_lang}-{target_lang}"
-    if split == "train":
-        names = [f"train.tags.{pair}.{source_lang}", f"train.tags.{pair}.{target_lang}"]
-        return [os.path.join(data_dir, name) for name in names], read_iwslt_train
-    # val/test: the last IWSLT xml file whose name holds the split (e.g. tst2014).
-    found = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.{pair}.{source_lang}.xml")))
-    if not found:
-        return None, None
-    source_path = found[-1]
-    target_path = source_path[:-len(f".{source_lang}.xml")] + f".{target_lang}.xml"
-    return [source_path, target_path], read_iwslt_xml
-
-
 IWSLT_SPLITS = {"val": "tst2013", "test": "tst2014"}  # Kyubyong's choice
 
 
 def split_files(data_dir, split, source_lang="de", target_lang="en"):
-    """``([source_path, target_path], reader)`` of a split, or raises DataError."""
+    """``([source_path, target_path], reader)`` of a split, plain or IWSLT's, or DataError."""
+    languages, pair = (source_lang, target_lang), f"{source_lang}-{target_lang}"
     plain = []
-    for lang in (source_lang, target_lang):
+    for lang in languages:
         candidates = [os.path.join(data_dir, f"{split}.{lang}{ext}") for ext in ("", ".gz")]
         plain.append(next((c for c in candidates if os.path.isfile(c)), candidates[0]))
     if all(os.path.isfile(p) for p in plain):
         return plain, read_lines
-    paths, reader = _iwslt_paths(data_dir, IWSLT_SPLITS.get(split, split), source_lang, target_lang)
+    iwslt = IWSLT_SPLITS.get(split, split)
+    if iwslt == "train":
+        paths = [os.path.join(data_dir, f"train.tags.{pair}.{lang}") for lang in languages]
+        reader = read_iwslt_train
+    else:  # the last IWSLT xml file whose name holds the split (e.g. tst2014)
+        found = sorted(glob.glob(os.path.join(data_dir, f"*{iwslt}*.{pair}.{source_lang}.xml")))
+        stem = found[-1][:-len(f".{source_lang}.xml")] if found else None
+        paths = [f"{stem}.{lang}.xml" for lang in languages] if found else []
+        reader = read_iwslt_xml
     if paths and all(os.path.isfile(p) for p in paths):
         return paths, reader
     raise DataError(f"{data_dir}: no `{split}` split for {source_lang}-{target_lang}; expected "
@@ -135,22 +121,19 @@ def check_data_dir(data_dir):
 def load_split(data_dir, split, source_lang="de", target_lang="en"):
     """``(sources, targets, num_empty)`` of one split of a corpus folder."""
     check_data_dir(data_dir)
-    (source_path, target_path), reader = split_files(data_dir, split, source_lang, target_lang)
-    return pair_lines(reader(source_path), reader(target_path), source_path, target_path)
+    paths, reader = split_files(data_dir, split, source_lang, target_lang)
+    return read_parallel(*paths, reader)
 
 
 def fingerprint(data_dir, split="train", source_lang="de", target_lang="en"):
     """``{file name: sha256}`` of a split's files: tells one corpus from another."""
-    (source_path, target_path), _ = split_files(data_dir, split, source_lang, target_lang)
-    return {os.path.basename(path): sha256(path) for path in (source_path, target_path)}
+    paths, _ = split_files(data_dir, split, source_lang, target_lang)
+    return {os.path.basename(path): sha256(path) for path in paths}
 
 
 def ensure_multi30k(data_dir, base_url=None, timeout=30):
-    """Downloads the six raw Multi30k files into `data_dir` if it does not exist.
-
-    From `base_url`, else ``$MULTI30K_URL``, else the public repository; into a staging folder
-    that takes `data_dir`'s name once its files read (a failed download leaves nothing).
-    """
+    """Downloads the six raw Multi30k files into `data_dir` if it does not exist (from
+    `base_url`, else ``$MULTI30K_URL``); a failed download leaves nothing."""
     if os.path.exists(data_dir):
         return data_dir
     base_url = base_url or os.environ.get("MULTI30K_URL", MULTI30K_URL)
@@ -237,14 +220,9 @@ class Subwords:
 
 
 class SegmentationSampler:
-    """Subword regularization (Kudo 2018, l-best sampling) of a unigram model's segmentations.
-
-    Each sentence's `nbest` most probable segmentations and their log-probabilities are found
-    once; `draw(seed)` picks one a sentence, segmentation `x` with probability proportional to
-    ``p(x)^alpha``, from NumPy's generator of `seed`: the same in any process for the same seed.
-    (SentencePiece's own sampling draws from a per-thread generator that its seed does not
-    reproduce from one process to the next, so a resumed run would see other segmentations.)
-    """
+    """Subword regularization (Kudo 2018, l-best sampling): `draw(seed)` picks one of each
+    sentence's `nbest` best segmentations, `x` with probability ~ ``p(x)^alpha``, from NumPy's
+    generator of `seed`: unlike SentencePiece's own sampling, the same in a resumed run."""
 
     def __init__(self, subwords, sentences, alpha, nbest=16):
         self.alpha, pieces, lengths, scores, counts = float(alpha), [], [], [], []

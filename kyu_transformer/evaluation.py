@@ -15,28 +15,22 @@ def score(hypotheses, references):
     ``signature`` (BLEU's), ``chrf_signature`` and ``score_line`` (BLEU's own summary line)."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
-    bleu = sacrebleu.metrics.BLEU()
-    chrf = sacrebleu.metrics.CHRF()
+    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
     bleu_score = bleu.corpus_score(hypotheses, [references])
     chrf_score = chrf.corpus_score(hypotheses, [references])
+    signature = str(bleu.get_signature())
     return {"bleu": round(bleu_score.score, 2), "chrf": round(chrf_score.score, 2),
-            "signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature()),
-            "score_line": bleu_score.format(signature=str(bleu.get_signature()))}
+            "signature": signature, "chrf_signature": str(chrf.get_signature()),
+            "score_line": bleu_score.format(signature=signature)}
 
 
 class ValidationBleu:
-    """A training hook: greedy BLEU on the first `num_sentences` validation sentences.
-
-    Logs ``bleu`` into the epoch's record and keeps the best epoch's weights apart from the
-    rolling checkpoints, in ``<logdir>/best.weights.h5`` with ``best.json`` beside it.
-    `subwords` are the run's `data.Subwords`; `batch_size` sentences are decoded at a time.
-    """
+    """A training hook: greedy BLEU on the first `num_sentences` validation sentences, logged
+    into the epoch's record; the best epoch's weights are kept in `filenames.BEST_WEIGHTS`."""
 
     def __init__(self, sources, references, subwords, num_sentences=200, batch_size=128):
-        self.sources = sources[:num_sentences]
-        self.references = references[:num_sentences]
-        self.subwords = subwords
-        self.batch_size = batch_size
+        self.sources, self.references = sources[:num_sentences], references[:num_sentences]
+        self.subwords, self.batch_size = subwords, batch_size
         self.translator = None
 
     def __call__(self, trainer, epoch, logs):

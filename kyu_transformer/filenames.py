@@ -1,13 +1,7 @@
 """Every file and folder name the programs write (and the libraries' names they look for).
 
-A training logdir (train.py) holds `HPARAMS` (and, fine-tuned, `INIT_FROM`), `CORPUS`,
-`SUBWORDS` (and `SUBWORDS_VOCABULARY`), `CHECKPOINTS/`, `BEST_WEIGHTS` with `BEST_RECORD`,
-`HISTORY`, `TENSORBOARD/`, `MODEL`, the `PLOTS` and `LOCK` (`ASIDE`: where --overwrite moves
-it); eval.py writes into `EVAL/` the files `evaluation_file` names; export.py writes a
-SavedModel with `SAVED_MODEL_SETTINGS` or a CTranslate2 model with `CTRANSLATE2_SETTINGS` and
-`SUBWORDS`. Temporary names (staging folders renamed into place) stay beside the code that makes
-and renames them.
-"""
+A training logdir holds the names down to `EVAL` (eval.py's folder of the files `evaluation_file`
+names). Temporary names stay beside the code that makes and renames them."""
 
 import os
 

@@ -1,9 +1,7 @@
 """Writing files so that a crash, a signal or a full disk leaves nothing half-written.
 
-Whole files are written under a temporary name in their folder and renamed into place
-(atomically: a reader sees the old file or the new one); a failed write removes its temporary
-file. A failure for lack of space becomes an `OutOfSpace`, which the programs print as one line.
-A folder to be replaced is moved aside whole (`copy_aside`), never deleted.
+Files are written under a temporary name and renamed into place (a reader sees the old file or
+the new one); a lack of space becomes an `OutOfSpace`, which the programs print as one line.
 """
 
 import contextlib
@@ -53,11 +51,8 @@ def as_out_of_space(error, path=None, needed=None):
 
 @contextlib.contextmanager
 def replaced_atomically(path):
-    """Yields a temporary path to write to; it replaces `path` when the block succeeds.
-
-    The name keeps the file's ending (Keras and matplotlib choose the format by it). Should the
-    block fail, the file is removed, and a lack of space is raised as an `OutOfSpace`.
-    """
+    """Yields a temporary path (with `path`'s ending, by which Keras and matplotlib choose the
+    format) that replaces `path` when the block succeeds, and is removed when it fails."""
     folder, name = os.path.split(path)
     temporary = os.path.join(folder, f".tmp-{os.getpid()}-{name}")
     try:
@@ -121,10 +116,8 @@ def drop_torn_last_line(path):
 
 
 def copy_aside(path, keep=()):
-    """Moves the contents of folder `path` to `<path>.old-<time>`, returned; deletes nothing.
-
-    `keep` names entries that stay (the lock of the run that moves the rest).
-    """
+    """Moves the contents of folder `path` but `keep` (a run's lock) to `<path>.old-<time>`,
+    returned; deletes nothing."""
     path = os.path.normpath(path)  # "log/x/": the copy goes beside it, not into it
     stem = filenames.ASIDE.format(path, time.strftime('%Y%m%d-%H%M%S'))
     aside, number = stem, 1

@@ -1,5 +1,4 @@
-"""The flags the programs share, each defined once: which checkpoint, how to search, which
-distribution strategy and CTranslate2 weight type. Free of TensorFlow, so that a program refuses
+"""The flags the programs share, each defined once. Free of TensorFlow, so that a program refuses
 a wrong flag before TensorFlow loads (seconds)."""
 
 import dataclasses
@@ -13,24 +12,19 @@ QUANTIZATIONS = ("float32", "int8", "int8_float32")
 
 
 def add_checkpoint_arguments(parser, prefix=""):
-    """The flags by which a program chooses a logdir's weights (an argparse parser).
-
-    eval.py and export.py: ``--logdir`` (required), ``--ckpt``, ``--average_last``. With a
-    `prefix` (train.py's ``init_``): the logdir is ``--<prefix>from`` (optional) and the others
-    take the prefix, ``--init_ckpt`` and ``--init_average_last``.
-    """
+    """``--logdir`` (required), ``--ckpt``, ``--average_last``: which weights of a logdir. With a
+    `prefix` (train.py's ``init_``): ``--init_from`` (optional), ``--init_ckpt``, ..."""
     if prefix:
         parser.add_argument(f"--{prefix}from", default=None, metavar="LOGDIR",
                             help="a trained run's logdir: start from its architecture, subword "
                                  "model and weights, with a fresh optimizer and schedule")
     else:
         parser.add_argument("--logdir", required=True, help="a logdir written by train.py")
-    parser.add_argument(f"--{prefix}ckpt", default=None,
-                        help="checkpoint path, or 'best' (best validation BLEU); "
-                             "default: the latest")
+    parser.add_argument(f"--{prefix}ckpt", default=None, help="checkpoint path, or 'best' (best "
+                        "validation BLEU); default: the latest")
     parser.add_argument(f"--{prefix}average_last", type=int, default=0, metavar="N",
-                        help="average the weights of the last N checkpoints (all N must "
-                             f"exist; not with --{prefix}ckpt)")
+                        help="average the weights of the last N checkpoints (all N must exist; not "
+                             f"with --{prefix}ckpt)")
 
 
 def check_checkpoint_arguments(parser, args, prefix=""):
@@ -40,9 +34,8 @@ def check_checkpoint_arguments(parser, args, prefix=""):
     if average_last < 0:
         parser.error(f"--{prefix}average_last must be at least 0, got {average_last}")
     if ckpt and average_last:
-        parser.error(f"--{prefix}ckpt ({ckpt}) and --{prefix}average_last ({average_last}) "
-                     "exclude each other: give one checkpoint, or the number of last ones to "
-                     "average")
+        parser.error(f"--{prefix}ckpt ({ckpt}) and --{prefix}average_last ({average_last}) exclude "
+                     "each other: give one checkpoint, or the number of last ones to average")
     if prefix and not getattr(args, f"{prefix}from") and (ckpt or average_last):
         given = f"--{prefix}ckpt" if ckpt else f"--{prefix}average_last"
         parser.error(f"{given} chooses a checkpoint of --{prefix}from LOGDIR, which is not given")

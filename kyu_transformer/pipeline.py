@@ -27,11 +27,8 @@ def bucket_plan(maxlen, batch_size, batch_tokens, width=8):
 
 def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, maxlen=None,
                  shuffle=True, seed=0):
-    """Batches ``({"source", "target_in"}, target_out)`` of int32 ids padded with 0.
-
-    Pairs are bucketed by their longer side. With a fixed `seed` the batches and their order
-    are the same every time: a resumed run skips exactly those it had trained on.
-    """
+    """Batches ``({"source", "target_in"}, target_out)`` of int32 ids padded with 0, bucketed by
+    the longer side; with a fixed `seed` the same every time (a resumed run skips those trained)."""
     maxlen = maxlen or max(max(len(s) for s in sources), max(len(t) for t in targets_in))
     columns = [_padded(sequences) for sequences in (sources, targets_in, targets_out)]
     dataset = tf.data.Dataset.from_tensor_slices(tuple(columns))

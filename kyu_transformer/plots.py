@@ -34,9 +34,7 @@ def plot_series(records, key, path, title, ylabel):
         return None
     figure, axes = plt.subplots(figsize=(6, 4))
     axes.plot(*zip(*points), marker="o" if len(points) < 30 else None)
-    axes.set_xlabel("step")
-    axes.set_ylabel(ylabel)
-    axes.set_title(title)
+    axes.set(xlabel="step", ylabel=ylabel, title=title)
     axes.grid(alpha=0.3)
     figure.tight_layout()
     try:

@@ -1,11 +1,7 @@
 """Numeric precision of a run: the global Keras dtype policy, and `auto`'s choice of it.
 
-``auto`` on a GPU: bfloat16 from compute capability 8.0, else float16 with loss scaling.
-On a CPU bfloat16 pays only with fast units (AMX, AVX512-BF16), so the model's matrix
-products are timed in both dtypes and bfloat16 is taken if `BFLOAT16_MARGIN` times faster.
-Models under `MIN_PROBE_FLOPS` (op launches, not arithmetic, set their time) stay float32.
-Keras, and so TensorFlow, loads only to set a policy or time the products: the programs read
-these names and check their flags before it loads.
+On a CPU bfloat16 pays only with fast units (AMX, AVX512-BF16), so ``auto`` times the model's
+matrix products in both dtypes. Keras (and TensorFlow) loads only to set a policy or time them.
 """
 
 import time
@@ -18,8 +14,8 @@ AUTO = "auto"
 # Below this speedup, the casts and float32 parts of a mixed step eat bfloat16's gain.
 BFLOAT16_MARGIN = 1.2
 PROBE_ROWS = 512  # rows of the probe's products: tokens of a small batch
-MIN_PROBE_FLOPS = 2**28
-RUNS_PER_PRODUCT = 4
+MIN_PROBE_FLOPS = 2**28  # smaller models stay float32: op launches, not arithmetic, set the time
+RUNS_PER_PRODUCT = 4  # a repeat runs each product at most this often, scaled to its count
 
 
 def set_precision(mixed_precision):
@@ -30,17 +26,13 @@ def set_precision(mixed_precision):
 
 
 def choose_precision(hparams, gpus=None, timings=None):
-    """``(value, reason)``: the `mixed_precision` (``no``, ``bf16``, ``fp16``) that ``auto``
-    means on this machine, and one line with the figures it was chosen on.
-
-    `hparams` give the shapes to time; `gpus` (``[(major, minor)]`` compute capabilities)
-    and `timings` (``{"float32": s, "bfloat16": s}``) are detected or measured when None.
-    """
+    """``(value, reason)``: the `mixed_precision` that ``auto`` means here, and one line with the
+    figures it was chosen on. `gpus` (``[(major, minor)]`` compute capabilities) and `timings`
+    (``{"float32": s, "bfloat16": s}``) are detected or measured when None."""
     flops = probe_flops(hparams)
-    if flops < MIN_PROBE_FLOPS:  # on any device: launching ops, not arithmetic, sets the time
-        return "no", (f"the model's matrix products are too small for a half-precision type "
-                      f"to pay ({flops / 1e6:.0f} MFLOP a probe, under "
-                      f"{MIN_PROBE_FLOPS / 1e6:.0f})")
+    if flops < MIN_PROBE_FLOPS:  # on any device
+        return "no", ("the model's matrix products are too small for a half-precision type to "
+                      f"pay ({flops / 1e6:.0f} MFLOP a probe, under {MIN_PROBE_FLOPS / 1e6:.0f})")
     gpus = detect_gpus() if gpus is None else gpus
     if gpus:
         if all(capability >= (8, 0) for capability in gpus):
@@ -85,11 +77,8 @@ def detect_gpus():
 
 
 def probe_shapes(hparams):
-    """``(k, n, count)`` of the model's products and how many a forward pass makes of each.
-
-    Attention projections (4 per encoder block, 8 per decoder block), the feed-forward's
-    two, and the output layer: weighted so, the probe stands for a whole step.
-    """
+    """``(k, n, count)`` of the model's products and how many a forward pass makes of each:
+    attention projections (4 per encoder block, 8 per decoder block), feed-forward, output."""
     width, inner, blocks = hparams["d_model"], hparams["d_ff"], hparams["num_blocks"]
     return [(width, width, 12 * blocks), (width, inner, 2 * blocks),
             (inner, width, 2 * blocks), (width, hparams["vocab_size"], 1)]
@@ -101,16 +90,12 @@ def probe_flops(hparams):
 
 
 def time_matmuls(hparams, repeats=5):
-    """Seconds of the products `probe_shapes` weighs (the fastest of `repeats`), per dtype.
-
-    The fastest, as interference only slows a repeat down (a median of few flips near the
-    margin). A repeat runs each product up to `RUNS_PER_PRODUCT` times, scaled to its count.
-    """
+    """Seconds of the products `probe_shapes` weighs, per dtype: the fastest of `repeats`, as
+    interference only slows a repeat down (a median of few flips near the margin)."""
     import keras  # pylint: disable=import-outside-toplevel
 
     rows, shapes = PROBE_ROWS, probe_shapes(hparams)
-    generator = np.random.default_rng(0)
-    timings = {}
+    generator, timings = np.random.default_rng(0), {}
     for dtype in ("float32", "bfloat16"):
         pairs = [tuple(keras.ops.cast(generator.standard_normal(shape).astype("float32"), dtype)
                        for shape in ((rows, k), (k, n))) for k, n, _ in shapes]

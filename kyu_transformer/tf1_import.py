@@ -1,11 +1,7 @@
 """Reading a checkpoint of Kyubyong Park's TensorFlow 1.12 Transformer (his 2019 rewrite).
 
-That code names its variables by its ``tf.variable_scope``s and ``tf.layers.dense`` calls
-(``encoder/num_blocks_0/multihead_attention/dense/kernel``); `layout` maps each to this project's
-weight path (`checkpoints.model_weights`). Kernels are ``(inputs, outputs)`` in both: nothing is
-transposed. Its attention has no output projection (ours is written as the identity with a zero
-bias) and, in its versions of March to September 2019, no query/key/value biases (written as
-zeros): `filled_weights`. Its optimizer's variables are skipped. Everything but `read_checkpoint`
+`layout` maps that code's variable names to this project's weight paths; `filled_weights` writes
+what its model lacks. Variable by variable: docs/import_tf1.md. Everything but `read_checkpoint`
 and `save_weights` runs without TensorFlow, so that import_tf1.py checks its inputs first.
 """
 
@@ -21,23 +17,26 @@ EMBEDDINGS = "shared_weight_matrix/weight_mat"  # input embeddings of both sides
 # Its flags that make the model, and those of training that mean the same here.
 MODEL_KEYS = ("vocab_size", "d_model", "d_ff", "num_blocks", "num_heads", "maxlen1", "maxlen2")
 TRAINING_KEYS = ("dropout_rate", "smoothing")
-# That model in this project's terms: post-norm, sinusoids zero at padding (the interleaved
-# table), one table for both sides and the logits, its layer-norm epsilon. --hparams keeps them.
+# That model in this project's terms (post-norm, sinusoids zero at padding, one table, its
+# layer-norm epsilon): --hparams must keep them.
 FIXED = {"norm_position": "post", "sinusoid": True, "share_embeddings": True, "epsilon": 1e-8}
 # Adam's slots and accumulators, and the step: training state, not the model.
 OPTIMIZER_NAMES = ("beta1_power", "beta2_power", "global_step")
 OPTIMIZER_SUFFIXES = ("/Adam", "/Adam_1")
-
 # (that code's scope, ours) of the attentions of an encoder and a decoder block.
 ATTENTIONS = {"encoder": (("multihead_attention", "self_attention"),),
               "decoder": (("self_attention", "self_attention"),
                           ("vanilla_attention", "cross_attention"))}
 PROJECTIONS = (("dense", "query_dense"), ("dense_1", "key_dense"), ("dense_2", "value_dense"))
+SPECIAL_IDS = (PAD_ID, UNK_ID, BOS_ID, EOS_ID)
 
 
 class TF1ImportError(ValueError):
-    """A checkpoint, `hparams` file or subword model that cannot be imported; the message names
-    it and says why."""
+    """A checkpoint, `hparams` file or subword model that cannot be imported, and why."""
+
+
+def _first_line(error):
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def hparams_file(checkpoint):
@@ -103,20 +102,15 @@ def check_subword_model(path, vocab_size):
     try:
         processor = sentencepiece.SentencePieceProcessor(model_file=path)
     except (OSError, RuntimeError) as error:
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise TF1ImportError(f"{path}: not a SentencePiece model ({reason})") from None
+        raise TF1ImportError(f"{path}: not a SentencePiece model ({_first_line(error)})") from None
     ids = (processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id())
-    if ids != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+    if ids != SPECIAL_IDS:
         raise TF1ImportError(f"{path}: its ids of pad, unk, BOS and EOS are {ids}, not "
-                             f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)} as that code trains them")
+                             f"{SPECIAL_IDS} as that code trains them")
     if processor.get_piece_size() != vocab_size:
         raise TF1ImportError(f"{path} has {processor.get_piece_size()} pieces but `vocab_size` "
                              f"is {vocab_size}: the subword model of another run?")
     return processor
-
-
-def is_optimizer_state(name):
-    return name in OPTIMIZER_NAMES or name.endswith(OPTIMIZER_SUFFIXES)
 
 
 def layout(hparams, biases):
@@ -152,8 +146,7 @@ def layout(hparams, biases):
 def filled_weights(hparams, biases):
     """Our weights that code's model has not, as the function it computes: each attention's
     output projection (identity, zero bias), and without `biases` its projections' (zeros)."""
-    d_model = hparams["d_model"]
-    weights = {}
+    d_model, weights = hparams["d_model"], {}
     for side, attentions in ATTENTIONS.items():
         for index in range(hparams["num_blocks"]):
             for _, name in attentions:
@@ -177,7 +170,8 @@ def _sizes(hparams):
 def check_layout(where, shapes, hparams):
     """``(layout, biases, skipped)`` of a checkpoint's `shapes` (``{name: shape}``), or
     TF1ImportError naming the variable that is missing, unread or of the wrong shape."""
-    skipped = sorted(name for name in shapes if is_optimizer_state(name))
+    skipped = sorted(name for name in shapes
+                     if name in OPTIMIZER_NAMES or name.endswith(OPTIMIZER_SUFFIXES))
     present = set(shapes) - set(skipped)
     if EMBEDDINGS not in present:
         holds = _listed(sorted(present)) if present else "nothing else"
@@ -204,8 +198,7 @@ def check_layout(where, shapes, hparams):
 def imported_weights(expected, read, hparams, biases):
     """``{our weight path: float32 array}``: the variables of `expected` (`check_layout`) read
     by `read(name)`, and `filled_weights`."""
-    weights = {ours: np.array(read(name), dtype="float32")
-               for name, (_, ours) in expected.items()}
+    weights = {ours: np.array(read(name), dtype="float32") for name, (_, ours) in expected.items()}
     weights[expected[EMBEDDINGS][1]][PAD_ID] = 0.0  # the graph zeroes the padding row
     return {**weights, **filled_weights(hparams, biases)}
 
@@ -236,8 +229,8 @@ def read_checkpoint(prefix):
         reader = tf.train.load_checkpoint(prefix)
         return reader.get_variable_to_shape_map(), reader.get_tensor
     except Exception as error:  # pylint: disable=broad-except  (TensorFlow's many errors)
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise TF1ImportError(f"{prefix}: cannot be read as a checkpoint ({reason})") from None
+        raise TF1ImportError(f"{prefix}: cannot be read as a checkpoint "
+                             f"({_first_line(error)[:200]})") from None
 
 
 def save_weights(hparams, weights, directory, step):
@@ -258,6 +251,5 @@ def save_weights(hparams, weights, directory, step):
     for path, variable in variables.items():
         variable.assign(weights[path])
     manager = tf.train.CheckpointManager(tf.train.Checkpoint(weights=variables), directory,
-                                         max_to_keep=1,
-                                         checkpoint_name=filenames.CHECKPOINT_PREFIX)
+                                         max_to_keep=1, checkpoint_name=filenames.CHECKPOINT_PREFIX)
     return manager.save(checkpoint_number=step)
