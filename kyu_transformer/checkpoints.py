@@ -156,8 +156,8 @@ def describe(paths):
 
 def load_model(hparams, logdir, ckpt=None, average_last=0):
     """``(model, paths)``: a `Transformer` of `hparams` with the weights of checkpoints `paths`:
-    `ckpt` (a path, or "best"), the mean of the last `average_last` rolling ones (the paper's
-    averaging), or by default the latest that can be read. A `CheckpointError` (its subclass
+    `ckpt` (a path, or "best"), the mean of the last `average_last` (> 1) rolling ones (the
+    paper's averaging), or by default the latest that can be read. A `CheckpointError` (its subclass
     `UnreadableCheckpoint`) says which is missing, too few, unreadable, or does not fit."""
     average_last = int(average_last or 0)
     if average_last < 0:

@@ -256,9 +256,9 @@ def convert(model, hparams, subwords, out_dir, quantization="float32"):
 
     staging = staging_beside(out_dir, "ctranslate2")
     new = os.path.join(staging, "new")
-    # Mode 0o777 less the umask, as any new folder's (mkdtemp's 0o700 would follow the rename).
-    os.mkdir(new)
     try:
+        # Mode 0o777 less the umask, as any new folder's (mkdtemp's 0o700 would follow the rename).
+        os.mkdir(new)
         spec.save(new)
         settings = {"maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
                     "norm_position": model.norm_position, "epsilon": spec.config.layer_norm_epsilon,

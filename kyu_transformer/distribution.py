@@ -11,6 +11,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from kyu_transformer.flags import STRATEGIES
+
 
 class WorkerDisagreement(RuntimeError):
     """The workers of one run do not agree with the chief; the message says on what."""
@@ -19,6 +21,8 @@ class WorkerDisagreement(RuntimeError):
 def make_strategy(name="auto"):
     """The tf.distribute strategy called `name` (``auto``: mirrored if more than one GPU is
     visible, else the default; ``multi_worker`` reads the cluster from ``TF_CONFIG``)."""
+    if name not in STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
     if name == "auto":
         name = "mirrored" if len(tf.config.list_logical_devices("GPU")) > 1 else "default"
     if name == "default":

@@ -1,7 +1,8 @@
 """Every file and folder name the programs write (and the libraries' names they look for).
 
-A training logdir holds the names down to `EVAL` (eval.py's folder of the files `evaluation_file`
-names). Temporary names stay beside the code that makes and renames them."""
+A training logdir holds most of the names down to `EVAL` (eval.py's folder of the files
+`evaluation_file` names); comments say where the others live. Temporary names stay beside the code
+that makes and renames them."""
 
 import os
 

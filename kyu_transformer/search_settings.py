@@ -10,11 +10,12 @@ _TINY = float(np.finfo(np.float32).tiny)
 
 @dataclasses.dataclass(frozen=True)
 class SearchSettings:
-    """How to search, checked when made (ValueError naming the setting): the flags of
-    `flags.add_search_arguments`, and `max_length`, any output's most tokens (default maxlen2).
+    """How to search, checked when made (ValueError naming the setting).
 
-    `sampling_topk` 1 is no sampling, as in OpenNMT-tf and CTranslate2; `seed` is below
-    2**32 - 1 (CTranslate2's seeds are 32-bit, its last value "none").
+    The fields are the flags of `flags.add_search_arguments`, and `max_length`: the most output
+    tokens of any sentence (default the model's maxlen2). `sampling_topk` 1 is no sampling, as in
+    OpenNMT-tf and CTranslate2; `seed` is below 2**32 - 1 (CTranslate2's seeds are 32-bit,
+    its last value "none").
     """
 
     beam_size: int = None
@@ -32,13 +33,14 @@ class SearchSettings:
         if self.beam_size is None:
             object.__setattr__(self, "beam_size", 1 if self.sampling else 4)
         least = {"beam_size": 1, "n_best": 1, "length_margin": 0, "batch_size": 1,
-                 "sampling_topk": 0, "seed": 0, "max_length": 1}
-        for name, least_value in least.items():
-            value = getattr(self, name)
-            if value is not None and value < least_value:
-                raise ValueError(f"`{name}` must be at least {least_value}, got {value}")
+                 "sampling_topk": 0, "seed": 0}
+        for name, value in least.items():
+            if getattr(self, name) < value:
+                raise ValueError(f"`{name}` must be at least {value}, got {getattr(self, name)}")
         if self.seed >= SEED_LIMIT:
             raise ValueError(f"`seed` must be below {SEED_LIMIT}, got {self.seed}")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"`max_length` must be at least 1, got {self.max_length}")
         if not 0.0 < self.sampling_topp <= 1.0:
             raise ValueError(f"`sampling_topp` must be in (0, 1], got {self.sampling_topp}")
         if not self.sampling_temperature >= _TINY:

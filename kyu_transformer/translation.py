@@ -55,7 +55,8 @@ class Translations(collections.namedtuple("Translations", "hypotheses scores end
     `hypotheses`: output ids (EOS, padding removed), best first (an empty source: one empty,
     scored 0, undecoded); `ended`: whether each ended with EOS (else it was cut at its limit);
     `truncated_sources`, `truncated_outputs`: how many sources were cut to ``maxlen1``, and
-    best outputs at their limit. The other fields are None unless asked for.
+    best outputs at their limit. The other fields are None unless asked for (and for an empty
+    source).
     """
 
     @property

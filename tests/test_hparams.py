@@ -45,6 +45,8 @@ def test_flags_override_hparams():
     ("", {"vocab_size": -5}, "`vocab_size` must be positive"),
     ("", {"dropout_rate": 1.0}, "`dropout_rate` must be in [0, 1), got 1.0"),
     ("", {"smoothing": -0.1}, "`smoothing` must be in [0, 1)"),
+    ("", {"lr": "nan"}, "`lr` must be positive, got nan"),
+    ("", {"max_minutes": float("nan")}, "`max_minutes` must be >= 0, got nan"),
     ("", {"norm_position": "middle"}, "`norm_position` must be one of post, pre"),
     ("", {"batch_tokens": 10}, "`batch_tokens` (10) must be 0 or at least"),
     ("", {"accumulate_steps": 0}, "`accumulate_steps` must be positive, got 0"),
