@@ -259,7 +259,7 @@ class BeamSearch(_Strategy):
     def inputs(self, state):
         return state["last"], _self_mask(state["history"], ops.shape(state["last"])[0], self.k)
 
-    def advance(self, step, logits, coverage, history, state):
+    def advance(self, step, logits, coverage, self_mask, state):
         k, alpha = self.k, self.alpha
         top_scores, top_beams, top_tokens = _top_extensions(logits, state["alive_scores"], 2 * k)
         top_ids = ops.slice_update(_gather_beams(state["alive_ids"], top_beams), (0, 0, step),
@@ -267,7 +267,7 @@ class BeamSearch(_Strategy):
         ends = ops.equal(top_tokens, EOS_ID)
         # Alive: the K best extensions that do not end here.
         alive_scores, alive_pick = ops.top_k(ops.where(ends, _NEG_INF, top_scores), k)  # (N, K)
-        history = _gather_beams(history, _gather_beams(top_beams, alive_pick))
+        history = _gather_beams(self_mask, _gather_beams(top_beams, alive_pick))  # kept beams'
         # Finished: the K best of those kept and those ending here (at the limit, all).
         done, limits = state["done"], state["limits"]
         at_limit = ops.greater_equal(step + 1, limits)  # (N,)
