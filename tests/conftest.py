@@ -56,7 +56,21 @@ SLOW_FIXTURES = {"trained", "trained_logdir", "trained_tiny_logdir", "varied",
                  "varied_tiny_logdir"}
 
 
+# pytest-xdist (`--dist loadfile`) hands whole files to its workers in collection order. The
+# files that start the most programs go first, longest first, so that the short ones fill the
+# end and neither worker is left running a long file alone.
+LONGEST_FIRST = ("test_faults.py", "test_training.py", "test_benchmarks.py", "test_decoding.py",
+                 "test_multi_worker.py", "test_export.py", "test_ctranslate2.py",
+                 "test_keras_fit.py", "test_eval.py", "test_import_tf1.py")
+
+
+def _schedule_rank(item):
+    name = item.path.name
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_schedule_rank)  # stable: each file's tests keep their order
     for item in items:
         if SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
