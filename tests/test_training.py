@@ -260,14 +260,26 @@ def train_to_the_end(batches, logdir, strategy=None, **overrides):
     return taken, losses[:-1], weights, stops
 
 
-def assert_same_weights(actual, expected):
+def assert_same_weights(actual, expected, atol):
     # Key biases are left out: their true gradient is zero, so Adam steps them by rounding
     # noise alone (see `test_mirrored_two_devices_equals_default_strategy`).
     assert set(actual) == set(expected)
     for name in expected:
         if "key_dense/bias" not in name:
-            np.testing.assert_allclose(actual[name], expected[name], rtol=1e-4, atol=1e-6,
+            np.testing.assert_allclose(actual[name], expected[name], rtol=1e-4, atol=atol,
                                        err_msg=name)
+
+
+def adam_rounding_tolerance(updates):
+    """1% of the `tiny` preset's learning rates summed over `updates`. Adam moves a weight by
+    at most about its rate per update, whatever its gradient's scale: where a gradient is near
+    0, the rounding of the sums behind it (summed in another order, by oneDNN's kernels or
+    TensorFlow's own) changes that weight's step by a part of the rate, far more than the
+    rounding's own relative size (measured: 1.6e-5, 0.2% of the rates' sum, with
+    TF_ENABLE_ONEDNN_OPTS=0)."""
+    hparams = hp.parse("tiny", {})
+    schedule = NoamSchedule(hparams["d_model"], hparams["warmup_steps"], hparams["lr"])
+    return 0.01 * sum(float(schedule(step)) for step in range(updates))
 
 
 ACCUMULATION_SCRIPT = r"""
@@ -300,6 +312,7 @@ def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
             [sys.executable, "-c", ACCUMULATION_SCRIPT, ROOT, str(tmp_path)], stdout=log,
             stderr=subprocess.STDOUT, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     batches, joined = micro_batches(), {}
+    tolerance = adam_rounding_tolerance(updates=3)
     for fast_paths in (True, False):
         taken, losses, weights, stops = train_to_the_end(
             batches, tmp_path / f"accumulated-{fast_paths}", fast_paths=fast_paths,
@@ -309,10 +322,11 @@ def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
             unions(batches, 2), tmp_path / f"joined-{fast_paths}", fast_paths=fast_paths)
         assert joined_taken == [1, 1, 1, 0]
         np.testing.assert_allclose(losses, joined[fast_paths][0], rtol=1e-5)
-        assert_same_weights(weights, joined[fast_paths][1])
-    # Updates on the batches one by one end elsewhere: the test can fail.
+        assert_same_weights(weights, joined[fast_paths][1], tolerance)
+    # Updates on the batches one by one end elsewhere, beyond the tolerance: the test can fail.
     _, _, one_by_one, _ = train_to_the_end(batches, tmp_path / "one-by-one")
     assert max(np.abs(one_by_one[name] - weights[name]).max() for name in weights) > 1e-3
+    assert 1e-3 > 10 * tolerance
 
     assert mirrored.wait(timeout=300) == 0, (tmp_path / "mirrored.log").read_text()[-3000:]
     for fast_paths in (True, False):
@@ -321,7 +335,7 @@ def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
         assert list(results.pop("taken")) == [2, 2, 1, 0]
         assert results.pop("stops") == 2.0  # a stop rides on both replicas' token count
         np.testing.assert_allclose(results.pop("losses"), joined[fast_paths][0], rtol=1e-5)
-        assert_same_weights(results, joined[fast_paths][1])
+        assert_same_weights(results, joined[fast_paths][1], tolerance)
 
 
 def test_eval_and_export_do_not_import_the_trainer():
