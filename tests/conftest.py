@@ -45,8 +45,6 @@ def pytest_pycollect_makemodule(module_path, parent):
 
 
 def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's, see LONGEST_FIRST
-        config.option.loadscopereorder = False
     config.addinivalue_line(
         "markers", "tensorflow_only(reason): the test needs TensorFlow itself; skipped on "
         "other backends with that reason")
@@ -58,23 +56,7 @@ SLOW_FIXTURES = {"trained", "trained_logdir", "trained_tiny_logdir", "varied",
                  "varied_tiny_logdir"}
 
 
-# pytest-xdist (`--dist loadfile`) hands whole files to its workers; from 3.5 on it orders them
-# by their number of tests, which puts the few long tests that start programs (faults,
-# benchmarks, two workers) last. `pytest_configure` keeps the collection's order instead, in which
-# the files that start the most programs go first, longest first, so that the short ones fill
-# the end and neither worker is left running a long file alone.
-LONGEST_FIRST = ("test_faults.py", "test_training.py", "test_benchmarks.py", "test_decoding.py",
-                 "test_multi_worker.py", "test_export.py", "test_ctranslate2.py",
-                 "test_keras_fit.py", "test_eval.py", "test_import_tf1.py")
-
-
-def _schedule_rank(item):
-    name = item.path.name
-    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_schedule_rank)  # stable: each file's tests keep their order
     for item in items:
         if SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
