@@ -273,10 +273,10 @@ def assert_same_weights(actual, expected, atol):
 def adam_rounding_tolerance(updates):
     """1% of the `tiny` preset's learning rates summed over `updates`. Adam moves a weight by
     at most about its rate per update, whatever its gradient's scale: where a gradient is near
-    0, the rounding of the sums behind it (summed in another order, by oneDNN's kernels or
-    TensorFlow's own) changes that weight's step by a part of the rate, far more than the
-    rounding's own relative size (measured: 1.6e-5, 0.2% of the rates' sum, with
-    TF_ENABLE_ONEDNN_OPTS=0)."""
+    0, the rounding of the sums behind it (two batches' gradients added against one joined
+    batch's; oneDNN's kernels and TensorFlow's own round differently) changes that weight's step
+    by a part of the rate, far more than the rounding's own relative size (seen: one weight
+    1.6e-5 off, 0.2% of the rates' sum, with TF_ENABLE_ONEDNN_OPTS=0)."""
     hparams = hp.parse("tiny", {})
     schedule = NoamSchedule(hparams["d_model"], hparams["warmup_steps"], hparams["lr"])
     return 0.01 * sum(float(schedule(step)) for step in range(updates))
@@ -323,10 +323,11 @@ def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
         assert joined_taken == [1, 1, 1, 0]
         np.testing.assert_allclose(losses, joined[fast_paths][0], rtol=1e-5)
         assert_same_weights(weights, joined[fast_paths][1], tolerance)
-    # Updates on the batches one by one end elsewhere, beyond the tolerance: the test can fail.
+    # Updates on the batches one by one end elsewhere, in the weights compared, far beyond the
+    # tolerance: the test can fail.
     _, _, one_by_one, _ = train_to_the_end(batches, tmp_path / "one-by-one")
-    assert max(np.abs(one_by_one[name] - weights[name]).max() for name in weights) > 1e-3
-    assert 1e-3 > 10 * tolerance
+    assert max(np.abs(one_by_one[name] - weights[name]).max() for name in weights
+               if "key_dense/bias" not in name) > 10 * tolerance
 
     assert mirrored.wait(timeout=300) == 0, (tmp_path / "mirrored.log").read_text()[-3000:]
     for fast_paths in (True, False):
