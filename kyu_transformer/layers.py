@@ -57,7 +57,6 @@ class Normalize(keras.layers.LayerNormalization):
     """
 
     def __init__(self, epsilon=LAYER_NORM_EPSILON, **kwargs):
-        kwargs.setdefault("axis", -1)
         super().__init__(epsilon=epsilon, **_without_saved_switch(kwargs))
         self.fast_paths = fast.enabled()
 
@@ -133,9 +132,6 @@ class Embedding(keras.layers.Layer):
 
     def compute_mask(self, inputs, mask=None):
         return ops.not_equal(inputs, 0)  # (N, T)
-
-    def compute_output_shape(self, input_shape):
-        return tuple(input_shape) + (self.num_units,)
 
     def get_config(self):
         initializer = keras.initializers.serialize(self.embeddings_initializer)
@@ -507,15 +503,6 @@ class MultiHeadAttention(keras.layers.Layer):
     def _project(self, inputs, *denses):
         return project_heads(inputs, denses, self.num_heads, self.compute_dtype)
 
-    def compute_output_spec(self, queries, keys=None, values=None, query_mask=None,
-                            key_mask=None, training=None, return_attention_scores=False,
-                            cache=None):
-        outputs = keras.KerasTensor(queries.shape, dtype=self.compute_dtype)
-        num_keys = (keys if keys is not None else queries).shape[1]
-        weights = keras.KerasTensor((queries.shape[0], self.num_heads, queries.shape[1],
-                                     num_keys), dtype=self.compute_dtype)
-        return _results(outputs, weights if return_attention_scores else None, cache)
-
     def get_config(self):
         return dict(
             super().get_config(), num_heads=self.num_heads, num_units=self.num_units,
@@ -579,9 +566,6 @@ class FeedForward(keras.layers.Layer):
         return residual_connection(
             inputs, lambda x: (self.outer_dense(inner(x)),),  # (N, T, C) -> (N, T, d_ff) -> same
             self.norm, self.dropout, self.norm_position, training)[0]
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
 
     def get_config(self):
         return dict(super().get_config(), num_units=list(self.num_units),
@@ -660,12 +644,8 @@ class EncoderBlock(_Block):
         self.feed_forward.build(input_shape)
 
     def call(self, inputs, mask=None, training=None):
-        mask = _keras_mask(inputs) if mask is None else mask
         x = self.self_attention(inputs, query_mask=mask, key_mask=mask, training=training)
         return self.feed_forward(x, training=training)  # (N, T, C)
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -725,15 +705,6 @@ class DecoderBlock(_Block):
         coverage = ops.mean(weights, axis=1) if return_attention_scores else None  # (N, T, S)
         grown = None if cache is None else {"self": grown_self[0], "cross": grown_cross[0]}
         return _results(x, *((weights, coverage) if return_attention_scores else ()), grown)
-
-    def compute_output_spec(self, inputs, memory, mask=None, memory_mask=None, training=None,
-                            return_attention_scores=False, cache=None, self_attention_mask=None):
-        spec = lambda shape: keras.KerasTensor(shape, dtype=self.compute_dtype)  # noqa: E731
-        if not return_attention_scores:
-            return _results(spec(inputs.shape), cache)
-        batch, length, source_length = inputs.shape[0], inputs.shape[1], memory.shape[1]
-        return _results(spec(inputs.shape), spec((batch, self.num_heads, length, source_length)),
-                        spec((batch, length, source_length)), cache)
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")

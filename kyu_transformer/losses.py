@@ -47,10 +47,11 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
     def token_losses(self, y_true, y_pred):
         """Per-token losses `(N, T)` in float32, 0 at padding positions."""
         labels = ops.cast(y_true, "int32")
-        if self.from_logits:
-            cross_entropy = (_stated_gradient_cross_entropy if self.fast_paths
-                             else _smoothed_cross_entropy)
-            losses = cross_entropy(y_pred, labels, self.epsilon)
+        if self.from_logits and self.fast_paths:
+            losses = _stated_gradient_cross_entropy(y_pred, labels, self.epsilon)
+        elif self.from_logits:
+            full = ops.cast(y_pred, "float32")  # (N, T, V)
+            losses = _smoothed(ops.logsumexp(full, axis=-1), full, labels, self.epsilon)
         else:
             log_probs = ops.log(ops.clip(ops.cast(y_pred, "float32"), 1e-7, 1.0))
             losses = _smoothed(0.0, log_probs, labels, self.epsilon)  # (N, T)
@@ -74,14 +75,9 @@ def _smoothed(base, scores, labels, epsilon):
     return base - (1.0 - epsilon) * label_scores - epsilon * ops.mean(scores, axis=-1)
 
 
-def _smoothed_cross_entropy(logits, labels, epsilon):
-    """Per-token smoothed cross-entropy `(N, T)` of logits `(N, T, V)`, in float32."""
-    full = ops.cast(logits, "float32")  # (N, T, V)
-    return _smoothed(ops.logsumexp(full, axis=-1), full, labels, epsilon)
-
-
 def _stated_gradient_cross_entropy(logits, labels, epsilon):
-    """`_smoothed_cross_entropy` with the stated gradient (fast path).
+    """The smoothed cross-entropy `(N, T)` of logits `(N, T, V)` in float32, with the stated
+    gradient (fast path).
 
     ``softmax(logits) - (1 - eps) * one_hot(label) - eps / V`` times the upstream gradient:
     it reuses the forward exponentials, and the one-hot is a comparison inside the same
