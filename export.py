@@ -152,8 +152,7 @@ def write_saved_model(args, model, subwords, checkpoints, precision, target):
     from kyu_transformer import serving
     from kyu_transformer.checkpoints import describe
 
-    signatures = serving.save(model, subwords.path, args.settings, target, sampling=args.sampling,
-                              with_text=serving.import_tensorflow_text() is not None)
+    signatures = serving.save(model, subwords.path, args.settings, target, sampling=args.sampling)
     settings, sampling = args.settings, args.sampling
     record = {"format": "saved_model", "signatures": signatures, "logdir": args.logdir,
               "checkpoint": describe(checkpoints), "checkpoints": checkpoints,
@@ -164,7 +163,7 @@ def write_saved_model(args, model, subwords, checkpoints, precision, target):
                   name: getattr(sampling, name)
                   for name in ("sampling_topk", "sampling_topp", "sampling_temperature", "n_best")},
               "maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
-              "subword_model": serving.asset_name(subwords.path)}
+              "subword_model": os.path.join("assets", os.path.basename(subwords.path))}
     path = os.path.join(target, filenames.SAVED_MODEL_SETTINGS)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
@@ -172,15 +171,14 @@ def write_saved_model(args, model, subwords, checkpoints, precision, target):
     return signatures
 
 
-def print_saved_model_usage(out, signatures, args, checkpoints, precision):
-    """Says what was written and how to call it, load it and serve it."""
+def print_saved_model_usage(out, signatures, args, checkpoint, precision):
+    """Says what was written (`checkpoint`: its description) and how to call, load and serve it."""
     from kyu_transformer import serving
-    from kyu_transformer.checkpoints import describe
 
     settings, sampling = args.settings, args.sampling
     search = (f"beam {settings.beam_size}, alpha {settings.alpha}" if settings.beam_size > 1
               else f"greedy, alpha {settings.alpha} for the scores")
-    print(f"wrote a SavedModel to {out}: checkpoint {describe(checkpoints)}; {search}, "
+    print(f"wrote a SavedModel to {out}: checkpoint {checkpoint}; {search}, "
           f"n_best {settings.n_best}, length margin {settings.length_margin}; decoding in "
           f"{PRECISION_POLICIES[precision]}")
     if serving.SAMPLE_SIGNATURE in signatures:
@@ -207,11 +205,9 @@ def print_saved_model_usage(out, signatures, args, checkpoints, precision):
           f"http://localhost:8501/v1/models/{name}:predict")
 
 
-def print_ctranslate2_usage(out, args, checkpoints):
-    """Says what was written and how to translate with it."""
-    from kyu_transformer.checkpoints import describe
-
-    print(f"wrote a CTranslate2 model to {out}: checkpoint {describe(checkpoints)}, weights "
+def print_ctranslate2_usage(out, args, checkpoint):
+    """Says what was written (`checkpoint`: its description) and how to translate with it."""
+    print(f"wrote a CTranslate2 model to {out}: checkpoint {checkpoint}, weights "
           f"{args.quantization or 'float32'}")
     print("translate and score a split or a file with it (search settings given here):")
     print(f"  python eval.py --logdir {args.logdir} --ctranslate2 {out} --beam_size "
@@ -230,6 +226,7 @@ def main(argv=None):
     check_out(args.out, args.overwrite, args.logdir)
     hparams, subwords, model, checkpoints, precision = load(args)
     from kyu_transformer import ctranslate2_export
+    from kyu_transformer.checkpoints import describe
 
     try:  # a new hidden directory beside --out, to write the export in first
         staging = staging_beside(args.out, "export")
@@ -250,9 +247,9 @@ def main(argv=None):
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if args.format == "ctranslate2":
-        print_ctranslate2_usage(args.out, args, checkpoints)
+        print_ctranslate2_usage(args.out, args, describe(checkpoints))
     else:
-        print_saved_model_usage(args.out, signatures, args, checkpoints, precision)
+        print_saved_model_usage(args.out, signatures, args, describe(checkpoints), precision)
     return 0
 
 

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from kyu_transformer import filenames
-from kyu_transformer.files import staging_beside
+from kyu_transformer.files import staging_beside, write_text
 from kyu_transformer.decoding import NO_HYPOTHESIS_SCORE
 # Named apart: `length_penalty` is also CTranslate2's own option in this module.
 from kyu_transformer.decoding import length_penalty as gnmt_penalty
@@ -110,11 +110,9 @@ def _attention_problems(where, attention, d_model):
 
 
 def _norm_layers(model):
-    layers = []
-    for block in model.encoder_blocks + model.decoder_blocks:
-        layers += [block.self_attention.norm, block.feed_forward.norm]
-        if hasattr(block, "cross_attention"):
-            layers.append(block.cross_attention.norm)
+    layers = [layer.norm for block in model.encoder_blocks + model.decoder_blocks
+              for layer in (block.self_attention, block.feed_forward,
+                            getattr(block, "cross_attention", None)) if layer is not None]
     if model.norm_position == "pre":
         layers += [model.encoder_norm, model.decoder_norm]
     return layers
@@ -195,12 +193,10 @@ def build_spec(model, hparams, subwords):
     config = spec.config
     config.layer_norm_epsilon = float(hparams.get("epsilon", model.epsilon))
     config.unk_token = pieces[UNK_ID]
-    config.bos_token = pieces[BOS_ID]
+    config.bos_token = config.decoder_start_token = pieces[BOS_ID]
     config.eos_token = pieces[EOS_ID]
-    config.decoder_start_token = pieces[BOS_ID]
     # EOS is appended to the source by whoever cuts it (see the module's docstring).
-    config.add_source_bos = False
-    config.add_source_eos = False
+    config.add_source_bos = config.add_source_eos = False
     spec.register_source_vocabulary(pieces)
     spec.register_target_vocabulary(pieces)
     spec.validate()
@@ -211,17 +207,15 @@ def _set_weights(spec, model):
     """Fills the encoder and decoder of `spec` with the weights of `model`."""
     encoder, decoder = spec.encoder, spec.decoder
     _set_inputs(encoder, model.source_embedding, model.source_positions, model.d_model)
-    for layer_spec, block in zip(encoder.layer, model.encoder_blocks):
-        _set_attention(layer_spec.self_attention, block.self_attention, self_attention=True)
-        _set_feed_forward(layer_spec.ffn, block.feed_forward)
-    target_table = _set_inputs(decoder, model.target_embedding, model.target_positions,
-                               model.d_model)
-    for layer_spec, block in zip(decoder.layer, model.decoder_blocks):
-        _set_attention(layer_spec.self_attention, block.self_attention, self_attention=True)
-        _set_attention(layer_spec.attention, block.cross_attention, self_attention=False)
-        _set_feed_forward(layer_spec.ffn, block.feed_forward)
     # Tied output weights: the logits are the decoder states times the target table.
-    decoder.projection.weight = target_table
+    decoder.projection.weight = _set_inputs(decoder, model.target_embedding,
+                                            model.target_positions, model.d_model)
+    for layer_spec, block in zip(encoder.layer + decoder.layer,
+                                 model.encoder_blocks + model.decoder_blocks):
+        _set_attention(layer_spec.self_attention, block.self_attention, self_attention=True)
+        if hasattr(block, "cross_attention"):
+            _set_attention(layer_spec.attention, block.cross_attention, self_attention=False)
+        _set_feed_forward(layer_spec.ffn, block.feed_forward)
     if model.norm_position == "pre":
         _set_layer_norm(encoder.layer_norm, model.encoder_norm)
         _set_layer_norm(decoder.layer_norm, model.decoder_norm)
@@ -263,26 +257,14 @@ def convert(model, hparams, subwords, out_dir, quantization="float32"):
         settings = {"maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
                     "norm_position": model.norm_position, "epsilon": spec.config.layer_norm_epsilon,
                     "quantization": quantization}
-        with open(os.path.join(new, filenames.CTRANSLATE2_SETTINGS), "w",
-                  encoding="utf-8") as handle:
-            json.dump(settings, handle, indent=2, sort_keys=True)
-            handle.write("\n")
+        write_text(os.path.join(new, filenames.CTRANSLATE2_SETTINGS),
+                   json.dumps(settings, indent=2, sort_keys=True) + "\n")
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty (checked above)
         os.replace(new, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
-
-
-def read_settings(model_dir):
-    """Our settings written beside a converted model, as a dict."""
-    path = os.path.join(model_dir, filenames.CTRANSLATE2_SETTINGS)
-    if not os.path.isfile(path):
-        raise ExportError(f"{model_dir}: no {filenames.CTRANSLATE2_SETTINGS}; was it written by "
-                          "kyu_transformer.ctranslate2_export.convert?")
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
 
 
 def _log_softmax(logits):
@@ -307,7 +289,12 @@ class CTranslate2Translator(Engine):
 
     def __init__(self, model_dir, settings=None, translator_options=None, **fields):
         self._ctranslate2 = _import_ctranslate2()
-        ours = read_settings(model_dir)
+        path = os.path.join(model_dir, filenames.CTRANSLATE2_SETTINGS)  # what `convert` adds
+        if not os.path.isfile(path):
+            raise ExportError(f"{model_dir}: no {filenames.CTRANSLATE2_SETTINGS}; was it written "
+                              "by kyu_transformer.ctranslate2_export.convert?")
+        with open(path, encoding="utf-8") as handle:
+            ours = json.load(handle)
         super().__init__(ours["maxlen1"], ours["maxlen2"],
                          (settings or SearchSettings()).replace(**fields))
         self.model_dir, self.quantization = model_dir, ours.get("quantization")
@@ -339,50 +326,47 @@ class CTranslate2Translator(Engine):
 
     def _decode(self, inputs, limits, sentences, n_best, scored, with_coverage, with_log_probs,
                 seed):
+        """Ids `(n, K, L)` and scores `(n, K)` (samples sorted by score; a hypothesis CTranslate2
+        did not give is scored as impossible), and the first hypotheses' log-probabilities."""
         settings = self.settings
         sources = [[self._pieces[i] for i in row] for row in inputs.to_list()]
+        penalty = settings.alpha if settings.beam_size > 1 else 0.0
         # No minimum length (else no output ends before one token), no cut (the front end's);
         # `return_logits_vocab` gives the log-probabilities (greedy only: beams fill it unreliably).
         options = dict(
-            beam_size=settings.beam_size, num_hypotheses=n_best,
-            length_penalty=settings.alpha if settings.beam_size > 1 else 0.0,
+            beam_size=settings.beam_size, num_hypotheses=n_best, length_penalty=penalty,
             sampling_topk=settings.sampling_topk, sampling_topp=settings.sampling_topp,
             sampling_temperature=settings.sampling_temperature,
             max_batch_size=settings.batch_size, max_input_length=0, min_decoding_length=0,
             return_end_token=True, return_scores=True, return_logits_vocab=with_log_probs)
-        results = [None] * len(sources)
+        ids = np.zeros((len(sources), n_best, int(max(limits))), "int32")
+        scores = np.full((len(sources), n_best), NO_HYPOTHESIS_SCORE)
+        log_probs = [None] * len(sources)
         for limit in sorted(set(limits.tolist())):
             group = [row for row, own in enumerate(limits) if own == limit]
             outputs = self.load().translate_batch(
                 [sources[row] for row in group], max_decoding_length=int(limit), **options)
             for row, output in zip(group, outputs):
-                results[row] = [self._hypothesis(output, k, with_log_probs)
-                                for k in range(min(n_best, len(output.hypotheses)))]
-        return self._arrays(results, n_best, int(max(limits)))
+                hypotheses = [self._hypothesis(output, k, penalty, with_log_probs)
+                              for k in range(min(n_best, len(output.hypotheses)))]
+                if not hypotheses:  # none given: an empty output that ended, no score
+                    ids[row, 0, 0] = EOS_ID
+                else:
+                    log_probs[row] = hypotheses[0][2]
+                if settings.sampling:
+                    hypotheses.sort(key=lambda hypothesis: -hypothesis[1])
+                for k, (hypothesis, score, _) in enumerate(hypotheses):
+                    ids[row, k, :len(hypothesis)], scores[row, k] = hypothesis, score
+        return {"ids": ids, "scores": scores, "token_log_probs": log_probs}
 
-    def _hypothesis(self, output, k, with_log_probs):
-        """``(ids with EOS if it ended, our score, per-token log-probabilities or None)``."""
+    def _hypothesis(self, output, k, penalty, with_log_probs):
+        """``(ids with EOS if it ended, our score, per-token log-probabilities or None)``;
+        `penalty`: the exponent of CTranslate2's length penalty."""
         ids = [self._ids_of.get(piece, UNK_ID) for piece in output.hypotheses[k]]
         # CTranslate2's score is the log-probability divided by its own penalty.
-        exponent = self.settings.alpha if self.settings.beam_size > 1 else 0.0
-        log_prob = output.scores[k] * max(len(ids), 1) ** exponent
+        log_prob = output.scores[k] * max(len(ids), 1) ** penalty
         token_log_probs = None
         if with_log_probs:
             token_log_probs = [float(_log_softmax(np.asarray(logits))[token])
                                for logits, token in zip(output.logits[k], ids)]
         return ids, log_prob / float(gnmt_penalty(len(ids), self.settings.alpha)), token_log_probs
-
-    def _arrays(self, results, n_best, width):
-        """`_decode`'s ids `(n, K, L)` and scores `(n, K)` (samples sorted by score); a
-        hypothesis CTranslate2 did not give is scored as impossible."""
-        ids = np.zeros((len(results), n_best, width), "int32")
-        scores = np.full((len(results), n_best), NO_HYPOTHESIS_SCORE)
-        for row, hypotheses in enumerate(results):
-            if not hypotheses:  # none given: an empty output that ended, no score
-                ids[row, 0, 0] = EOS_ID
-            if self.settings.sampling:
-                hypotheses = sorted(hypotheses, key=lambda hypothesis: -hypothesis[1])
-            for k, (output, score, _) in enumerate(hypotheses):
-                ids[row, k, :len(output)], scores[row, k] = output, score
-        log_probs = [hypotheses[0][2] if hypotheses else None for hypotheses in results]
-        return {"ids": ids, "scores": scores, "token_log_probs": log_probs}

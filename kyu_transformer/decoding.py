@@ -27,10 +27,8 @@ def output_limit(source_length, maxlen1, max_length, length_margin):
     """A sentence's most output tokens, EOS included, on every path (`Translator`'s limit):
     ``min(max_length, min(source_length + 1, maxlen1) + length_margin)``, `source_length`
     (without EOS) an int, int array (numpy out) or tensor."""
-    if isinstance(source_length, (int, np.integer, np.ndarray, list)):
-        source_length = np.asarray(source_length)
-        return np.minimum(max_length, np.minimum(source_length + 1, maxlen1) + length_margin)
-    return ops.minimum(max_length, ops.minimum(source_length + 1, maxlen1) + length_margin)
+    minimum = ops.minimum if tf.is_tensor(source_length) else np.minimum
+    return minimum(max_length, minimum(source_length + 1, maxlen1) + length_margin)
 
 
 def _limits(max_length, batch):
@@ -54,8 +52,9 @@ def own_history(length, hypotheses):
     return ops.equal(slots % hypotheses, ops.arange(hypotheses)[:, None])[None]
 
 
-def _self_mask(history, batch, k):
+def _self_mask(history):
     """``history`` `(N, K, l*K)` with each hypothesis' newest slot: `(N, K, (l+1)*K)`."""
+    batch, k = ops.shape(history)[0], history.shape[1]
     own_slots = ops.broadcast_to(ops.eye(k, dtype="bool")[None], (batch, k, k))  # (N, K, K)
     return ops.concatenate([history, own_slots], axis=2)
 
@@ -144,7 +143,7 @@ def search(model, source, max_length, strategy):
     cache = model.init_cache(memory, source_mask)
     table = cache.pop("target_table")  # the same for every sentence
     state = {**strategy.start(batch, bound, width, ops.shape(source)[1]),
-             "limits": limits, "cache": cache}
+             "limits": limits, "cache": cache, "done": ops.zeros((batch,), "bool")}
     results = strategy.no_results(batch, width)
 
     def unfinished(step, *_):
@@ -176,6 +175,9 @@ class _Strategy:
     def leave(self, state, results, all_done):
         return state, results
 
+    def inputs(self, state):
+        return state["last"], _self_mask(state["history"])  # beam search and sampling
+
 
 class GreedySearch(_Strategy):
     """The most likely next token, one hypothesis per sentence; records the `coverage`.
@@ -190,8 +192,7 @@ class GreedySearch(_Strategy):
         return {"last": ops.full((batch,), BOS_ID, "int32"),
                 "ids": ops.zeros((batch, bound), "int32"),
                 "coverage": ops.zeros((batch, bound, source_length), "float32"),
-                "log_probs": ops.zeros((batch,), "float32"),
-                "done": ops.zeros((batch,), "bool")}
+                "log_probs": ops.zeros((batch,), "float32")}
 
     def inputs(self, state):
         return state["last"], None  # one query per sentence: it sees every cache slot
@@ -249,15 +250,11 @@ class BeamSearch(_Strategy):
                 "alive_scores": ops.tile(ops.convert_to_tensor([[0.0] + [_NEG_INF] * (k - 1)]),
                                          (batch, 1)),
                 "finished_ids": ops.zeros((batch, k, width), "int32"),
-                "finished_scores": ops.full((batch, k), _NEG_INF),
-                "done": ops.zeros((batch,), "bool")}
+                "finished_scores": ops.full((batch, k), _NEG_INF)}
 
     def no_results(self, batch, width):
         return (ops.zeros((batch, self.n_best, width), "int32"),
                 ops.full((batch, self.n_best), _NEG_INF))
-
-    def inputs(self, state):
-        return state["last"], _self_mask(state["history"], ops.shape(state["last"])[0], self.k)
 
     def advance(self, step, logits, coverage, self_mask, state):
         k, alpha = self.k, self.alpha
@@ -297,9 +294,7 @@ class BeamSearch(_Strategy):
 
     def hypotheses(self, state, results, bound):
         # Every sentence still here is done: at the latest, its limit came.
-        ids, scores = _write_results(results, state["rows"],
-                                     state["finished_ids"][:, :self.n_best],
-                                     state["finished_scores"][:, :self.n_best])
+        ids, scores = _write_results(results, state, self.n_best)
         return Hypotheses(ids[:, :, :bound], scores, None)
 
 
@@ -320,11 +315,7 @@ class SamplingSearch(_Strategy):
                 "history": ops.zeros((batch, n, 0), "bool"),
                 "ids": ops.zeros((batch, n, bound), "int32"),
                 "log_probs": ops.zeros((batch, n), "float32"),
-                "finished": ops.zeros((batch, n), "bool"),
-                "done": ops.zeros((batch,), "bool")}
-
-    def inputs(self, state):
-        return state["last"], _self_mask(state["history"], ops.shape(state["last"])[0], self.n)
+                "finished": ops.zeros((batch, n), "bool")}
 
     def advance(self, step, logits, coverage, self_mask, state):
         logits = ops.cast(logits, "float32")  # (N, n, V)
@@ -438,20 +429,19 @@ def _kept_rows(done):
 
 def _retire(state, results, n_best):
     """Writes the done sentences' best hypotheses to `results`; keeps the undone (`_ROW_GROUP`)."""
-    leaving = ops.nonzero(state["done"])[0]
-    results = _write_results(results, tf.gather(state["rows"], leaving),
-                             tf.gather(state["finished_ids"], leaving)[:, :n_best],
-                             tf.gather(state["finished_scores"], leaving)[:, :n_best])
+    results = _write_results(results, state, n_best, ops.nonzero(state["done"])[0])
     staying = ops.argsort(ops.cast(state["done"], "int32"))[:_kept_rows(state["done"])]
     # `tf.gather`: `ops.take`'s wrapping of negative indices would add nodes for every tensor.
     state = tf.nest.map_structure(lambda tensor: tf.gather(tensor, staying), state)
     return state, results
 
 
-def _write_results(results, rows, ids, scores):
-    """`results` ``(ids, scores)`` with `rows` set to `ids` and `scores`."""
-    return (ops.scatter_update(results[0], rows[:, None], ids),
-            ops.scatter_update(results[1], rows[:, None], scores))
+def _write_results(results, state, n_best, rows=None):
+    """`results` ``(ids, scores)`` with `state`'s `n_best` finished hypotheses (`rows` or all)."""
+    pick = (lambda tensor: tensor) if rows is None else (lambda tensor: tf.gather(tensor, rows))
+    sentences = pick(state["rows"])[:, None]  # each row's sentence
+    return (ops.scatter_update(results[0], sentences, pick(state["finished_ids"])[:, :n_best]),
+            ops.scatter_update(results[1], sentences, pick(state["finished_scores"])[:, :n_best]))
 
 
 def sequence_log_probs(model, source, outputs):

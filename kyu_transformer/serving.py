@@ -6,8 +6,6 @@ of the same settings compiles. Columns without a hypothesis (where `Translator` 
 hold an empty one scored `decoding.NO_HYPOTHESIS_SCORE`.
 """
 
-import os
-
 import tensorflow as tf
 
 from kyu_transformer.decoding import NO_HYPOTHESIS_SCORE, output_limit
@@ -82,34 +80,6 @@ def normalize_text(text):
     return tf.strings.regex_replace(folded, "^ | $", "")
 
 
-def build_module(model, subword_path, settings, sampling=None, with_text=True):
-    """``(module, signatures)`` for `tf.saved_model.save`, decoding in `model`'s compute dtype.
-
-    `settings`: the `SearchSettings` of the text and ids signatures; `sampling`: those of the
-    sample signature, or None; `with_text`: add the text signatures (they need tensorflow-text).
-    The subword model at `subword_path` is saved as an asset (``assets/<name>``).
-    """
-    decoder = _Decoder(model, settings)
-    module = tf.Module(name="translator")
-    # Listed so that the SavedModel holds the variables the signatures read.
-    module.model_variables = list(model.variables)
-    module.subword_model = tf.saved_model.Asset(subword_path)
-    # Signatures only: as module attributes too, each graph would be traced and saved twice.
-    signatures = {IDS_SIGNATURE: _ids_function(decoder).get_concrete_function()}
-    if with_text:
-        tensorflow_text = import_tensorflow_text()
-        if tensorflow_text is None:
-            raise ImportError(f"the text signatures need tensorflow-text: {SERVE_EXTRA}")
-        with open(subword_path, "rb") as handle:
-            # The op keeps the model bytes as a graph attribute.
-            module.tokenizer = tensorflow_text.SentencepieceTokenizer(model=handle.read())
-        signatures[TEXT_SIGNATURE] = _text_function(module.tokenizer, decoder)
-        if sampling is not None:
-            signatures[SAMPLE_SIGNATURE] = _text_function(module.tokenizer,
-                                                          _Decoder(model, sampling), seeded=True)
-    return module, signatures
-
-
 def _in_range(tensor, name, limit, limit_name):
     """`tensor`, once asserted to lie in ``[0, limit)`` (the messages name it `name`)."""
     checks = [tf.debugging.assert_non_negative(tensor, message=f"{name} must be at least 0"),
@@ -159,13 +129,29 @@ def _text_function(tokenizer, decoder, seeded=False):
     return function.get_concrete_function()
 
 
-def save(model, subword_path, settings, out_dir, sampling=None, with_text=True):
-    """Writes `build_module`'s SavedModel to `out_dir`; returns the signature names, sorted."""
-    module, signatures = build_module(model, subword_path, settings, sampling, with_text)
+def save(model, subword_path, settings, out_dir, sampling=None):
+    """Writes the SavedModel of `model` to `out_dir`, decoding in its compute dtype; returns the
+    signature names, sorted.
+
+    `settings`: the `SearchSettings` of the text and ids signatures; `sampling`: those of the
+    sample signature, or None. The text signatures are added where tensorflow-text is installed.
+    The subword model at `subword_path` is saved as an asset (``assets/<name>``).
+    """
+    decoder = _Decoder(model, settings)
+    module = tf.Module(name="translator")
+    # Listed so that the SavedModel holds the variables the signatures read.
+    module.model_variables = list(model.variables)
+    module.subword_model = tf.saved_model.Asset(subword_path)
+    # Signatures only: as module attributes too, each graph would be traced and saved twice.
+    signatures = {IDS_SIGNATURE: _ids_function(decoder).get_concrete_function()}
+    tensorflow_text = import_tensorflow_text()
+    if tensorflow_text is not None:
+        with open(subword_path, "rb") as handle:
+            # The op keeps the model bytes as a graph attribute.
+            module.tokenizer = tensorflow_text.SentencepieceTokenizer(model=handle.read())
+        signatures[TEXT_SIGNATURE] = _text_function(module.tokenizer, decoder)
+        if sampling is not None:
+            signatures[SAMPLE_SIGNATURE] = _text_function(module.tokenizer,
+                                                          _Decoder(model, sampling), seeded=True)
     tf.saved_model.save(module, out_dir, signatures=signatures)
     return sorted(signatures)
-
-
-def asset_name(subword_path):
-    """The subword model's path inside the SavedModel directory."""
-    return os.path.join("assets", os.path.basename(subword_path))
