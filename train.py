@@ -137,9 +137,7 @@ def settle_logdir(hparams, overwrite):
                 problems.append(f"another corpus (its training files differ from those in "
                                 f"{hparams['data_dir']})")
     if not problems:
-        if saved is None:
-            return hparams
-        return {**saved, **{key: hparams[key] for key in RESUMABLE}, "logdir": logdir}
+        return {**(saved or hparams), **{key: hparams[key] for key in RESUMABLE}, "logdir": logdir}
     if not os.path.isfile(corpus_path) and has_own_checkpoint(logdir):  # weights, no run
         raise SystemExit(
             f"error: {logdir} holds checkpoints but no {filenames.CORPUS} (weights written "
@@ -188,18 +186,17 @@ def prepare_run(args, strategy, chief):
         chosen = chief_choice(strategy, hparams["mixed_precision"], hp.CHOICES["mixed_precision"])
         if hparams["mixed_precision"] == AUTO:
             hparams["mixed_precision"] = chosen
-        digests = {f"hyperparameter {key}": short_digest(json.dumps(value))
+        digests = {f"hyperparameter {key}": short_digest(value)
                    for key, value in sorted(hparams.items()) if key not in ("logdir", "data_dir")}
-        digests["corpus"] = short_digest(json.dumps(corpus_fingerprint(hparams), sort_keys=True))
+        digests["corpus"] = short_digest(corpus_fingerprint(hparams))
         # Pieces and scores: the model file also holds the path it was trained in, which differs.
         processor = corpus.subwords.processor
-        digests["subword vocabulary"] = short_digest(json.dumps(
+        digests["subword vocabulary"] = short_digest(
             [(processor.id_to_piece(i), processor.get_score(i))
-             for i in range(processor.get_piece_size())]))
+             for i in range(processor.get_piece_size())])
         # A source still training may save between reads (null: a worker that read none).
         source = state["source"]
-        digests["fine-tuning source"] = short_digest(json.dumps(
-            source and source.record["sha256"], sort_keys=True))
+        digests["fine-tuning source"] = short_digest(source and source.record["sha256"])
         check_agreement(strategy, digests=digests)
     return hparams, corpus, state["source"]
 
@@ -252,13 +249,12 @@ def prepare_logdir(hparams, overwrite, chief, source=None):
     if source is not None:
         copy_subwords(source.logdir, model_dir)
     corpus = Corpus(hparams["data_dir"], model_dir, hparams)
-    if not chief:
-        return hparams, corpus
-    for name, value in ((filenames.HPARAMS, hparams),
-                        (filenames.CORPUS, corpus_fingerprint(hparams))):
-        path = os.path.join(hparams["logdir"], name)
-        if not os.path.isfile(path):
-            hp.save(value, path)
+    if chief:
+        for name, value in ((filenames.HPARAMS, hparams),
+                            (filenames.CORPUS, corpus_fingerprint(hparams))):
+            path = os.path.join(hparams["logdir"], name)
+            if not os.path.isfile(path):
+                hp.save(value, path)
     return hparams, corpus
 
 
@@ -268,11 +264,10 @@ def make_trainer(hparams, corpus, strategy, deterministic, source=None):
 
     seed_everything(hparams["seed"], deterministic)
     print(f"strategy: {type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)")
-    hooks = []
-    if hparams["eval_sentences"]:
-        hooks.append(ValidationBleu(corpus.val_sources, corpus.val_targets, corpus.subwords,
-                                    hparams["eval_sentences"], hparams["eval_batch_size"]))
-    trainer = Trainer(hparams, strategy, hparams["logdir"], hooks=hooks,
+    hooks = ([ValidationBleu(corpus.val_sources, corpus.val_targets, corpus.subwords,
+                             hparams["eval_sentences"], hparams["eval_batch_size"])]
+             if hparams["eval_sentences"] else [])
+    trainer = Trainer(hparams, strategy, hooks=hooks,
                       initialize=source.initialize if source is not None else None)
     print(f"model: {trainer.model.count_params():,} parameters")
     return trainer

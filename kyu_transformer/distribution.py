@@ -6,6 +6,7 @@ the all-reduce, a barrier carries each worker's verdict, and a comparison of fac
 """
 
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -36,13 +37,9 @@ def make_strategy(name="auto"):
 
 
 def is_chief(strategy):
-    """Whether this process writes checkpoints, summaries and plots."""
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None or not resolver.task_type:
-        return True
-    if "chief" in resolver.cluster_spec().as_dict():
-        return resolver.task_type == "chief"
-    return resolver.task_type == "worker" and resolver.task_id == 0
+    """Whether this process writes checkpoints, summaries and plots: the chief task, or worker 0
+    of a cluster without one (any process of a single-worker strategy)."""
+    return strategy.extended.should_checkpoint
 
 
 def is_multi_worker(strategy):
@@ -111,10 +108,9 @@ def chief_choice(strategy, value, choices):
     return choices[int(gather(strategy, [float(choices.index(value))])[0, 0])]
 
 
-def short_digest(data):
-    """48 bits of the SHA-256 of `data` (bytes or str), as an int: exact in a float64."""
-    if isinstance(data, str):
-        data = data.encode("utf-8")
+def short_digest(value):
+    """48 bits of the SHA-256 of JSON value `value` (keys sorted), as an int: exact in a float64."""
+    data = json.dumps(value, sort_keys=True).encode("utf-8")
     return int.from_bytes(hashlib.sha256(data).digest()[:6], "big")
 
 

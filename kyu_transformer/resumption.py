@@ -44,7 +44,10 @@ class RunCheckpoints:
             epoch=self.epoch, step_in_epoch=self.step_in_epoch,
             # Not in `model.weights`; without them a resumed run redraws step 1's dropout masks.
             random_states=random_states(model), train_seconds=self.train_seconds)
-        self.manager = self._manager(writable_dir(directory, chief))
+        if chief:
+            os.makedirs(directory, exist_ok=True)
+        # The others save to a throw-away folder (a save is collective).
+        self.manager = self._manager(directory if chief else private_dir("worker-checkpoints-"))
 
     def _manager(self, directory):
         return tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=self.max_to_keep,
@@ -114,7 +117,7 @@ class RunCheckpoints:
         index = os.path.join(glob.escape(self.manager.directory), filenames.CHECKPOINT_INDEX)
         partial = glob.glob(index + ".tmp*")
         if prefix not in listed_checkpoints(self.manager.directory):
-            partial += glob.glob(glob.escape(prefix) + ".*")
+            partial += checkpoint_files(prefix)
         for name in partial:
             os.remove(name)
 
@@ -148,14 +151,6 @@ def private_dir(prefix):
     path = tempfile.mkdtemp(prefix=prefix)
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
-
-
-def writable_dir(directory, chief):
-    """`directory` on the chief; a throw-away folder on the others (a save is collective)."""
-    if not chief:
-        return private_dir("worker-checkpoints-")
-    os.makedirs(directory, exist_ok=True)
-    return directory
 
 
 def set_aside(path):

@@ -33,7 +33,6 @@ def seed_everything(seed, deterministic=False):
     """Seeds Python, NumPy, TensorFlow and Keras; with `deterministic`, TensorFlow's ops
     also run deterministically (two runs with one seed give bit-identical weights)."""
     keras.utils.set_random_seed(seed)
-    np.random.seed(seed)
     if deterministic:
         tf.config.experimental.enable_op_determinism()
 
@@ -113,7 +112,6 @@ class Trainer:
                                           checkpoint_dir(self.logdir), hparams["keep_checkpoints"],
                                           self.chief)
         self.last_saved, self.plan, self.per_update = None, None, hparams.get("accumulate_steps", 1)
-        self._stop_requests = StopRequests()
         self.budget = TimeBudget(hparams["max_minutes"], self.strategy)
         self.log = TrainingLog(self.logdir, self.chief)
         self.loss_fn = LabelSmoothedCrossEntropy(hparams["smoothing"], fast_paths=fast_paths)
@@ -236,7 +234,8 @@ class Trainer:
             window.add(loss_sum, correct, tokens)
             estimate = self.plan.seconds_left(step, self.budget.left())
             progress.update(math.ceil(done / self.per_update), loss_sum, correct, tokens, estimate)
-            progress.say(self.plan.estimate_line(step, estimate, self.budget.left()))
+            if line := self.plan.estimate_line(step, estimate, self.budget.left()):
+                progress.finish(line)
             if step % hparams["log_every"] == 0:
                 record = {"kind": "train", "step": step, "epoch": epoch + 1,
                           **window.summary(), "lr": float(self.schedule(step - 1))}

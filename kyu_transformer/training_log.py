@@ -21,14 +21,13 @@ class TrainingLog:
         self.path = os.path.join(logdir, filenames.HISTORY)
 
     def open(self):
-        """Creates the logdir and the summary writer (a no-op writer on other workers)."""
+        """Creates the logdir and the summary writer (on the chief: the others write nothing)."""
         if self.chief:
             os.makedirs(self.logdir, exist_ok=True)
             # A line cut by a crash or a full disk would swallow the next record.
             drop_torn_last_line(self.path)
-        events = os.path.join(self.logdir, filenames.TENSORBOARD)
-        self.writer = (tf.summary.create_file_writer(events) if self.chief
-                       else tf.summary.create_noop_writer())
+            events = os.path.join(self.logdir, filenames.TENSORBOARD)
+            self.writer = tf.summary.create_file_writer(events)
 
     def write(self, record):
         if not self.chief:
@@ -88,11 +87,6 @@ class Progress:
                 values.append(("run_min_left", self.minutes_left))
             self.bar.update(done, values)
 
-    def say(self, line):
-        """Prints `line` (if any) below the bar."""
-        if line:
-            self.finish(line)
-
     def log(self, record):
         if self.enabled and self.bar is None:
             left = "" if self.minutes_left is None else f", about {self.minutes_left:.1f} min left"
@@ -101,6 +95,7 @@ class Progress:
                   f"{record['tokens_per_sec']:.0f} target tokens/s{left}", flush=True)
 
     def finish(self, message=None):
+        """Ends the bar's line; prints `message` (if any) below it."""
         if self.enabled:
             if self.bar is not None:
                 print()
