@@ -21,10 +21,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
 from kyu_transformer import data, filenames  # noqa: E402
-from kyu_transformer.files import (  # noqa: E402
-    replaced_atomically, stops_cleanly_when_full, write_text)
+from kyu_transformer.files import stops_cleanly_when_full, write_text  # noqa: E402
 from kyu_transformer.flags import (  # noqa: E402
-    add_checkpoint_arguments, add_search_arguments, check_checkpoint_arguments,
+    SAMPLING_FLAGS, add_checkpoint_arguments, add_search_arguments, check_checkpoint_arguments,
     given_search_flags, search_settings)
 from kyu_transformer.precision import AUTO, resolve_precision, set_precision  # noqa: E402
 
@@ -99,26 +98,23 @@ def _given(args, flag):
 
 def load_inputs(args, hparams):
     """``(name, sources, references or None, source file)``."""
-    languages = (hparams["src_lang"], hparams["tgt_lang"])
-    if args.src:
-        sources = data.read_lines(args.src)
-        references = data.read_lines(args.ref) if args.ref else None
-        if references is not None and len(references) != len(sources):
-            raise data.DataError(f"{args.src} has {len(sources)} lines but {args.ref} has "
-                                 f"{len(references)}")
-        if not sources:
-            raise data.DataError(f"{args.src}: no sentence to translate (the file is empty)")
-        name = args.name or os.path.basename(args.src).split(".")[0]
-        return name, sources, references, args.src
     split = args.split or "test_2016_flickr"
-    data_dir = args.data_dir or hparams["data_dir"]
-    data.check_data_dir(data_dir)
-    (source_path, target_path), reader = data.split_files(data_dir, split, *languages)
-    sources, references = reader(source_path), reader(target_path)
-    if len(sources) != len(references):
+    if args.src:
+        (source_path, target_path), reader = (args.src, args.ref), data.read_lines
+    else:
+        data_dir = args.data_dir or hparams["data_dir"]
+        data.check_data_dir(data_dir)
+        (source_path, target_path), reader = data.split_files(
+            data_dir, split, hparams["src_lang"], hparams["tgt_lang"])
+    sources = reader(source_path)
+    references = reader(target_path) if target_path else None
+    if references is not None and len(references) != len(sources):
         raise data.DataError(f"{source_path} has {len(sources)} lines but {target_path} has "
                              f"{len(references)}")
-    return args.name or split, sources, references, source_path
+    if args.src and not sources:
+        raise data.DataError(f"{args.src}: no sentence to translate (the file is empty)")
+    name = args.name or (os.path.basename(args.src).split(".")[0] if args.src else split)
+    return name, sources, references, source_path
 
 
 def write_lines(path, lines):
@@ -127,11 +123,7 @@ def write_lines(path, lines):
 
 def plot_attention(model, settings, subwords, sources, count, out_dir, name):
     """Heatmaps of the last decoder block's cross-attention, averaged over heads."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from kyu_transformer.plots import plt, save_figure
     from kyu_transformer.translation import Translator
 
     # Coverage is recorded by greedy search.
@@ -154,14 +146,8 @@ def plot_attention(model, settings, subwords, sources, count, out_dir, name):
         axes.set_yticks(range(len(output_pieces)), output_pieces)
         axes.set_xlabel("source")
         axes.set_ylabel("output")
-        figure.tight_layout()
-        path = filenames.evaluation_file(out_dir, name, filenames.ATTENTION_PLOT.format(index + 1))
-        try:
-            with replaced_atomically(path) as temporary:
-                figure.savefig(temporary, dpi=80)
-        finally:
-            plt.close(figure)
-        paths.append(path)
+        paths.append(save_figure(figure, filenames.evaluation_file(
+            out_dir, name, filenames.ATTENTION_PLOT.format(index + 1)), dpi=80))
     return paths
 
 
@@ -220,9 +206,8 @@ def write_scores(translator, subwords, sources, targets, out_dir, name):
                                                      subwords.encode(targets))
     rows = [{"source": source, "target": target, **result._asdict()}
             for source, target, result in zip(sources, targets, scored)]
-    os.makedirs(out_dir, exist_ok=True)
     path = filenames.evaluation_file(out_dir, name, filenames.SCORES)
-    write_json_lines(path, rows)
+    write_lines(path, (json.dumps(row, ensure_ascii=False) for row in rows))
     tokens = sum(row["tokens"] for row in rows)
     log_prob = sum(row["log_prob"] for row in rows)
     print(f"{len(rows)} translations scored: {tokens} subwords (EOS included), "
@@ -237,10 +222,6 @@ def write_scores(translator, subwords, sources, targets, out_dir, name):
               f"{translator.max_length} subwords with EOS (maxlen2): only their first "
               f"{translator.max_length} were scored, without EOS (\"truncated\": true)")
     print(f"scores: {path}")
-
-
-def write_json_lines(path, rows):
-    write_lines(path, [json.dumps(row, ensure_ascii=False) for row in rows])
 
 
 @stops_cleanly_when_full
@@ -265,10 +246,10 @@ def main(argv=None):
             print(translator.translate([data.normalize_line(line)], subwords)[0], flush=True)
         return 0
     out_dir = os.path.join(args.logdir, filenames.EVAL)
+    os.makedirs(out_dir, exist_ok=True)
     if args.score:
         write_scores(translator, subwords, sources, targets, out_dir, name)
         return 0
-    os.makedirs(out_dir, exist_ok=True)
     translations, hypotheses, decode_seconds = write_translations(
         translator, facts, subwords, sources, args, out_dir, name)
     if args.plot_attention:
@@ -307,15 +288,18 @@ def write_translations(translator, facts, subwords, sources, args, out_dir, name
     decode_seconds = time.time() - decode_started
     hypothesis_path = filenames.evaluation_file(out_dir, name, filenames.HYPOTHESES)
     write_lines(hypothesis_path, hypotheses)
+    settings = args.settings
+    search = (f"sampling top-k {settings.sampling_topk}, top-p {settings.sampling_topp}, "
+              f"temperature {settings.sampling_temperature}, seed {settings.seed}"
+              if settings.sampling else f"beam {settings.beam_size}")
     engine = (f"checkpoint {facts['checkpoint']}" if facts["engine"] == "keras"
               else f"CTranslate2 model {facts['model_dir']}")
     print(f"{len(sources)} sentences translated in {decode_seconds:.1f} s "
-          f"({len(sources) / max(decode_seconds, 1e-9):.0f} sentences/s), "
-          f"{describe_search(args.settings)}, {engine}")
+          f"({len(sources) / max(decode_seconds, 1e-9):.0f} sentences/s), {search}, {engine}")
     print(f"translations: {hypothesis_path}")
     if args.n_best:
         n_best_path = filenames.evaluation_file(out_dir, name, filenames.N_BEST)
-        write_json_lines(n_best_path, rows)
+        write_lines(n_best_path, (json.dumps(row, ensure_ascii=False) for row in rows))
         print(f"the {args.n_best} best hypotheses and their scores: {n_best_path}")
     if translations.truncated_sources:
         print(f"note: {translations.truncated_sources} sentences were longer than maxlen1="
@@ -329,19 +313,8 @@ def write_translations(translator, facts, subwords, sources, args, out_dir, name
 
 def search_record(settings):
     """The search settings that <name>.json records."""
-    record = {"beam_size": settings.beam_size, "alpha": settings.alpha,
-              "length_margin": settings.length_margin}
-    if settings.sampling:
-        record.update(sampling_topk=settings.sampling_topk, sampling_topp=settings.sampling_topp,
-                      sampling_temperature=settings.sampling_temperature, seed=settings.seed)
-    return record
-
-
-def describe_search(settings):
-    if settings.sampling:
-        return (f"sampling top-k {settings.sampling_topk}, top-p {settings.sampling_topp}, "
-                f"temperature {settings.sampling_temperature}, seed {settings.seed}")
-    return f"beam {settings.beam_size}"
+    names = ("beam_size", "alpha", "length_margin") + (SAMPLING_FLAGS if settings.sampling else ())
+    return {name: getattr(settings, name) for name in names}
 
 
 if __name__ == "__main__":

@@ -188,7 +188,9 @@ def check(hparams):
     """The list of problems of a fully typed hparams dict (empty when valid)."""
     ranges = ((POSITIVE, lambda value: value > 0, "positive"),
               (NON_NEGATIVE, lambda value: value >= 0, ">= 0"),
-              (RATES, lambda value: 0.0 <= value < 1.0, "in [0, 1)"))
+              (RATES, lambda value: 0.0 <= value < 1.0, "in [0, 1)"),
+              (("attention_dropout",), lambda value: value == -1.0 or 0.0 <= value < 1.0,
+               "in [0, 1) or -1 (as dropout_rate)"))
     problems = [f"`{name}` must be {text}, got {hparams[name]}"
                 for names, valid, text in ranges for name in names if not valid(hparams[name])]
     problems += [f"`{name}` must be one of {', '.join(choices)}, got {hparams[name]!r}"
@@ -196,9 +198,6 @@ def check(hparams):
     if hparams["num_heads"] > 0 and hparams["d_model"] % hparams["num_heads"]:
         problems.append(f"`d_model` ({hparams['d_model']}) must be divisible by `num_heads` "
                         f"({hparams['num_heads']})")
-    if hparams["attention_dropout"] != -1.0 and not 0.0 <= hparams["attention_dropout"] < 1.0:
-        problems.append(f"`attention_dropout` must be in [0, 1) or -1 (as dropout_rate), got "
-                        f"{hparams['attention_dropout']}")
     if hparams["subword_alpha"] > 0 and hparams["subword_model_type"] != "unigram":
         problems.append("`subword_alpha` samples segmentations of a unigram model; "
                         f"`subword_model_type` is {hparams['subword_model_type']!r}")

@@ -62,8 +62,7 @@ def check_before_tensorflow(args):
     file: all that can be checked without TensorFlow."""
     check_checkpoint_path(args.checkpoint)
     check_logdir(args.logdir)
-    hparams_path = tf1_import.hparams_file(args.checkpoint)
-    tf1 = tf1_import.read_hparams(hparams_path)
+    hparams_path, tf1 = tf1_import.read_hparams(args.checkpoint)
     # The checkpoint's values as the first key=value parts, so that --hparams overrides them.
     spec = ",".join([f"{key}={value}" for key, value in tf1_import.project_values(tf1).items()]
                     + [args.hparams])

@@ -10,7 +10,6 @@ class Corpus:
 
     def __init__(self, data_dir, model_dir, hparams, log=print):
         self.hparams = hparams
-        self.data_dir = data_dir
         languages = (hparams["src_lang"], hparams["tgt_lang"])
         sources, targets, empty = data.load_split(data_dir, "train", *languages)
         self.subwords = data.Subwords.train_or_load(
@@ -18,13 +17,15 @@ class Corpus:
         source_ids, target_ids = self.subwords.encode(sources), self.subwords.encode(targets)
         self.train = data.add_markers(source_ids, target_ids, hparams["maxlen1"],
                                       hparams["maxlen2"])
-        self.unknown = count_unknown(source_ids + target_ids)
         log(f"train: {len(sources)} pairs from {data_dir}; {empty} with an empty side and "
             f"{self.train[3]} longer than maxlen1={hparams['maxlen1']}/maxlen2="
             f"{hparams['maxlen2']} dropped; {len(self.train[0])} kept; subword vocabulary "
             f"{self.subwords.vocab_size} ({self.subwords.path})")
-        log("unknown subwords: {sentences} of {of} training sentences (both sides) hold one; "
-            "{pieces} of {total} pieces ({share:.2%})".format(**self.unknown))
+        unknown = [ids.count(data.UNK_ID) for ids in source_ids + target_ids]
+        pieces = sum(len(ids) for ids in source_ids + target_ids)
+        log(f"unknown subwords: {sum(map(bool, unknown))} of {len(unknown)} training sentences "
+            f"(both sides) hold one; {sum(unknown)} of {pieces} pieces "
+            f"({sum(unknown) / max(pieces, 1):.2%})")
         self.sampler = None
         if hparams.get("subword_alpha", 0.0) > 0:
             self.sampler = data.SegmentationSampler(self.subwords, sources + targets,
@@ -50,12 +51,5 @@ class Corpus:
         return pipeline.make_dataset(
             sources, targets_in, targets_out, self.hparams["batch_size"],
             self.hparams["batch_tokens"], max(self.hparams["maxlen1"], self.hparams["maxlen2"]),
-            shuffle=True, seed=self.hparams["seed"] + epoch)
+            seed=self.hparams["seed"] + epoch)
 
-
-def count_unknown(sentences):
-    """How many of `sentences` (subword ids) hold the unknown id, and how many pieces are it."""
-    unknown = [list(ids).count(data.UNK_ID) for ids in sentences]
-    total = sum(len(ids) for ids in sentences)
-    return {"sentences": sum(1 for count in unknown if count), "of": len(unknown),
-            "pieces": sum(unknown), "total": total, "share": sum(unknown) / max(total, 1)}

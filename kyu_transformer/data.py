@@ -87,10 +87,8 @@ IWSLT_SPLITS = {"val": "tst2013", "test": "tst2014"}  # Kyubyong's choice
 def split_files(data_dir, split, source_lang="de", target_lang="en"):
     """``([source_path, target_path], reader)`` of a split, plain or IWSLT's, or DataError."""
     languages, pair = (source_lang, target_lang), f"{source_lang}-{target_lang}"
-    plain = []
-    for lang in languages:
-        candidates = [os.path.join(data_dir, f"{split}.{lang}{ext}") for ext in ("", ".gz")]
-        plain.append(next((c for c in candidates if os.path.isfile(c)), candidates[0]))
+    plain = [path if os.path.isfile(path) else path + ".gz"
+             for path in (os.path.join(data_dir, f"{split}.{lang}") for lang in languages)]
     if all(os.path.isfile(p) for p in plain):
         return plain, read_lines
     iwslt = IWSLT_SPLITS.get(split, split)
@@ -104,9 +102,9 @@ def split_files(data_dir, split, source_lang="de", target_lang="en"):
         reader = read_iwslt_xml
     if paths and all(os.path.isfile(p) for p in paths):
         return paths, reader
-    raise DataError(f"{data_dir}: no `{split}` split for {source_lang}-{target_lang}; expected "
-                    f"{os.path.basename(plain[0])}[.gz] and {os.path.basename(plain[1])}[.gz] "
-                    f"(or the IWSLT 2016 files)")
+    name = os.path.basename(split)
+    raise DataError(f"{data_dir}: no `{split}` split for {pair}; expected {name}.{source_lang}"
+                    f"[.gz] and {name}.{target_lang}[.gz] (or the IWSLT 2016 files)")
 
 
 def check_data_dir(data_dir):

@@ -46,10 +46,10 @@ class ValidationBleu:
                 best = json.load(handle)
         print(f"epoch {epoch}: validation BLEU {result['bleu']:.2f} chrF {result['chrf']:.2f} "
               f"({len(hypotheses)} sentences, greedy)", flush=True)
-        if best is None or result["bleu"] > best["bleu"]:
-            weights = os.path.join(trainer.logdir, filenames.BEST_WEIGHTS)
-            with replaced_atomically(weights) as temporary:
-                trainer.model.save_weights(temporary)
-            best = {"bleu": result["bleu"], "chrf": result["chrf"], "epoch": epoch,
-                    "step": logs["step"], "signature": result["signature"]}
-            write_text(best_path, json.dumps(best, indent=2) + "\n")
+        if best is not None and not result["bleu"] > best["bleu"]:
+            return
+        with replaced_atomically(os.path.join(trainer.logdir, filenames.BEST_WEIGHTS)) as temporary:
+            trainer.model.save_weights(temporary)
+        best = {"bleu": result["bleu"], "chrf": result["chrf"], "epoch": epoch,
+                "step": logs["step"], "signature": result["signature"]}
+        write_text(best_path, json.dumps(best, indent=2) + "\n")

@@ -16,7 +16,6 @@ import time
 
 from kyu_transformer import filenames
 
-_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
 
 
@@ -34,8 +33,7 @@ class OutOfSpace(OSError):
 
 def is_out_of_space(error):
     """Whether `error` (an OSError, a TensorFlow or h5py error...) says the disk is full."""
-    return (isinstance(error, OutOfSpace)
-            or (isinstance(error, OSError) and error.errno in _NO_SPACE_ERRNOS)
+    return (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
             or any(text in str(error) for text in _NO_SPACE_TEXT))
 
 

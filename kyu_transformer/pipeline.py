@@ -15,18 +15,8 @@ def _padded(sequences):
     return padded, lengths
 
 
-def bucket_plan(maxlen, batch_size, batch_tokens, width=8):
-    """Bucket boundaries every `width` tokens and each bucket's batch size: for lengths up to L,
-    ``min(batch_size, batch_tokens // L)`` (at most `batch_tokens` padded tokens a side)."""
-    boundaries = list(range(width + 1, maxlen + 1, width))  # bucket i: length < boundary i
-    upper_lengths = [b - 1 for b in boundaries] + [maxlen]
-    sizes = [max(1, min(batch_size, batch_tokens // length)) if batch_tokens else batch_size
-             for length in upper_lengths]
-    return boundaries, sizes
-
-
 def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, maxlen=None,
-                 shuffle=True, seed=0):
+                 seed=0):
     """Batches ``({"source", "target_in"}, target_out)`` of int32 ids padded with 0, bucketed by
     the longer side; with a fixed `seed` the same every time (a resumed run skips those trained)."""
     maxlen = maxlen or max(max(len(s) for s in sources), max(len(t) for t in targets_in))
@@ -34,13 +24,16 @@ def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, m
     dataset = tf.data.Dataset.from_tensor_slices(tuple(columns))
     # Each element back to its own length; the batches are padded again below.
     dataset = dataset.map(lambda *columns: tuple(ids[:length] for ids, length in columns))
-    if shuffle:
-        dataset = dataset.shuffle(len(sources), seed=seed, reshuffle_each_iteration=False)
-    boundaries, sizes = bucket_plan(maxlen, batch_size, batch_tokens)
+    dataset = dataset.shuffle(len(sources), seed=seed, reshuffle_each_iteration=False)
+    # Buckets every 8 tokens; one of lengths up to L batches min(batch_size, batch_tokens // L)
+    # pairs (at most `batch_tokens` padded tokens a side).
+    boundaries = list(range(9, maxlen + 1, 8))  # bucket i: length < boundary i
+    sizes = [max(1, min(batch_size, batch_tokens // length)) if batch_tokens else batch_size
+             for length in [b - 1 for b in boundaries] + [maxlen]]
     dataset = dataset.bucket_by_sequence_length(
         element_length_func=lambda s, t_in, t_out: tf.maximum(tf.shape(s)[0], tf.shape(t_in)[0]),
         bucket_boundaries=boundaries, bucket_batch_sizes=sizes, padding_values=PAD_ID)
-    if shuffle:  # buckets emit in length order within a window: mix the batches too
-        dataset = dataset.shuffle(256, seed=seed + 1, reshuffle_each_iteration=False)
+    # Buckets emit in length order within a window: mix the batches too.
+    dataset = dataset.shuffle(256, seed=seed + 1, reshuffle_each_iteration=False)
     dataset = dataset.map(lambda s, t_in, t_out: ({"source": s, "target_in": t_in}, t_out))
     return dataset.prefetch(tf.data.AUTOTUNE)

@@ -36,10 +36,15 @@ def plot_series(records, key, path, title, ylabel):
     axes.plot(*zip(*points), marker="o" if len(points) < 30 else None)
     axes.set(xlabel="step", ylabel=ylabel, title=title)
     axes.grid(alpha=0.3)
+    return save_figure(figure, path)
+
+
+def save_figure(figure, path, dpi=100):
+    """Lays `figure` out, writes it to `path` (atomically) and closes it; returns `path`."""
     figure.tight_layout()
     try:
         with replaced_atomically(path) as temporary:
-            figure.savefig(temporary, dpi=100)
+            figure.savefig(temporary, dpi=dpi)
     finally:
         plt.close(figure)
     return path

@@ -1,8 +1,8 @@
 """Reading a checkpoint of Kyubyong Park's TensorFlow 1.12 Transformer (his 2019 rewrite).
 
-`layout` maps that code's variable names to this project's weight paths; `filled_weights` writes
-what its model lacks. Variable by variable: docs/import_tf1.md. Everything but `read_checkpoint`
-and `save_weights` runs without TensorFlow, so that import_tf1.py checks its inputs first.
+`layout` maps that code's variable names to this project's weight paths; `imported_weights` adds
+what its model lacks. Variable by variable: docs/import_tf1.md. Everything but `read_checkpoint` and
+`save_weights` runs without TensorFlow, so that import_tf1.py checks its inputs first.
 """
 
 import json
@@ -39,14 +39,11 @@ def _first_line(error):
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def hparams_file(checkpoint):
-    """The `hparams` file beside `checkpoint` (a prefix, or the folder of its `checkpoint` file)."""
+def read_hparams(checkpoint):
+    """``(path, values)`` of the `hparams` file beside `checkpoint` (a prefix, or the folder of
+    its `checkpoint` file); TF1ImportError unless `MODEL_KEYS` are all there."""
     folder = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(checkpoint)
-    return os.path.join(folder, HPARAMS_FILE)
-
-
-def read_hparams(path):
-    """That code's hyperparameters in `path`; TF1ImportError unless `MODEL_KEYS` are all there."""
+    path = os.path.join(folder, HPARAMS_FILE)
     if not os.path.isfile(path):
         raise TF1ImportError(f"{path}: no such file (the TensorFlow 1 code writes its "
                              "hyperparameters there, beside its checkpoints)")
@@ -62,7 +59,7 @@ def read_hparams(path):
     if missing:
         raise TF1ImportError(f"{path}: no {', '.join(missing)} (the TensorFlow 1 code writes all "
                              "its flags there)")
-    return values
+    return path, values
 
 
 def project_values(tf1):
@@ -143,10 +140,14 @@ def layout(hparams, biases):
     return names
 
 
-def filled_weights(hparams, biases):
-    """Our weights that code's model has not, as the function it computes: each attention's
-    output projection (identity, zero bias), and without `biases` its projections' (zeros)."""
-    d_model, weights = hparams["d_model"], {}
+def imported_weights(expected, read, hparams, biases):
+    """``{our weight path: float32 array}``: the variables of `expected` (`check_layout`) read
+    by `read(name)`, and those that code's model has not, as the function it computes: each
+    attention's output projection (identity, zero bias), without `biases` its projections'
+    (zeros)."""
+    weights = {ours: np.array(read(name), dtype="float32") for name, (_, ours) in expected.items()}
+    weights[expected[EMBEDDINGS][1]][PAD_ID] = 0.0  # the graph zeroes the padding row
+    d_model = hparams["d_model"]
     for side, attentions in ATTENTIONS.items():
         for index in range(hparams["num_blocks"]):
             for _, name in attentions:
@@ -193,14 +194,6 @@ def check_layout(where, shapes, hparams):
             raise TF1ImportError(f"{where}: variable `{name}` has shape {tuple(shapes[name])}, "
                                  f"not {shape} as for {_sizes(hparams)}")
     return expected, biases, skipped
-
-
-def imported_weights(expected, read, hparams, biases):
-    """``{our weight path: float32 array}``: the variables of `expected` (`check_layout`) read
-    by `read(name)`, and `filled_weights`."""
-    weights = {ours: np.array(read(name), dtype="float32") for name, (_, ours) in expected.items()}
-    weights[expected[EMBEDDINGS][1]][PAD_ID] = 0.0  # the graph zeroes the padding row
-    return {**weights, **filled_weights(hparams, biases)}
 
 
 def checkpoint_prefix(path):
