@@ -133,6 +133,9 @@ class Embedding(keras.layers.Layer):
     def compute_mask(self, inputs, mask=None):
         return ops.not_equal(inputs, 0)  # (N, T)
 
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape) + (self.num_units,)
+
     def get_config(self):
         initializer = keras.initializers.serialize(self.embeddings_initializer)
         return dict(super().get_config(), vocab_size=self.vocab_size, num_units=self.num_units,
@@ -567,6 +570,9 @@ class FeedForward(keras.layers.Layer):
             inputs, lambda x: (self.outer_dense(inner(x)),),  # (N, T, C) -> (N, T, d_ff) -> same
             self.norm, self.dropout, self.norm_position, training)[0]
 
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
     def get_config(self):
         return dict(super().get_config(), num_units=list(self.num_units),
                     dropout_rate=self.dropout_rate, inner_dropout_rate=self.inner_dropout_rate,
@@ -646,6 +652,9 @@ class EncoderBlock(_Block):
     def call(self, inputs, mask=None, training=None):
         x = self.self_attention(inputs, query_mask=mask, key_mask=mask, training=training)
         return self.feed_forward(x, training=training)  # (N, T, C)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")

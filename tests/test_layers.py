@@ -706,3 +706,14 @@ def test_implicit_masks_of_layers_called_directly(rng, compiled, kind, mode):
                                         np.ones(source.shape, bool)))
     np.testing.assert_allclose(implicit(target, source), with_masks, rtol=1e-6, atol=1e-6)
     assert not np.allclose(with_masks, without_masks, atol=1e-3)
+
+
+def test_output_shapes_are_given_without_a_call_as_wrappers_ask(rng):
+    # keras.layers.TimeDistributed and other wrappers ask `compute_output_shape` before any call.
+    ids = padded_ids(rng)
+    embedding = Embedding(50, 8)
+    assert embedding.compute_output_shape(ids.shape) == ids.shape + (8,)
+    for layer in (FeedForward(num_units=(16, 8)), EncoderBlock(num_heads=2, d_ff=16)):
+        assert tuple(layer.compute_output_shape((3, 7, 8))) == (3, 7, 8)
+    wrapped = keras.layers.TimeDistributed(FeedForward(num_units=(16, 8)))
+    assert tuple(wrapped(np.zeros((2, 3, 5, 8), "float32")).shape) == (2, 3, 5, 8)
