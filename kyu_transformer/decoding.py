@@ -429,19 +429,21 @@ def _kept_rows(done):
 
 def _retire(state, results, n_best):
     """Writes the done sentences' best hypotheses to `results`; keeps the undone (`_ROW_GROUP`)."""
-    results = _write_results(results, state, n_best, ops.nonzero(state["done"])[0])
+    leaving = ops.nonzero(state["done"])[0]
+    results = _write_results(results, {name: tf.gather(state[name], leaving) for name in
+                                       ("rows", "finished_ids", "finished_scores")}, n_best)
     staying = ops.argsort(ops.cast(state["done"], "int32"))[:_kept_rows(state["done"])]
     # `tf.gather`: `ops.take`'s wrapping of negative indices would add nodes for every tensor.
     state = tf.nest.map_structure(lambda tensor: tf.gather(tensor, staying), state)
     return state, results
 
 
-def _write_results(results, state, n_best, rows=None):
-    """`results` ``(ids, scores)`` with `state`'s `n_best` finished hypotheses (`rows` or all)."""
-    pick = (lambda tensor: tensor) if rows is None else (lambda tensor: tf.gather(tensor, rows))
-    sentences = pick(state["rows"])[:, None]  # each row's sentence
-    return (ops.scatter_update(results[0], sentences, pick(state["finished_ids"])[:, :n_best]),
-            ops.scatter_update(results[1], sentences, pick(state["finished_scores"])[:, :n_best]))
+def _write_results(results, state, n_best):
+    """`results` ``(ids, scores)`` with each of `state`'s sentences (its ``rows``) set to its
+    `n_best` finished hypotheses and their scores."""
+    sentences = state["rows"][:, None]
+    return (ops.scatter_update(results[0], sentences, state["finished_ids"][:, :n_best]),
+            ops.scatter_update(results[1], sentences, state["finished_scores"][:, :n_best]))
 
 
 def sequence_log_probs(model, source, outputs):
