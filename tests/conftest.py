@@ -102,20 +102,16 @@ def _train_tiny_logdir(logdir):
     import json
     import math
     import shutil
-    import subprocess
-    import sys
 
-    from tests.test_data import MULTI30K, ROOT
+    from tests import programs
+    from tests.test_data import MULTI30K
 
     shutil.rmtree(logdir, ignore_errors=True)  # what a failed attempt left
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train.py"), "--hparams", "tiny", "--data_dir",
-         MULTI30K, "--logdir", str(logdir), "--lr", "1.0", "--num_epochs", "3",
-         "--steps_per_epoch", "100", "--eval_sentences", "50",
-         *[word for key, value in TINY_ARCHITECTURE.items()
-           for word in (f"--{key}", str(value))]],
-        capture_output=True, text=True, cwd=ROOT, timeout=900,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"})
+    result = programs.run(
+        "train.py", "--hparams", "tiny", "--data_dir", MULTI30K, "--logdir", logdir,
+        "--lr", "1.0", "--num_epochs", "3", "--steps_per_epoch", "100", "--eval_sentences", "50",
+        *[word for key, value in TINY_ARCHITECTURE.items() for word in (f"--{key}", value)],
+        timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     # What the tests of a trained model rely on, on any processor: it learned.
     losses = [row["loss"] for row in map(json.loads, (logdir / "history.jsonl").read_text()

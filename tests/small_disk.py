@@ -13,14 +13,16 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tests import programs  # noqa: E402
+
 DATA = os.path.join(ROOT, "tests", "data", "multi30k")
 FLAGS = ["--hparams", "tiny", "--data_dir", DATA, "--steps_per_epoch", "8",
          "--checkpoint_every", "4", "--deterministic"]
 
 
 def run(*command):
-    result = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=ROOT,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=300)
+    result = programs.run(*command, timeout=300)
     return {"code": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
 
 

@@ -5,18 +5,16 @@ import gzip
 import http.server
 import os
 import shutil
-import subprocess
-import sys
 import threading
 
 import numpy as np
 import pytest
 
 from kyu_transformer import data, pipeline
+from tests import programs
 
 # The first lines of Multi30k's splits, shipped with the tests (see tests/data/README.md).
 MULTI30K = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "multi30k")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write(path, text, mode="w"):
@@ -165,13 +163,11 @@ def test_broken_downloads_leave_no_corpus_behind(tmp_path, file_server, monkeypa
 def test_train_py_downloads_multi30k_on_first_use(tmp_path, file_server):
     """`python train.py --hparams ...` without --data_dir, as README's first command."""
     url, served = file_server
-    environment = {**os.environ, "MULTI30K_URL": url, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    command = [sys.executable, os.path.join(ROOT, "train.py"), "--hparams", "tiny",
-               "--steps_per_epoch", "2", "--logdir", "log"]
+    command = ["train.py", "--hparams", "tiny", "--steps_per_epoch", "2", "--logdir", "log"]
+    environment = programs.environment(MULTI30K_URL=url)
     whole = (served / "test_2016_flickr.en.gz").read_bytes()
     (served / "test_2016_flickr.en.gz").write_bytes(whole[:100])
-    broken = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True,
-                            text=True, timeout=300)
+    broken = programs.run(*command, cwd=tmp_path, env=environment, timeout=300)
     assert broken.returncode != 0
     assert "error: data/multi30k does not exist and Multi30k could not be downloaded" in \
         broken.stderr and "test_2016_flickr.en.gz: cannot read" in broken.stderr, broken.stderr
@@ -179,8 +175,7 @@ def test_train_py_downloads_multi30k_on_first_use(tmp_path, file_server):
     assert nothing_left(tmp_path / "data", "multi30k")
 
     (served / "test_2016_flickr.en.gz").write_bytes(whole)
-    first = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True,
-                           text=True, timeout=300)
+    first = programs.run(*command, cwd=tmp_path, env=environment, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "data/multi30k is missing: downloading Multi30k" in first.stdout
     assert "done: 1 epochs, 2 steps" in first.stdout

@@ -4,7 +4,6 @@ trained model for what needs learning: BLEU, training's records)."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import keras
@@ -22,17 +21,10 @@ from kyu_transformer.layers import DecoderBlock
 from kyu_transformer.model import Transformer
 from kyu_transformer.translation import Translator
 from tests.conftest import copy_of_logdir, load_logdir
+from tests.programs import run
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT
 from tests.varied_model import clear_greedy_choices
-
-ENVIRONMENT = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
-
-
-def run(script, *args, stdin=None):
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT, env=ENVIRONMENT,
-                          input=stdin, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -460,8 +452,7 @@ def test_the_search_knows_no_corpus():
     """decoding (and the exports built on it) take the special ids from `special_ids`."""
     script = ("import sys; import kyu_transformer.decoding, kyu_transformer.serving; "
               "print('kyu_transformer.data' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=300)
+    result = run("-c", script, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
     from kyu_transformer import data, special_ids

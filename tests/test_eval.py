@@ -3,8 +3,6 @@ CTranslate2 engine (--ctranslate2)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,15 +14,8 @@ from kyu_transformer.checkpoints import load_model
 from kyu_transformer.model import Transformer
 from kyu_transformer.translation import Translator
 from tests.conftest import copy_of_logdir
-from tests.test_data import MULTI30K, ROOT
-
-ENVIRONMENT = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
-
-
-def run(script, *args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT, env=ENVIRONMENT,
-                          timeout=600)
+from tests.programs import run
+from tests.test_data import MULTI30K
 
 
 def write_lines(path, lines):

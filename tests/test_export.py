@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,15 +16,14 @@ from kyu_transformer.decoding import length_penalty, sequence_log_probs
 from kyu_transformer.precision import set_precision
 from kyu_transformer.translation import Translator
 from tests.conftest import copy_of_logdir, load_logdir
+from tests.programs import environment, run
 from tests.test_data import MULTI30K
-from tests.test_training import ROOT
 from tests.varied_model import clear_greedy_choices
 
 # The text signature, and loading a SavedModel that has it, need tensorflow-text's ops.
 needs_tensorflow_text = pytest.mark.skipif(
     serving.import_tensorflow_text() is None,
     reason=f"tensorflow-text is not installed ({serving.SERVE_EXTRA})")
-ENVIRONMENT = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
 ALPHA = 0.6
 # Each export of the `exports` fixture: its export.py flags.
 EXPORTS = {
@@ -67,13 +65,8 @@ json.dump(results, open(sys.argv[2], "w", encoding="utf-8"))
 """
 
 
-def run(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=ENVIRONMENT, timeout=900)
-
-
 def run_export(logdir, out, *flags):
-    return run(os.path.join(ROOT, "export.py"), "--logdir", logdir, "--out", out, *flags)
+    return run("export.py", "--logdir", logdir, "--out", out, *flags, timeout=900)
 
 
 def _padded(id_lists):
@@ -300,7 +293,7 @@ def test_the_subword_model_is_an_asset_of_the_saved_model(varied, exports):
 @pytest.mark.skipif(shutil.which("saved_model_cli") is None, reason="saved_model_cli not on PATH")
 def test_saved_model_cli_lists_both_signatures(exports):
     result = subprocess.run(["saved_model_cli", "show", "--dir", exports["beam"]["dir"], "--all"],
-                            capture_output=True, text=True, env=ENVIRONMENT, timeout=300)
+                            capture_output=True, text=True, env=environment(), timeout=300)
     assert result.returncode == 0, result.stderr
     for expected in ("signature_def['serving_default']", "signature_def['ids']",
                      "inputs['text']", "outputs['translations']", "outputs['n_best']",
@@ -363,7 +356,7 @@ def test_translations_equal_the_translators_line_for_line(varied, served, name, 
 @pytest.mark.parametrize("name, beam_size", [("greedy", 1), ("beam", 4)])
 def test_translations_equal_eval_pys_hyp_txt_line_for_line(varied, served, name, beam_size):
     """eval.py run as a user runs it, on the 300 val sentences the SavedModel translated."""
-    result = run(os.path.join(ROOT, "eval.py"), "--logdir", varied["logdir"], "--split", "val",
+    result = run("eval.py", "--logdir", varied["logdir"], "--split", "val",
                  "--data_dir", MULTI30K, "--beam_size", beam_size, "--alpha", ALPHA,
                  "--name", f"export_{name}")
     assert result.returncode == 0, result.stdout + result.stderr

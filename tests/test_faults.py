@@ -17,7 +17,7 @@ import hparams as hp
 from kyu_transformer.checkpoints import (
     UnreadableCheckpoint, list_checkpoints, load_model, unreadable)
 from tests.test_data import MULTI30K
-from tests.test_decoding import run
+from tests.programs import run
 from tests.test_training import ROOT, digest, run_train
 
 

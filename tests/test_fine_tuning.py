@@ -27,6 +27,7 @@ from kyu_transformer.fine_tuning import ARCHITECTURE, Source
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
 from kyu_transformer.training import Trainer
+from tests import programs
 from tests.test_data import MULTI30K
 from tests.test_training import REFUSALS_SCRIPT, ROOT
 
@@ -317,11 +318,8 @@ def test_init_optimizer_across_loss_scaling_is_refused_before_anything_is_writte
     --init_optimizer from one kind into the other is refused in one line, with the new logdir
     never made, in both directions."""
     half = tmp_path / "half"
-    trained = subprocess.run(
-        [sys.executable, "train.py", "--hparams", "tiny", "--data_dir", MULTI30K, "--logdir",
-         str(half), "--steps_per_epoch", "3", "--mixed_precision", "fp16"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    trained = programs.run("train.py", "--hparams", "tiny", "--data_dir", MULTI30K, "--logdir",
+                           half, "--steps_per_epoch", "3", "--mixed_precision", "fp16")
     assert trained.returncode == 0, trained.stderr[-3000:]
     fine_tune = ["--hparams", "tiny", "--data_dir", new_corpus, "--init_optimizer"]
     for origin, extra, expected in (

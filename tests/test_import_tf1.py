@@ -10,8 +10,6 @@ biases, keys and queries masked where their projected vectors are all zero).
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -23,18 +21,12 @@ from kyu_transformer import data, filenames
 from kyu_transformer.checkpoints import load_model
 from kyu_transformer.ctranslate2_export import unsupported_settings
 from kyu_transformer.special_ids import BOS_ID, EOS_ID
-from tests.test_data import MULTI30K, ROOT
+from tests.programs import run
+from tests.test_data import MULTI30K
 
 v1 = tf.compat.v1
 SIZES = dict(d_model=16, d_ff=32, num_blocks=2, num_heads=2, maxlen1=40, maxlen2=40)
 PADDING_SCORE = -2.0**32 + 1  # that code's score of a hidden key
-ENVIRONMENT = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
-
-
-def run(script, *args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT, env=ENVIRONMENT,
-                          timeout=600)
 
 
 class TF1Graph:

@@ -9,9 +9,6 @@ that the JAX subprocess can import its helpers.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -20,10 +17,11 @@ import pytest
 from kyu_transformer.layers import DecoderBlock, Embedding, EncoderBlock, PositionalEncoding
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
+from tests import programs
+from tests.programs import ROOT
 
 pytestmark = pytest.mark.slow  # every test here trains a model, most in a subprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 40
 EPSILON = 0.1
 BOS, EOS = 1, 2
@@ -190,9 +188,8 @@ print(json.dumps(results))
 
 @pytest.fixture(scope="module")
 def mirrored_results():
-    output = subprocess.run([sys.executable, "-c", MIRRORED_SCRIPT, ROOT], capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-                                                         "KERAS_BACKEND": "tensorflow"})
+    output = programs.run("-c", MIRRORED_SCRIPT, ROOT, timeout=300,
+                          env=programs.environment(KERAS_BACKEND="tensorflow"))
     assert output.returncode == 0, output.stderr[-3000:]
     return json.loads(output.stdout.strip().splitlines()[-1])
 
@@ -243,10 +240,8 @@ print(json.dumps(result))
 @pytest.mark.tensorflow_only("on JAX itself, the in-process fit test above is this test")
 def test_fit_with_the_jax_backend_reports_the_masked_mean():
     pytest.importorskip("jax")
-    output = subprocess.run([sys.executable, "-c", JAX_SCRIPT, ROOT], capture_output=True,
-                            text=True, timeout=300,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
-                                 "KERAS_BACKEND": "jax"})
+    output = programs.run("-c", JAX_SCRIPT, ROOT, timeout=300,
+                          env=programs.environment(KERAS_BACKEND="jax"))
     assert output.returncode == 0, output.stderr[-3000:]
     result = json.loads(output.stdout.strip().splitlines()[-1])
     check_fit_against_reference(result)

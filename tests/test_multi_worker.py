@@ -7,15 +7,14 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
 from kyu_transformer.checkpoints import list_checkpoints
+from tests import programs
 from tests.test_data import MULTI30K
-from tests.test_training import ROOT, run_train
+from tests.test_training import run_train
 
 
 pytestmark = pytest.mark.slow  # two train.py processes per test
@@ -43,15 +42,11 @@ def run_workers(tmp_path, logdirs, *extra, worker_extra=(), while_running=None):
         scratch = tmp_path / f"tmp{index}"
         scratch.mkdir(exist_ok=True)
         config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-        environment = {**os.environ, "TF_CONFIG": json.dumps(config), "TMPDIR": str(scratch),
-                       "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
-        command = [sys.executable, os.path.join(ROOT, "train.py"), "--strategy", "multi_worker",
-                   "--hparams", "tiny", "--data_dir", MULTI30K, "--logdir", str(logdir),
-                   "--num_epochs", "2", "--steps_per_epoch", "6", "--log_every", "3", *extra,
-                   *(worker_extra if index else ())]
-        processes.append(subprocess.Popen(command, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                                          env=environment))
+        environment = programs.environment(TF_CONFIG=json.dumps(config), TMPDIR=str(scratch))
+        processes.append(programs.start(
+            "train.py", "--strategy", "multi_worker", "--hparams", "tiny", "--data_dir", MULTI30K,
+            "--logdir", logdir, "--num_epochs", "2", "--steps_per_epoch", "6", "--log_every", "3",
+            *extra, *(worker_extra if index else ()), env=environment))
     results = []
     try:
         if while_running:

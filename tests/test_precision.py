@@ -8,7 +8,7 @@ import hparams as hp
 from kyu_transformer.precision import (
     BFLOAT16_MARGIN, MIN_PROBE_FLOPS, choose_precision, probe_flops, resolve_precision,
     time_matmuls)
-from tests.test_decoding import run
+from tests.programs import run
 from tests.test_training import run_train
 
 SMALL = hp.parse("small")

@@ -3,9 +3,6 @@ inner activations and of whole token embeddings, a schedule that decays to the e
 and subword regularization (sampled segmentations of the training side)."""
 
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,9 +12,9 @@ from kyu_transformer import data
 from kyu_transformer.layers import EncoderBlock, FeedForward
 from kyu_transformer.model import Transformer
 from kyu_transformer.schedules import NoamSchedule
+from tests import programs
 from tests.test_data import MULTI30K
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = dict(vocab_size=60, d_model=16, d_ff=32, num_blocks=1, num_heads=2, maxlen1=64,
             maxlen2=64)
 
@@ -217,9 +214,7 @@ def test_sampled_segmentations_spell_the_sentence_and_follow_the_seed(subwords):
     script = ("import sys; from kyu_transformer import data; s = data.Subwords(sys.argv[1]); "
               "lines = sys.stdin.read().splitlines(); "
               "print(data.SegmentationSampler(s, lines, 0.5).draw([42, 0]))")
-    other = subprocess.run([sys.executable, "-c", script, subwords.path], cwd=ROOT,
-                           input="\n".join(sentences), capture_output=True, text=True,
-                           timeout=120)
+    other = programs.run("-c", script, subwords.path, stdin="\n".join(sentences), timeout=120)
     assert other.returncode == 0, other.stderr
     assert other.stdout.strip() == str(first)
 

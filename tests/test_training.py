@@ -25,9 +25,9 @@ from kyu_transformer.time_budget import UpdatePlan
 from kyu_transformer.distribution import replica_slices
 from kyu_transformer.train_step import loss_terms_function
 from kyu_transformer.training import Trainer, TrainingError, seed_everything
+from tests import programs
+from tests.programs import ROOT
 from tests.test_data import MULTI30K
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny(tmp_path, **overrides):
@@ -307,10 +307,7 @@ def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
     the one batch left), with the fused Adam and with Keras' (`fast_paths` off), on one device
     and under `MirroredStrategy` on two logical CPUs (in a process of its own, run meanwhile;
     one replica's slice of the one-row batch is empty)."""
-    with open(tmp_path / "mirrored.log", "w") as log:
-        mirrored = subprocess.Popen(
-            [sys.executable, "-c", ACCUMULATION_SCRIPT, ROOT, str(tmp_path)], stdout=log,
-            stderr=subprocess.STDOUT, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    mirrored = programs.start("-c", ACCUMULATION_SCRIPT, ROOT, tmp_path)
     batches, joined = micro_batches(), {}
     tolerance = adam_rounding_tolerance(updates=3)
     for fast_paths in (True, False):
@@ -329,7 +326,8 @@ def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
     assert max(np.abs(one_by_one[name] - weights[name]).max() for name in weights
                if "key_dense/bias" not in name) > 10 * tolerance
 
-    assert mirrored.wait(timeout=300) == 0, (tmp_path / "mirrored.log").read_text()[-3000:]
+    output, _ = mirrored.communicate(timeout=300)
+    assert mirrored.returncode == 0, output[-3000:]
     for fast_paths in (True, False):
         results = {key.replace("|", "/"): value
                    for key, value in np.load(tmp_path / f"mirrored-{fast_paths}.npz").items()}
@@ -342,9 +340,7 @@ def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
 def test_eval_and_export_do_not_import_the_trainer():
     script = ("import sys; sys.path.insert(0, sys.argv[1]); import eval, export; "
               "print(sorted(m for m in sys.modules if m.startswith('kyu_transformer')))")
-    output = subprocess.run([sys.executable, "-c", script, ROOT], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    output = programs.run("-c", script, ROOT, timeout=120)
     assert output.returncode == 0, output.stderr[-3000:]
     modules = output.stdout.strip().splitlines()[-1]
     assert "'kyu_transformer.precision'" in modules
@@ -469,9 +465,7 @@ print(json.dumps(results))
 
 @pytest.mark.slow
 def test_mirrored_two_devices_equals_default_strategy(tmp_path):
-    output = subprocess.run([sys.executable, "-c", MIRRORED_SCRIPT, ROOT, str(tmp_path)],
-                            capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    output = programs.run("-c", MIRRORED_SCRIPT, ROOT, tmp_path, timeout=300)
     assert output.returncode == 0, output.stderr[-3000:]
     results = json.loads(output.stdout.strip().splitlines()[-1])
     assert results["default"]["replicas"] == 1 and results["mirrored"]["replicas"] == 2
@@ -492,14 +486,10 @@ def test_mirrored_two_devices_equals_default_strategy(tmp_path):
 
 
 def run_train(logdir, *extra, wait=True):
-    command = [sys.executable, os.path.join(ROOT, "train.py"), "--hparams", "tiny",
-               "--data_dir", MULTI30K, "--logdir", str(logdir), *extra]
-    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
-    if not wait:
-        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=environment, cwd=ROOT)
-    return subprocess.run(command, capture_output=True, text=True, env=environment, cwd=ROOT,
-                          timeout=600)
+    """train.py on the tiny recipe to its end, or started (`wait=False`) as a `Popen` to signal,
+    kill or read while it runs."""
+    arguments = ["--hparams", "tiny", "--data_dir", MULTI30K, "--logdir", str(logdir), *extra]
+    return (programs.run if wait else programs.start)("train.py", *arguments)
 
 
 def digest(output):

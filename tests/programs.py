@@ -1,0 +1,192 @@
+"""Starts the programs (`train.py`, `eval.py`, `export.py`, ...) as the tests need them.
+
+Each program runs in a process of its own, with its own arguments, environment, working folder,
+streams, exit code and global state, as `python PROGRAM ARGS` would. What differs is where that
+process comes from: importing TensorFlow and Keras takes seconds and the suite starts programs more
+than a hundred times, so the process is forked from a server that has imported them already
+(multiprocessing's forkserver, with those modules preloaded). A program whose environment would
+change what those imports do (another Keras backend, oneDNN switched, another PYTHONPATH) starts
+from a fresh interpreter instead, as does every program when `KYU_TESTS_FRESH_PROCESSES=1`.
+
+Tests that signal or kill a running program, or read its output while it runs, start it with
+`subprocess.Popen` themselves.
+"""
+import atexit
+import multiprocessing.forkserver
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Read when a program runs, not while Keras and TensorFlow are imported: a forked program may
+# set them to anything (pytest sets the last one for each test).
+READ_AT_RUN_TIME = {"PYTHONUNBUFFERED", "MULTI30K_URL", "TMPDIR", "TF_CONFIG",
+                    "PYTEST_CURRENT_TEST"}
+# Keras imports its backend (TensorFlow, or JAX): the seconds a program would spend on imports.
+PRELOADED = ["keras", "sentencepiece", "sacrebleu"]
+_server = {}
+_server_lock = threading.Lock()
+
+
+def environment(**changes):
+    """The tests' environment for a program: this process's, unbuffered, with `changes`."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **changes}
+
+
+def run(*command, stdin=None, env=None, cwd=ROOT, timeout=600):
+    """Runs `python *command` to its end and returns what `subprocess.run(...,
+    capture_output=True, text=True)` would. `command` is a script (a path relative to the
+    repository root, or absolute) and its arguments, or `"-c"`, a program's text and its."""
+    command, env = _python_command(command), environment() if env is None else env
+    context = _forkserver_for(env)
+    if context is None:
+        return subprocess.run([sys.executable, *command], input=stdin, capture_output=True,
+                              text=True, env=env, cwd=cwd, timeout=timeout)
+    program = Forked(context, command, env, cwd, stdin, merged=False)
+    try:
+        code = program.wait(timeout)
+    except subprocess.TimeoutExpired:
+        program.kill()
+        program.wait()
+        raise
+    stdout, stderr = program.outputs()
+    return subprocess.CompletedProcess([sys.executable, *command], code, stdout, stderr)
+
+
+def start(*command, env=None, cwd=ROOT):
+    """Starts `python *command` (as `run` takes it) and returns it running, as
+    `subprocess.Popen(..., stdout=PIPE, stderr=STDOUT, text=True)` would: its `pid`, `poll`,
+    `wait`, `send_signal`, `kill`, `communicate` and `stdout.read()` (which waits for its end, as
+    a pipe's does)."""
+    command, env = _python_command(command), environment() if env is None else env
+    context = _forkserver_for(env)
+    if context is None:
+        return subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+    return Forked(context, command, env, cwd, None, merged=True)
+
+
+class Forked:
+    """A program in a process forked by the forkserver, its streams in files."""
+
+    def __init__(self, context, command, env, cwd, stdin, merged):
+        self._folder = tempfile.TemporaryDirectory()
+        paths = [os.path.join(self._folder.name, name) for name in ("stdin", "stdout", "stderr")]
+        self._paths = paths[:2] if merged else paths
+        for path, text in zip(paths, (stdin or "", "", "")):
+            with open(path, "w", encoding="utf-8") as file:
+                file.write(text)
+        self._process = context.Process(target=_run_here, args=(command, env, cwd, self._paths))
+        self._process.start()
+        self.pid, self.stdout = self._process.pid, self
+
+    def poll(self):
+        return self._process.exitcode
+
+    @property
+    def returncode(self):
+        return self.poll()
+
+    def wait(self, timeout=None):
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self._process.name, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, signal_number):
+        if self.poll() is None:  # as Popen: never a signal to a pid that may be another's now
+            os.kill(self.pid, signal_number)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def outputs(self):
+        """What the program wrote to its standard output and error (one text when merged)."""
+        return tuple(_read(path) for path in self._paths[1:])
+
+    def read(self):
+        self.wait()
+        return self.outputs()[0]
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        return (*self.outputs(), None)[:2]
+
+
+def _python_command(command):
+    command = [str(word) for word in command]
+    if command[0] != "-c":
+        command[0] = os.path.join(ROOT, command[0])
+    return command
+
+
+def _forkserver_for(env):
+    """The forkserver context, started on first use, if `env` imports as its environment does."""
+    if os.environ.get("KYU_TESTS_FRESH_PROCESSES") == "1":
+        return None
+    with _server_lock:
+        if not _server:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(PRELOADED)
+            _server.update(context=context, environment=dict(os.environ))
+            multiprocessing.forkserver.ensure_running()  # with this environment
+    imported_under = _server["environment"]
+    keys = (set(env) | set(imported_under)) - READ_AT_RUN_TIME
+    return _server["context"] if all(env.get(k) == imported_under.get(k) for k in keys) else None
+
+
+def _read(path):
+    with open(path, encoding="utf-8", errors="replace") as file:
+        return file.read()
+
+
+def _run_here(command, env, cwd, paths):
+    """In the forked process: becomes `python command...` and exits with its exit code."""
+    for descriptor in (0, 1, 2):  # standard error in standard output's file when merged
+        path = paths[min(descriptor, len(paths) - 1)]
+        opened = os.open(path, os.O_WRONLY | os.O_APPEND if descriptor else os.O_RDONLY)
+        os.dup2(opened, descriptor)
+        os.close(opened)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    tempfile.tempdir = None  # read TMPDIR again
+    line_buffered = env.get("PYTHONUNBUFFERED") == "1"
+    sys.stdin = open(0, encoding="utf-8", closefd=False)
+    sys.stdout = open(1, "w", encoding="utf-8", closefd=False, buffering=1 if line_buffered else -1)
+    sys.stderr = open(2, "w", encoding="utf-8", closefd=False, buffering=1)
+    if command[0] == "-c":
+        sys.argv = ["-c", *command[2:]]
+        sys.path.insert(0, "")
+        code = _exit_code(lambda: exec(compile(command[1], "<string>", "exec"),
+                                       {"__name__": "__main__", "__builtins__": __builtins__}))
+    else:
+        sys.argv = list(command)
+        sys.path.insert(0, os.path.dirname(command[0]))
+        code = _exit_code(lambda: runpy.run_path(command[0], run_name="__main__"))
+    threading._shutdown()  # as the interpreter ends: its threads first, then the atexit functions
+    code = _exit_code(atexit._run_exitfuncs) or code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _exit_code(function):
+    """Runs `function` and gives the exit code Python would give it at the top of a script."""
+    try:
+        function()
+    except SystemExit as exit:
+        if exit.code is None or isinstance(exit.code, int):
+            return exit.code or 0
+        print(exit.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: B036 (as the interpreter does: the traceback, then 1)
+        import traceback
+        traceback.print_exc()
+        return 1
+    return 0

@@ -1,0 +1,84 @@
+"""The tests' way of starting programs (tests/programs.py): a process forked from the server that
+has Keras imported behaves as a fresh `python` one, and is what the tests get."""
+
+import signal
+import time
+
+import pytest
+
+from tests import programs
+
+pytestmark = pytest.mark.slow  # starts processes
+
+# What a program sees and how it ends, printed for comparison.
+PROBE = r"""
+import atexit, os, sys
+print("argv", sys.argv[1:], "cwd", os.getcwd(), "variable", os.environ.get("PROBE_VARIABLE"))
+print("stdin", sys.stdin.read().splitlines())
+print("to stderr", file=sys.stderr)
+atexit.register(lambda: print("atexit ran"))
+ending = sys.argv[1]
+if ending == "code":
+    sys.exit(3)
+if ending == "message":
+    raise SystemExit("error: a one-line message")
+if ending == "exception":
+    raise ValueError("not caught")
+"""
+
+
+@pytest.fixture(params=["forked", "fresh"])
+def mode(request, monkeypatch):
+    if request.param == "fresh":
+        monkeypatch.setenv("KYU_TESTS_FRESH_PROCESSES", "1")
+    return request.param
+
+
+@pytest.mark.parametrize("ending, code", [("normal", 0), ("code", 3), ("message", 1),
+                                          ("exception", 1)])
+def test_a_program_sees_and_ends_as_under_python(mode, ending, code, tmp_path):
+    result = programs.run("-c", PROBE, ending, 2, stdin="one\ntwo\n", cwd=tmp_path,
+                          env=programs.environment(PROBE_VARIABLE="set"))
+    assert result.returncode == code, result.stderr
+    assert result.stdout.splitlines() == [
+        f"argv ['{ending}', '2'] cwd {tmp_path} variable set", "stdin ['one', 'two']",
+        "atexit ran"]
+    errors = result.stderr.splitlines()
+    assert errors[0] == "to stderr"
+    assert errors[1:] == {"normal": [], "code": [], "message": ["error: a one-line message"]}.get(
+        ending, errors[1:])
+    if ending == "exception":
+        assert errors[1] == "Traceback (most recent call last):"
+        assert errors[-1] == "ValueError: not caught"
+
+
+def test_programs_fork_from_the_server_unless_their_environment_imports_otherwise(monkeypatch):
+    preloaded = "import sys; print('keras' in sys.modules)"
+    assert programs.run("-c", preloaded).stdout == "True\n"
+    other_backend = programs.environment(KERAS_BACKEND="another")
+    assert programs.run("-c", preloaded, env=other_backend).stdout == "False\n"
+    monkeypatch.setenv("KYU_TESTS_FRESH_PROCESSES", "1")
+    assert programs.run("-c", preloaded).stdout == "False\n"
+
+
+def test_a_started_program_takes_signals_and_gives_its_output(mode, tmp_path):
+    ready = tmp_path / "ready"
+    script = (
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (print('stopping'), sys.exit(75)))\n"
+        "print('started', flush=True)\n"
+        "print('to stderr', file=sys.stderr, flush=True)\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "time.sleep(60)\n")
+    program = programs.start("-c", script)
+    deadline = time.time() + 60
+    while not ready.exists() and program.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert program.poll() is None
+    program.send_signal(signal.SIGTERM)
+    output = program.stdout.read()
+    assert program.wait(timeout=30) == 75 == program.returncode
+    assert output.splitlines() == ["started", "to stderr", "stopping"]
+    killed = programs.start("-c", "import time; time.sleep(60)")
+    killed.kill()
+    assert killed.wait(timeout=30) == -signal.SIGKILL
