@@ -12,7 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from tests.test_training import ROOT
+from tests import programs
+from tests.programs import ROOT
+from tests.test_data import MULTI30K
 
 MISSING_KERAS_HUB = 'raise ModuleNotFoundError("No module named \'keras_hub\'", name="keras_hub")\n'
 
@@ -89,11 +91,8 @@ def test_a_baseline_revision_trains_beside_the_current_package(monkeypatch):
 def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
     """`--baseline HEAD` end to end: both packages timed, in reverse order every other turn."""
     _skip_unless_git_checkout()
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "train_throughput.py"), "--skip_peer",
-         "--baseline", "HEAD", "--variants", "fp32", "--repeats", "2", "--steps", "1"],
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    result = programs.run("benchmarks/train_throughput.py", "--skip_peer", "--baseline", "HEAD",
+                          "--variants", "fp32", "--repeats", "2", "--steps", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     timed = [line.split()[0] for line in result.stdout.splitlines() if " repeat " in line]
     assert timed == ["ours-fp32", "at-HEAD-fp32", "at-HEAD-fp32", "ours-fp32"]
@@ -107,13 +106,9 @@ def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
 @pytest.mark.slow  # four train.py runs of a few updates
 def test_the_program_comparison_runs_both_trees_in_turns_and_prints_the_ratio():
     _skip_unless_git_checkout()
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "train_program_speed.py"),
-         "--baseline", "HEAD", "--hparams", "tiny", "--steps", "3", "--rounds", "2",
-         "--data_dir", os.path.join(ROOT, "tests", "data", "multi30k"),
-         "--baseline_hparams", "tiny,vocab_size=300"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    result = programs.run("benchmarks/train_program_speed.py", "--baseline", "HEAD", "--hparams",
+                          "tiny", "--steps", "3", "--rounds", "2", "--data_dir", MULTI30K,
+                          "--baseline_hparams", "tiny,vocab_size=300")
     assert result.returncode == 0, result.stderr[-3000:]
     runs = [line for line in result.stdout.splitlines() if line.startswith("round ")]
     assert [line.split(":")[0] for line in runs] == [
@@ -124,10 +119,8 @@ def test_the_program_comparison_runs_both_trees_in_turns_and_prints_the_ratio():
     # each program runs its own hparams (two recipes compared on one machine)
     assert "updates, --hparams tiny)\n" in result.stdout
     assert "updates, --hparams tiny,vocab_size=300)\n" in result.stdout
-    rejected = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "train_program_speed.py"),
-         "--baseline", "no-such-revision", "--data_dir", ROOT],
-        capture_output=True, text=True, timeout=120)
+    rejected = programs.run("benchmarks/train_program_speed.py", "--baseline", "no-such-revision",
+                            "--data_dir", ROOT, timeout=120)
     assert rejected.returncode != 0 and "Traceback" not in rejected.stderr
     assert "error: --baseline no-such-revision: " in rejected.stderr
 
