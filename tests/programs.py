@@ -173,6 +173,9 @@ def _run_here(command, env, cwd, paths):
     code = _exit_code(atexit._run_exitfuncs) or code
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == -signal.SIGINT:  # as the interpreter ends after a KeyboardInterrupt: by the signal
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
 
 
@@ -185,8 +188,7 @@ def _exit_code(function):
             return exit.code or 0
         print(exit.code, file=sys.stderr)
         return 1
-    except BaseException:  # noqa: B036 (as the interpreter does: the traceback, then 1)
-        import traceback
-        traceback.print_exc()
-        return 1
+    except BaseException as error:  # noqa: B036 (as the interpreter: the traceback, then 1)
+        sys.excepthook(type(error), error, error.__traceback__)
+        return -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
     return 0

@@ -12,8 +12,10 @@ pytestmark = pytest.mark.slow  # starts processes
 
 # What a program sees and how it ends, printed for comparison.
 PROBE = r"""
-import atexit, os, sys
-print("argv", sys.argv[1:], "cwd", os.getcwd(), "variable", os.environ.get("PROBE_VARIABLE"))
+import sys
+print("keras imported before", "keras" in sys.modules)
+import atexit, os, tempfile
+print("argv", sys.argv[1:], "cwd", os.getcwd(), "temporary files in", tempfile.gettempdir())
 print("stdin", sys.stdin.read().splitlines())
 print("to stderr", file=sys.stderr)
 atexit.register(lambda: print("atexit ran"))
@@ -24,6 +26,8 @@ if ending == "message":
     raise SystemExit("error: a one-line message")
 if ending == "exception":
     raise ValueError("not caught")
+if ending == "interrupt":
+    raise KeyboardInterrupt
 """
 
 
@@ -35,28 +39,34 @@ def mode(request, monkeypatch):
 
 
 @pytest.mark.parametrize("ending, code", [("normal", 0), ("code", 3), ("message", 1),
-                                          ("exception", 1)])
+                                          ("exception", 1), ("interrupt", -signal.SIGINT)])
 def test_a_program_sees_and_ends_as_under_python(mode, ending, code, tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
     result = programs.run("-c", PROBE, ending, 2, stdin="one\ntwo\n", cwd=tmp_path,
-                          env=programs.environment(PROBE_VARIABLE="set"))
+                          env=programs.environment(TMPDIR=str(scratch)))
     assert result.returncode == code, result.stderr
     assert result.stdout.splitlines() == [
-        f"argv ['{ending}', '2'] cwd {tmp_path} variable set", "stdin ['one', 'two']",
-        "atexit ran"]
+        f"keras imported before {mode == 'forked'}",
+        f"argv ['{ending}', '2'] cwd {tmp_path} temporary files in {scratch}",
+        "stdin ['one', 'two']", "atexit ran"]
     errors = result.stderr.splitlines()
     assert errors[0] == "to stderr"
     assert errors[1:] == {"normal": [], "code": [], "message": ["error: a one-line message"]}.get(
         ending, errors[1:])
-    if ending == "exception":
+    if ending in ("exception", "interrupt"):
         assert errors[1] == "Traceback (most recent call last):"
-        assert errors[-1] == "ValueError: not caught"
+        assert errors[-1] == {"exception": "ValueError: not caught",
+                              "interrupt": "KeyboardInterrupt"}[ending]
 
 
 def test_programs_fork_from_the_server_unless_their_environment_imports_otherwise(monkeypatch):
     preloaded = "import sys; print('keras' in sys.modules)"
     assert programs.run("-c", preloaded).stdout == "True\n"
-    other_backend = programs.environment(KERAS_BACKEND="another")
-    assert programs.run("-c", preloaded, env=other_backend).stdout == "False\n"
+    for changed in ({"KERAS_BACKEND": "another"}, {"TF_ENABLE_ONEDNN_OPTS": "another"},
+                    {"PYTHONPATH": "another"}):
+        assert programs.run("-c", preloaded, env=programs.environment(**changed)).stdout == \
+            "False\n"
     monkeypatch.setenv("KYU_TESTS_FRESH_PROCESSES", "1")
     assert programs.run("-c", preloaded).stdout == "False\n"
 
@@ -65,6 +75,7 @@ def test_a_started_program_takes_signals_and_gives_its_output(mode, tmp_path):
     ready = tmp_path / "ready"
     script = (
         "import pathlib, signal, sys, time\n"
+        "print('keras imported before', 'keras' in sys.modules)\n"
         "signal.signal(signal.SIGTERM, lambda *_: (print('stopping'), sys.exit(75)))\n"
         "print('started', flush=True)\n"
         "print('to stderr', file=sys.stderr, flush=True)\n"
@@ -78,7 +89,8 @@ def test_a_started_program_takes_signals_and_gives_its_output(mode, tmp_path):
     program.send_signal(signal.SIGTERM)
     output = program.stdout.read()
     assert program.wait(timeout=30) == 75 == program.returncode
-    assert output.splitlines() == ["started", "to stderr", "stopping"]
+    assert output.splitlines() == [f"keras imported before {mode == 'forked'}", "started",
+                                   "to stderr", "stopping"]
     killed = programs.start("-c", "import time; time.sleep(60)")
     killed.kill()
     assert killed.wait(timeout=30) == -signal.SIGKILL
