@@ -8,8 +8,9 @@ than a hundred times, so the process is forked from a server that has imported t
 change what those imports do (another Keras backend, oneDNN switched, another PYTHONPATH) starts
 from a fresh interpreter instead, as does every program when `KYU_TESTS_FRESH_PROCESSES=1`.
 
-Tests that signal or kill a running program, or read its output while it runs, start it with
-`subprocess.Popen` themselves.
+`run` runs a program to its end; `start` gives it running, for the tests that signal, stop or
+kill it. Tests of the benchmark scripts start those themselves, and so do the scripts their
+programs.
 """
 import atexit
 import multiprocessing.forkserver
