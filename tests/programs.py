@@ -9,8 +9,7 @@ change what those imports do (another Keras backend, oneDNN switched, another PY
 from a fresh interpreter instead, as does every program when `KYU_TESTS_FRESH_PROCESSES=1`.
 
 `run` runs a program to its end; `start` gives it running, for the tests that signal, stop or
-kill it. Tests of the benchmark scripts start those themselves, and so do the scripts their
-programs.
+kill it. The programs that the benchmark scripts start are the scripts' own: fresh interpreters.
 """
 import atexit
 import multiprocessing.forkserver
