@@ -20,7 +20,7 @@ def loss_terms_function(loss_fn, xla=True):
         correct, tokens = masked_accuracy_counts(labels, logits)
         return tf.reduce_sum(token_losses), correct, tokens
 
-    return tf.function(loss_terms, jit_compile=True) if xla else loss_terms
+    return tf.function(loss_terms, jit_compile=True, autograph=False) if xla else loss_terms
 
 
 class TrainStep:
@@ -41,7 +41,10 @@ class TrainStep:
         # This process's request, outside the strategy: every worker has its own.
         self.stop_requested = tf.Variable(0.0, trainable=False, name="stop_requested")
         step = self._distributed_step if accumulate_steps == 1 else self._accumulated_step
-        self.function = tf.function(step, jit_compile=jit_compile or None, reduce_retracing=True)
+        # Its conditions are tf.cond's already: AutoGraph would only parse and rewrite the source
+        # of every function the step calls, in every process that starts training.
+        self.function = tf.function(step, jit_compile=jit_compile or None, reduce_retracing=True,
+                                    autograph=False)
 
     def __call__(self, iterator):
         return self.function(iterator)
@@ -78,12 +81,15 @@ class TrainStep:
         """One step on the next global batch (a bare `next()` would raise at the end only
         after the optimizer counted one more iteration)."""
         batch = iterator.get_next_as_optional()
-        if not batch.has_value():
-            return (tf.constant(0), *[tf.constant(0.0)] * 4)
-        *sums, stops = self.strategy.run(self._replica_step, args=batch.get_value())
-        # Already summed over all replicas: every replica holds the same count.
-        return (tf.constant(1), *self._summed(sums),
-                self.strategy.experimental_local_results(stops)[0])
+
+        def step():
+            *sums, stops = self.strategy.run(self._replica_step, args=batch.get_value())
+            # Already summed over all replicas: every replica holds the same count.
+            return (tf.constant(1), *self._summed(sums),
+                    self.strategy.experimental_local_results(stops)[0])
+
+        return tf.cond(tf.logical_not(batch.has_value()),
+                       lambda: (tf.constant(0), *[tf.constant(0.0)] * 4), step)
 
     def _accumulated_step(self, iterator):
         """One update on the next `accumulate_steps` batches of an endless iterator: their
@@ -93,10 +99,13 @@ class TrainStep:
         tokens_stops_rows = self.strategy.experimental_local_results(counts)[0]
         # The data ended where the batches have no rows (no real global batch is empty).
         batches = tf.reduce_sum(tf.cast(tokens_stops_rows[2:] > 0, tf.int32))
-        if batches == 0:
-            return (batches, *[tf.constant(0.0)] * 3, tokens_stops_rows[1])
-        sums = self.strategy.run(self._replica_update, args=(micro_batches, counts))
-        return (batches, *self._summed(sums), tokens_stops_rows[1])
+
+        def update():
+            sums = self.strategy.run(self._replica_update, args=(micro_batches, counts))
+            return (batches, *self._summed(sums), tokens_stops_rows[1])
+
+        return tf.cond(tf.equal(batches, 0),
+                       lambda: (batches, *[tf.constant(0.0)] * 3, tokens_stops_rows[1]), update)
 
     def _summed(self, values):
         return [self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
