@@ -8,10 +8,16 @@ than a hundred times, so the process is forked from a server that has imported t
 change what those imports do (another Keras backend, oneDNN switched, another PYTHONPATH) starts
 from a fresh interpreter instead, as does every program when `KYU_TESTS_FRESH_PROCESSES=1`.
 
+A forked program shares the server's hash seed and `sys.flags`, does not see what the imports
+printed (once, in the server), and ends by `os._exit` after its threads and atexit functions, with
+no interpreter teardown. Tests that compare two runs bit for bit start one of them `fresh=True`:
+two hash seeds, as two users' runs have.
+
 `run` runs a program to its end; `start` gives it running, for the tests that signal, stop or
 kill it. The programs that the benchmark scripts start are the scripts' own: fresh interpreters.
 """
 import atexit
+import io
 import multiprocessing.forkserver
 import os
 import runpy
@@ -20,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,6 +36,7 @@ READ_AT_RUN_TIME = {"PYTHONUNBUFFERED", "MULTI30K_URL", "TMPDIR", "TF_CONFIG",
                     "PYTEST_CURRENT_TEST"}
 # Keras imports its backend (TensorFlow, or JAX): the seconds a program would spend on imports.
 PRELOADED = ["keras", "sentencepiece", "sacrebleu"]
+INTERRUPTED = "KeyboardInterrupt"  # what ended a program, where Python ends by SIGINT
 _server = {}
 _server_lock = threading.Lock()
 
@@ -38,12 +46,13 @@ def environment(**changes):
     return {**os.environ, "PYTHONUNBUFFERED": "1", **changes}
 
 
-def run(*command, stdin=None, env=None, cwd=ROOT, timeout=600):
+def run(*command, stdin=None, env=None, cwd=ROOT, timeout=600, fresh=False):
     """Runs `python *command` to its end and returns what `subprocess.run(...,
     capture_output=True, text=True)` would. `command` is a script (a path relative to the
-    repository root, or absolute) and its arguments, or `"-c"`, a program's text and its."""
+    repository root, or absolute) and its arguments, or `"-c"`, a program's text and its.
+    `fresh`: from a fresh interpreter (another hash seed, for instance, than the forked ones')."""
     command, env = _python_command(command), environment() if env is None else env
-    context = _forkserver_for(env)
+    context = None if fresh else _forkserver_for(env)
     if context is None:
         return subprocess.run([sys.executable, *command], input=stdin, capture_output=True,
                               text=True, env=env, cwd=cwd, timeout=timeout)
@@ -58,13 +67,13 @@ def run(*command, stdin=None, env=None, cwd=ROOT, timeout=600):
     return subprocess.CompletedProcess([sys.executable, *command], code, stdout, stderr)
 
 
-def start(*command, env=None, cwd=ROOT):
+def start(*command, env=None, cwd=ROOT, fresh=False):
     """Starts `python *command` (as `run` takes it) and returns it running, as
     `subprocess.Popen(..., stdout=PIPE, stderr=STDOUT, text=True)` would: its `pid`, `poll`,
     `wait`, `send_signal`, `kill`, `communicate` and `stdout.read()` (which waits for its end, as
     a pipe's does)."""
     command, env = _python_command(command), environment() if env is None else env
-    context = _forkserver_for(env)
+    context = None if fresh else _forkserver_for(env)
     if context is None:
         return subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
@@ -83,7 +92,7 @@ class Forked:
                 file.write(text)
         self._process = context.Process(target=_run_here, args=(command, env, cwd, self._paths))
         self._process.start()
-        self.pid, self.stdout = self._process.pid, self
+        self.args, self.pid, self.stdout = [sys.executable, *command], self._process.pid, self
 
     def poll(self):
         return self._process.exitcode
@@ -95,7 +104,7 @@ class Forked:
     def wait(self, timeout=None):
         self._process.join(timeout)
         if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(self._process.name, timeout)
+            raise subprocess.TimeoutExpired(self.args, timeout)
         return self._process.exitcode
 
     def send_signal(self, signal_number):
@@ -147,24 +156,17 @@ def _read(path):
 
 def _run_here(command, env, cwd, paths):
     """In the forked process: becomes `python command...` and exits with its exit code."""
-    for descriptor in (0, 1, 2):  # standard error in standard output's file when merged
-        path = paths[min(descriptor, len(paths) - 1)]
-        opened = os.open(path, os.O_WRONLY | os.O_APPEND if descriptor else os.O_RDONLY)
-        os.dup2(opened, descriptor)
-        os.close(opened)
+    _take_streams(paths, unbuffered=env.get("PYTHONUNBUFFERED") == "1")
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     tempfile.tempdir = None  # read TMPDIR again
-    line_buffered = env.get("PYTHONUNBUFFERED") == "1"
-    sys.stdin = open(0, encoding="utf-8", closefd=False)
-    sys.stdout = open(1, "w", encoding="utf-8", closefd=False, buffering=1 if line_buffered else -1)
-    sys.stderr = open(2, "w", encoding="utf-8", closefd=False, buffering=1)
     if command[0] == "-c":
         sys.argv = ["-c", *command[2:]]
         sys.path.insert(0, "")
-        code = _exit_code(lambda: exec(compile(command[1], "<string>", "exec"),
-                                       {"__name__": "__main__", "__builtins__": __builtins__}))
+        main = sys.modules["__main__"] = types.ModuleType("__main__")
+        main.__builtins__ = __builtins__
+        code = _exit_code(lambda: exec(compile(command[1], "<string>", "exec"), main.__dict__))
     else:
         sys.argv = list(command)
         sys.path.insert(0, os.path.dirname(command[0]))
@@ -173,10 +175,31 @@ def _run_here(command, env, cwd, paths):
     code = _exit_code(atexit._run_exitfuncs) or code
     sys.stdout.flush()
     sys.stderr.flush()
-    if code == -signal.SIGINT:  # as the interpreter ends after a KeyboardInterrupt: by the signal
+    if code == INTERRUPTED:  # as the interpreter ends after a KeyboardInterrupt: by the signal
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
+        code = 128 + signal.SIGINT
     os._exit(code)
+
+
+def _take_streams(paths, unbuffered):
+    """Standard input, output and error on the files at `paths`, as Python opens them (`-u`,
+    or PYTHONUNBUFFERED, writes through)."""
+    for descriptor in (0, 1, 2):  # standard error in standard output's file when merged
+        path = paths[min(descriptor, len(paths) - 1)]
+        opened = os.open(path, os.O_WRONLY | os.O_APPEND if descriptor else os.O_RDONLY)
+        os.dup2(opened, descriptor)
+        os.close(opened)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)
+    for name, errors in (("stdout", "strict"), ("stderr", "backslashreplace")):
+        descriptor = 1 if name == "stdout" else 2
+        if unbuffered:
+            stream = io.TextIOWrapper(io.FileIO(descriptor, "w", closefd=False),
+                                      encoding="utf-8", errors=errors, write_through=True)
+        else:
+            stream = open(descriptor, "w", encoding="utf-8", errors=errors, closefd=False,
+                          buffering=1 if name == "stderr" else -1)
+        setattr(sys, name, stream)
 
 
 def _exit_code(function):
@@ -190,5 +213,5 @@ def _exit_code(function):
         return 1
     except BaseException as error:  # noqa: B036 (as the interpreter: the traceback, then 1)
         sys.excepthook(type(error), error, error.__traceback__)
-        return -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
+        return INTERRUPTED if isinstance(error, KeyboardInterrupt) else 1
     return 0

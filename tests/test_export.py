@@ -136,7 +136,7 @@ def served(varied, exports, tmp_path_factory):
     with open(folder / "request.json", "w", encoding="utf-8") as handle:
         json.dump(request, handle)
     result = run("-c", SERVE_SCRIPT, folder / "request.json", folder / "results.json",
-                 cwd=folder)
+                 cwd=folder, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     with open(folder / "results.json", encoding="utf-8") as handle:
         return {**json.load(handle), "source_ids": ids}
@@ -309,7 +309,7 @@ def test_without_tensorflow_text_only_the_ids_signature_is_written(varied, tmp_p
              f"sys.argv = ['export.py', '--logdir', {str(varied['logdir'])!r}, "
              f"'--out', {str(out)!r}, '--beam_size', '1']; "
              "runpy.run_path('export.py', run_name='__main__')")
-    result = run("-c", block)
+    result = run("-c", block, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     assert 'only the ids signature was written' in result.stdout
     assert 'pip install -e ".[serve]"' in result.stdout
@@ -358,7 +358,7 @@ def test_translations_equal_eval_pys_hyp_txt_line_for_line(varied, served, name,
     """eval.py run as a user runs it, on the 300 val sentences the SavedModel translated."""
     result = run("eval.py", "--logdir", varied["logdir"], "--split", "val",
                  "--data_dir", MULTI30K, "--beam_size", beam_size, "--alpha", ALPHA,
-                 "--name", f"export_{name}")
+                 "--name", f"export_{name}", timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     with open(varied["logdir"] / "eval" / f"export_{name}.hyp.txt", encoding="utf-8") as handle:
         expected = handle.read().split("\n")[:-1]

@@ -130,7 +130,7 @@ def test_kills_signals_and_a_second_run_lose_nothing(tmp_path):
     assert f"resuming from {newest} at step {newest_step}, after" in finished.stdout
     assert "epoch 1/3" not in finished.stdout
     assert "done: 3 epochs, 180 steps" in finished.stdout
-    straight = run_train(tmp_path / "straight", *flags)
+    straight = run_train(tmp_path / "straight", *flags, fresh=True)  # another hash seed
     assert digest(finished.stdout) == digest(straight.stdout) != []
     # the run says its plan at start, and its time once the pace is measured
     assert "plan: 3 epochs of about 60 updates, about 180 updates\n" in straight.stdout
@@ -144,7 +144,7 @@ def test_kills_signals_and_a_second_run_lose_nothing(tmp_path):
 def killed_at_first_checkpoint_and_resumed(tmp_path, flags):
     """``(straight, resumed)``: an uninterrupted run of train.py with `flags` (still running),
     and the result of another, SIGKILLed once its first checkpoint is listed, then resumed."""
-    straight = run_train(tmp_path / "straight", *flags, wait=False)
+    straight = run_train(tmp_path / "straight", *flags, wait=False, fresh=True)  # another seed
     logdir = tmp_path / "log"
     process = run_train(logdir, *flags, wait=False)
     wait_for(lambda: (logdir / "checkpoints" / "checkpoint").exists(), process)

@@ -14,14 +14,17 @@ pytestmark = pytest.mark.slow  # starts processes
 PROBE = r"""
 import sys
 print("keras imported before", "keras" in sys.modules)
-import atexit, os, tempfile
+import atexit, os, tempfile, threading, time
 print("argv", sys.argv[1:], "cwd", os.getcwd(), "temporary files in", tempfile.gettempdir())
 print("stdin", sys.stdin.read().splitlines())
 print("to stderr", file=sys.stderr)
-atexit.register(lambda: print("atexit ran"))
+atexit.register(lambda: sys.stdout.write("atexit ran"))  # no newline: written at the end
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread ended"))).start()
 ending = sys.argv[1]
 if ending == "code":
     sys.exit(3)
+if ending == "minus two":
+    sys.exit(-2)
 if ending == "message":
     raise SystemExit("error: a one-line message")
 if ending == "exception":
@@ -38,8 +41,9 @@ def mode(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("ending, code", [("normal", 0), ("code", 3), ("message", 1),
-                                          ("exception", 1), ("interrupt", -signal.SIGINT)])
+@pytest.mark.parametrize("ending, code", [("normal", 0), ("code", 3), ("minus two", 254),
+                                          ("message", 1), ("exception", 1),
+                                          ("interrupt", -signal.SIGINT)])
 def test_a_program_sees_and_ends_as_under_python(mode, ending, code, tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -49,20 +53,37 @@ def test_a_program_sees_and_ends_as_under_python(mode, ending, code, tmp_path):
     assert result.stdout.splitlines() == [
         f"keras imported before {mode == 'forked'}",
         f"argv ['{ending}', '2'] cwd {tmp_path} temporary files in {scratch}",
-        "stdin ['one', 'two']", "atexit ran"]
+        "stdin ['one', 'two']", "thread ended", "atexit ran"]
     errors = result.stderr.splitlines()
     assert errors[0] == "to stderr"
-    assert errors[1:] == {"normal": [], "code": [], "message": ["error: a one-line message"]}.get(
-        ending, errors[1:])
+    assert errors[1:] == {"normal": [], "code": [], "minus two": [],
+                          "message": ["error: a one-line message"]}.get(ending, errors[1:])
     if ending in ("exception", "interrupt"):
         assert errors[1] == "Traceback (most recent call last):"
         assert errors[-1] == {"exception": "ValueError: not caught",
                               "interrupt": "KeyboardInterrupt"}[ending]
 
 
-def test_programs_fork_from_the_server_unless_their_environment_imports_otherwise(monkeypatch):
+def test_a_script_finds_its_folder_first_on_its_path(mode, tmp_path):
+    (tmp_path / "beside.py").write_text("NAME = 'the module beside the script'\n")
+    script = tmp_path / "script.py"
+    script.write_text("import sys, beside\n"
+                      "print(sys.argv, __file__, sys.path[0], beside.NAME, __name__)\n")
+    result = programs.run(script, "an argument")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (f"[{str(script)!r}, 'an argument'] {script} {tmp_path} "
+                             "the module beside the script __main__\n")
+
+
+def test_programs_fork_from_the_server_unless_their_environment_imports_otherwise(
+        monkeypatch, tmp_path):
     preloaded = "import sys; print('keras' in sys.modules)"
     assert programs.run("-c", preloaded).stdout == "True\n"
+    for read_when_running in ({"TF_CONFIG": "{}"}, {"MULTI30K_URL": "http://localhost/"},
+                              {"TMPDIR": str(tmp_path)}, {"PYTHONUNBUFFERED": "0"}):
+        environment = programs.environment(**read_when_running)
+        assert programs.run("-c", preloaded, env=environment).stdout == "True\n"
+    assert programs.run("-c", preloaded, fresh=True).stdout == "False\n"
     for changed in ({"KERAS_BACKEND": "another"}, {"TF_ENABLE_ONEDNN_OPTS": "another"},
                     {"PYTHONPATH": "another"}):
         assert programs.run("-c", preloaded, env=programs.environment(**changed)).stdout == \

@@ -485,11 +485,11 @@ def test_mirrored_two_devices_equals_default_strategy(tmp_path):
                                    err_msg=name)
 
 
-def run_train(logdir, *extra, wait=True):
+def run_train(logdir, *extra, wait=True, fresh=False):
     """train.py on the tiny recipe to its end, or started (`wait=False`) as a `Popen` to signal,
-    kill or read while it runs."""
+    kill or read while it runs (`fresh`: see `programs.run`)."""
     arguments = ["--hparams", "tiny", "--data_dir", MULTI30K, "--logdir", str(logdir), *extra]
-    return (programs.run if wait else programs.start)("train.py", *arguments)
+    return (programs.run if wait else programs.start)("train.py", *arguments, fresh=fresh)
 
 
 def digest(output):
