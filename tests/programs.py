@@ -8,10 +8,11 @@ than a hundred times, so the process is forked from a server that has imported t
 change what those imports do (another Keras backend, oneDNN switched, another PYTHONPATH) starts
 from a fresh interpreter instead, as does every program when `KYU_TESTS_FRESH_PROCESSES=1`.
 
-A forked program shares the server's hash seed and `sys.flags`, does not see what the imports
-printed (once, in the server), and ends by `os._exit` after its threads and atexit functions, with
-no interpreter teardown. Tests that compare two runs bit for bit start one of them `fresh=True`:
-two hash seeds, as two users' runs have.
+A forked program shares the server's hash seed and `sys.flags`, finds the tests' folders on its
+`sys.path` after its own, does not see what the imports printed (once, in the server), and ends by
+`os._exit` after its threads and atexit functions, with no interpreter teardown (a script's
+`__main__` is the server's again by then). Tests that compare two training runs bit for bit
+start one of them `fresh=True`: two hash seeds, as two users' runs have.
 
 `run` runs a program to its end; `start` gives it running, for the tests that signal, stop or
 kill it. The programs that the benchmark scripts start are the scripts' own: fresh interpreters.
@@ -90,7 +91,9 @@ class Forked:
         for path, text in zip(paths, (stdin or "", "", "")):
             with open(path, "w", encoding="utf-8") as file:
                 file.write(text)
-        self._process = context.Process(target=_run_here, args=(command, env, cwd, self._paths))
+        # Daemonic: one a failed test left running ends with the tests, not after them.
+        self._process = context.Process(target=_run_here, args=(command, env, cwd, self._paths),
+                                        daemon=True)
         self._process.start()
         self.args, self.pid, self.stdout = [sys.executable, *command], self._process.pid, self
 
@@ -156,7 +159,7 @@ def _read(path):
 
 def _run_here(command, env, cwd, paths):
     """In the forked process: becomes `python command...` and exits with its exit code."""
-    _take_streams(paths, unbuffered=env.get("PYTHONUNBUFFERED") == "1")
+    _take_streams(paths, unbuffered=bool(env.get("PYTHONUNBUFFERED")))  # as `python -u`
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -171,10 +174,14 @@ def _run_here(command, env, cwd, paths):
         sys.argv = list(command)
         sys.path.insert(0, os.path.dirname(command[0]))
         code = _exit_code(lambda: runpy.run_path(command[0], run_name="__main__"))
-    threading._shutdown()  # as the interpreter ends: its threads first, then the atexit functions
+    # As the interpreter ends: its threads joined, the atexit functions, the streams flushed.
+    code = _exit_code(threading._shutdown) or code
     code = _exit_code(atexit._run_exitfuncs) or code
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 (as the interpreter: 120 where it would have ended well)
+        code = code or 120
     if code == INTERRUPTED:  # as the interpreter ends after a KeyboardInterrupt: by the signal
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -183,23 +190,25 @@ def _run_here(command, env, cwd, paths):
 
 
 def _take_streams(paths, unbuffered):
-    """Standard input, output and error on the files at `paths`, as Python opens them (`-u`,
-    or PYTHONUNBUFFERED, writes through)."""
+    """Standard input, output and error on the files at `paths`, made as CPython makes them
+    (pylifecycle's `create_stdio`), in the server's encodings and error handlers: those CPython
+    chose for this environment."""
     for descriptor in (0, 1, 2):  # standard error in standard output's file when merged
         path = paths[min(descriptor, len(paths) - 1)]
         opened = os.open(path, os.O_WRONLY | os.O_APPEND if descriptor else os.O_RDONLY)
         os.dup2(opened, descriptor)
         os.close(opened)
-    sys.stdin = open(0, encoding="utf-8", closefd=False)
-    for name, errors in (("stdout", "strict"), ("stderr", "backslashreplace")):
-        descriptor = 1 if name == "stdout" else 2
-        if unbuffered:
-            stream = io.TextIOWrapper(io.FileIO(descriptor, "w", closefd=False),
-                                      encoding="utf-8", errors=errors, write_through=True)
-        else:
-            stream = open(descriptor, "w", encoding="utf-8", errors=errors, closefd=False,
-                          buffering=1 if name == "stderr" else -1)
-        setattr(sys, name, stream)
+    sys.stdin = _text_stream(0, sys.__stdin__, unbuffered)
+    sys.stdout = _text_stream(1, sys.__stdout__, unbuffered)
+    sys.stderr = _text_stream(2, sys.__stderr__, unbuffered, line_buffering=not unbuffered)
+
+
+def _text_stream(descriptor, like, unbuffered, line_buffering=False):
+    stream = io.FileIO(descriptor, "w" if descriptor else "r", closefd=False)
+    if not (unbuffered and descriptor):  # standard input is buffered even under `-u`
+        stream = io.BufferedWriter(stream) if descriptor else io.BufferedReader(stream)
+    return io.TextIOWrapper(stream, encoding=like.encoding, errors=like.errors, newline="\n",
+                            line_buffering=line_buffering, write_through=unbuffered)
 
 
 def _exit_code(function):

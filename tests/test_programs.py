@@ -64,6 +64,41 @@ def test_a_program_sees_and_ends_as_under_python(mode, ending, code, tmp_path):
                               "interrupt": "KeyboardInterrupt"}[ending]
 
 
+STREAMS = """
+import sys
+print("forked", "keras" in sys.modules)
+for stream in (sys.stdin, sys.stdout, sys.stderr):
+    print(stream.encoding, stream.errors, stream.line_buffering, stream.write_through,
+          type(stream.buffer).__name__)
+"""
+
+
+def _environment(unbuffered):
+    environment = programs.environment()
+    if not unbuffered:
+        del environment["PYTHONUNBUFFERED"]
+    return environment
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_a_forked_programs_streams_are_those_python_opens(unbuffered):
+    forked, fresh = (programs.run("-c", STREAMS, env=_environment(unbuffered), fresh=fresh)
+                     .stdout.splitlines() for fresh in (False, True))
+    assert forked[0] == "forked True" and fresh[0] == "forked False"
+    assert forked[1:] == fresh[1:] and len(fresh) == 4
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_what_was_written_before_a_kill_is_kept_as_python_keeps_it(mode, unbuffered):
+    """`-u` writes through; otherwise standard output waits in its buffer (lost to SIGKILL) and
+    standard error, line-buffered, does not."""
+    script = ("import os, signal, sys\nprint('out')\nprint('err', file=sys.stderr)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    result = programs.run("-c", script, env=_environment(unbuffered))
+    assert result.returncode == -signal.SIGKILL
+    assert (result.stdout, result.stderr) == ("out\n" if unbuffered else "", "err\n")
+
+
 def test_a_script_finds_its_folder_first_on_its_path(mode, tmp_path):
     (tmp_path / "beside.py").write_text("NAME = 'the module beside the script'\n")
     script = tmp_path / "script.py"
@@ -80,9 +115,10 @@ def test_programs_fork_from_the_server_unless_their_environment_imports_otherwis
     preloaded = "import sys; print('keras' in sys.modules)"
     assert programs.run("-c", preloaded).stdout == "True\n"
     for read_when_running in ({"TF_CONFIG": "{}"}, {"MULTI30K_URL": "http://localhost/"},
-                              {"TMPDIR": str(tmp_path)}, {"PYTHONUNBUFFERED": "0"}):
+                              {"TMPDIR": str(tmp_path)}):
         environment = programs.environment(**read_when_running)
         assert programs.run("-c", preloaded, env=environment).stdout == "True\n"
+    assert programs.run("-c", preloaded, env=_environment(unbuffered=False)).stdout == "True\n"
     assert programs.run("-c", preloaded, fresh=True).stdout == "False\n"
     for changed in ({"KERAS_BACKEND": "another"}, {"TF_ENABLE_ONEDNN_OPTS": "another"},
                     {"PYTHONPATH": "another"}):
