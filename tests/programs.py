@@ -52,8 +52,7 @@ def run(*command, stdin=None, env=None, cwd=ROOT, timeout=600, fresh=False):
     capture_output=True, text=True)` would. `command` is a script (a path relative to the
     repository root, or absolute) and its arguments, or `"-c"`, a program's text and its.
     `fresh`: from a fresh interpreter (another hash seed, for instance, than the forked ones')."""
-    command, env = _python_command(command), environment() if env is None else env
-    context = None if fresh else _forkserver_for(env)
+    command, env, context = _prepared(command, env, fresh)
     if context is None:
         return subprocess.run([sys.executable, *command], input=stdin, capture_output=True,
                               text=True, env=env, cwd=cwd, timeout=timeout)
@@ -73,8 +72,7 @@ def start(*command, env=None, cwd=ROOT, fresh=False):
     `subprocess.Popen(..., stdout=PIPE, stderr=STDOUT, text=True)` would: its `pid`, `poll`,
     `wait`, `send_signal`, `kill`, `communicate` and `stdout.read()` (which waits for its end, as
     a pipe's does)."""
-    command, env = _python_command(command), environment() if env is None else env
-    context = None if fresh else _forkserver_for(env)
+    command, env, context = _prepared(command, env, fresh)
     if context is None:
         return subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
@@ -130,11 +128,14 @@ class Forked:
         return (*self.outputs(), None)[:2]
 
 
-def _python_command(command):
+def _prepared(command, env, fresh):
+    """`python`'s arguments (the script's path joined to the root), the environment, and the
+    forkserver context to fork from, or None for a fresh interpreter."""
     command = [str(word) for word in command]
     if command[0] != "-c":
         command[0] = os.path.join(ROOT, command[0])
-    return command
+    env = environment() if env is None else env
+    return command, env, None if fresh else _forkserver_for(env)
 
 
 def _forkserver_for(env):
