@@ -30,11 +30,14 @@ def free_ports(count):
     return ports
 
 
-def run_workers(tmp_path, logdirs, *extra, worker_extra=(), while_running=None):
+def run_workers(tmp_path, logdirs, *extra, worker_extra=(), while_running=None,
+                two_seeds=False):
     """train.py on two loopback workers; returns their ``(return code, output)``.
 
     `extra` goes to both, `worker_extra` to the second only (after `extra`);
-    `while_running(processes)` is called once both have started.
+    `while_running(processes)` is called once both have started. With `two_seeds` the second
+    worker starts in a fresh interpreter, with another hash seed, as on another machine: for
+    the runs whose workers must end alike (those that stop at a check fork both).
     """
     workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     processes = []
@@ -47,7 +50,7 @@ def run_workers(tmp_path, logdirs, *extra, worker_extra=(), while_running=None):
             "train.py", "--strategy", "multi_worker", "--hparams", "tiny", "--data_dir", MULTI30K,
             "--logdir", logdir, "--num_epochs", "2", "--steps_per_epoch", "6", "--log_every", "3",
             *extra, *(worker_extra if index else ()), env=environment,
-            fresh=index == 1))  # two hash seeds, as on two machines
+            fresh=two_seeds and index == 1))
     results = []
     try:
         if while_running:
@@ -69,7 +72,7 @@ def digests(results):
 
 def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_path):
     logdir = tmp_path / "log"
-    results = run_workers(tmp_path, [logdir, logdir])
+    results = run_workers(tmp_path, [logdir, logdir], two_seeds=True)
     for code, output in results:
         assert code == 0, output[-4000:]
     assert len(digests(results)) == 2 and len(set(digests(results))) == 1, digests(results)
@@ -84,7 +87,8 @@ def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_pa
 
     # --overwrite: the chief alone moves the old logdir aside, the other worker waits
     # for it (instead of reading the old hparams.json and refusing, or racing the move).
-    results = run_workers(tmp_path, [logdir, logdir], "--overwrite", "--d_model", "64")
+    results = run_workers(tmp_path, [logdir, logdir], "--overwrite", "--d_model", "64",
+                          two_seeds=True)
     for code, output in results:
         assert code == 0, output[-4000:]
     assert len(set(digests(results))) == 1
@@ -114,7 +118,8 @@ def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_pa
     # `auto` is the chief's to resolve: a worker that cannot read the chief's hparams.json
     # (here: a logdir of its own) takes the chief's choice instead of making its own.
     chief_dir, worker_dir = tmp_path / "chief_auto", tmp_path / "worker_auto"
-    results = run_workers(tmp_path, [chief_dir, worker_dir], "--mixed_precision", "auto")
+    results = run_workers(tmp_path, [chief_dir, worker_dir], "--mixed_precision", "auto",
+                          two_seeds=True)
     for code, output in results:
         assert code == 0, output[-4000:]
     assert "mixed_precision auto: no (" in results[0][1]
@@ -146,7 +151,7 @@ def test_a_signal_to_one_worker_stops_both_after_the_same_update_with_a_checkpoi
     assert 4 <= step < 40 and int(stops[1].group(2)) == step
     assert f"saved {logdir / 'checkpoints' / f'ckpt-{step}'}" in results[0][1]
     assert list_checkpoints(str(logdir))[-1].endswith(f"ckpt-{step}")
-    resumed = run_workers(tmp_path, [logdir, logdir], *flags)
+    resumed = run_workers(tmp_path, [logdir, logdir], *flags, two_seeds=True)
     for code, output in resumed:
         assert code == 0 and f"resumed from {logdir}/checkpoints/ckpt-{step}\n" in output, \
             output[-4000:]
@@ -195,7 +200,8 @@ def test_two_workers_fine_tune_alike_and_a_failure_on_one_stops_both(tmp_path):
     source, logdir = tmp_path / "source", tmp_path / "log"
     trained = run_train(source, "--num_epochs", "1", "--steps_per_epoch", "4")
     assert trained.returncode == 0, trained.stdout + trained.stderr
-    results = run_workers(tmp_path, [logdir, logdir], "--init_from", str(source))
+    results = run_workers(tmp_path, [logdir, logdir], "--init_from", str(source),
+                          two_seeds=True)
     for code, output in results:
         assert code == 0 and "done: 2 epochs, 12 steps" in output, output[-4000:]
     assert len(digests(results)) == 2 and len(set(digests(results))) == 1, digests(results)
