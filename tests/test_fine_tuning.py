@@ -240,7 +240,7 @@ def test_a_best_checkpoint_replaced_while_it_is_read_is_refused_or_recorded_as_r
     def keep_replacing():  # as evaluation.py does, by a rename: each file stands whole
         try:
             for path in paths[1:]:  # at moments within reads, and some reads between them
-                time.sleep(pauses.uniform(0.3, 1.2))
+                time.sleep(pauses.uniform(0.5, 3.0) * read_seconds)
                 os.link(path, origin / "best.next")
                 os.replace(origin / "best.next", best)
         except OSError as error:  # pragma: no cover  (said in the main thread)
@@ -252,6 +252,11 @@ def test_a_best_checkpoint_replaced_while_it_is_read_is_refused_or_recorded_as_r
             np.testing.assert_array_equal(taken.weights[key], weights)
         return True
 
+    # Pauses of about a read on this machine: some replacements fall within reads, some reads
+    # between them, however fast the machine reads (the first read, left alone, timed).
+    started = time.perf_counter()
+    assert holds_what_it_records(Source(str(origin), theirs, ckpt="best"))
+    read_seconds = time.perf_counter() - started
     replacing, refused, recorded = threading.Thread(target=keep_replacing), 0, 0
     replacing.start()
     try:
