@@ -448,6 +448,7 @@ def test_eval_errors_are_clear(varied, tmp_path):
         load_model(other, str(varied["logdir"]))
 
 
+@pytest.mark.slow  # starts a program
 def test_the_search_knows_no_corpus():
     """decoding (and the exports built on it) take the special ids from `special_ids`."""
     script = ("import sys; import kyu_transformer.decoding, kyu_transformer.serving; "

@@ -198,6 +198,7 @@ def subwords(tmp_path_factory):
                                        sources + targets, vocab_size=400)
 
 
+@pytest.mark.slow  # starts a program
 def test_sampled_segmentations_spell_the_sentence_and_follow_the_seed(subwords):
     sentences = data.load_split(MULTI30K, "train")[0][:300]
     sampler = data.SegmentationSampler(subwords, sentences, alpha=0.5)

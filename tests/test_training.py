@@ -337,6 +337,7 @@ def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
         assert_same_weights(results, joined[fast_paths][1], tolerance)
 
 
+@pytest.mark.slow  # starts a program
 def test_eval_and_export_do_not_import_the_trainer():
     script = ("import sys; sys.path.insert(0, sys.argv[1]); import eval, export; "
               "print(sorted(m for m in sys.modules if m.startswith('kyu_transformer')))")
