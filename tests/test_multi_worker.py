@@ -37,7 +37,7 @@ def run_workers(tmp_path, logdirs, *extra, worker_extra=(), while_running=None,
     `extra` goes to both, `worker_extra` to the second only (after `extra`);
     `while_running(processes)` is called once both have started. With `two_seeds` the second
     worker starts in a fresh interpreter, with another hash seed, as on another machine: for
-    the runs whose workers must end alike (those that stop at a check fork both).
+    the runs whose workers must end alike (the others fork both).
     """
     workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     processes = []
