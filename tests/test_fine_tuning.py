@@ -8,8 +8,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import sys
 import threading
 import time
 
@@ -29,7 +27,7 @@ from kyu_transformer.model import Transformer
 from kyu_transformer.training import Trainer
 from tests import programs
 from tests.test_data import MULTI30K
-from tests.test_training import REFUSALS_SCRIPT, ROOT
+from tests.test_training import refusals
 
 # Pairs with characters the Multi30k sample never shows: its subword model maps them to unknown.
 UNSEEN = [("Ein Roboter ☃ spielt Schach.", "A robot ☃ plays chess."),
@@ -371,13 +369,7 @@ def test_fine_tuning_mistakes_are_refused_before_tensorflow_loads(tmp_path):
     runs = [("train.py", ["--hparams", "tiny", "--data_dir", MULTI30K, "--logdir",
                           tmp_path / f"new-{number}", *extra])
             for number, (extra, _) in enumerate(cases)]
-    output = subprocess.run(
-        [sys.executable, "-c", REFUSALS_SCRIPT, ROOT,
-         json.dumps([(program, list(map(str, arguments))) for program, arguments in runs])],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert output.returncode == 0, output.stderr[-3000:]
-    results = [json.loads(line) for line in output.stdout.splitlines() if line.startswith("[")]
-    assert len(results) == len(cases), output.stdout[-3000:]
+    results = refusals(runs)
     for number, ((extra, message), (_, error, tensorflow, keras)) in enumerate(
             zip(cases, results)):
         assert message in error and "Traceback" not in error, (extra, error)

@@ -362,6 +362,19 @@ for program, arguments in json.loads(sys.argv[2]):
 """
 
 
+def refusals(runs):
+    """``[(program, error, tensorflow loaded, keras loaded)]`` of `runs` ``[(program, arguments)]``,
+    each run in turn in one fresh interpreter (the tests' server has TensorFlow loaded already)."""
+    output = subprocess.run(
+        [sys.executable, "-c", REFUSALS_SCRIPT, ROOT,
+         json.dumps([(program, list(map(str, arguments))) for program, arguments in runs])],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert output.returncode == 0, output.stderr[-3000:]
+    results = [json.loads(line) for line in output.stdout.splitlines() if line.startswith("[")]
+    assert len(results) == len(runs), output.stdout[-3000:]
+    return results
+
+
 def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
     """Flags, hparams, busy logdirs, data folders, logdirs trained otherwise and inputs are
     checked first: a mistake is refused without loading TensorFlow (seconds), in the order of a
@@ -406,15 +419,9 @@ def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
     ]
     busy = LogdirLock(str(busy_dir)).acquire()  # as a run in another process holds it
     try:
-        output = subprocess.run(
-            [sys.executable, "-c", REFUSALS_SCRIPT, ROOT,
-             json.dumps([(program, list(map(str, arguments))) for program, arguments, _ in cases])],
-            capture_output=True, text=True, timeout=120, cwd=ROOT)
+        results = refusals([(program, arguments) for program, arguments, _ in cases])
     finally:
         busy.release()
-    assert output.returncode == 0, output.stderr[-3000:]
-    results = [json.loads(line) for line in output.stdout.splitlines() if line.startswith("[")]
-    assert len(results) == len(cases), output.stdout[-3000:]
     for (program, arguments, message), (_, error, tensorflow, keras) in zip(cases, results):
         assert message in error, (program, arguments, error)
         assert not tensorflow and not keras, (program, arguments, "loaded TensorFlow")
