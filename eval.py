@@ -65,28 +65,25 @@ def check_args(parser, args):
         parser.error("--ref goes with --src")
     args.settings = search_settings(parser, **given_search_flags(args))
     check_checkpoint_arguments(parser, args)
-    for first, second, why in EXCLUSIVE_FLAGS:
-        if _given(args, first) and _given(args, second):
-            parser.error(f"--{first} and --{second} exclude each other: {why}")
+    for first, seconds, why in EXCLUSIVE_FLAGS:
+        for second in seconds:
+            if _given(args, first) and _given(args, second):
+                parser.error(f"--{first} and --{second} exclude each other: {why}")
     if args.src == "-" and (args.score or args.n_best):
         parser.error(f"--src - translates standard input line by line; --"
-                     f"{'score' if args.score else 'n_best'} needs a file (--src FILE) "
-                     "or --split")
+                     f"{'score' if args.score else 'n_best'} needs a file (--src FILE) or --split")
 
 
-# (flag, flag, why): pairs of flags that cannot be given together.
+# (flag, flags, why): a flag that cannot be given with any of the flags.
 EXCLUSIVE_FLAGS = (
-    ("score", "ref", "--score rates FILE by the model, not by references"),
-    ("score", "n_best", "--score translates nothing"),
-    ("score", "plot_attention", "--score translates nothing"),
-    ("score", "sampling_topk", "--score translates nothing"),
-    ("score", "ctranslate2", "--score scores with the logdir's Keras model"),
-    ("ctranslate2", "ckpt", "the CTranslate2 model holds the weights it was converted from"),
-    ("ctranslate2", "average_last",
+    ("score", ("ref",), "--score rates FILE by the model, not by references"),
+    ("score", ("n_best", "plot_attention", "sampling_topk"), "--score translates nothing"),
+    ("score", ("ctranslate2",), "--score scores with the logdir's Keras model"),
+    ("ctranslate2", ("ckpt", "average_last"),
      "the CTranslate2 model holds the weights it was converted from"),
-    ("ctranslate2", "mixed_precision",
+    ("ctranslate2", ("mixed_precision",),
      "the CTranslate2 model computes in the weight type it was converted to"),
-    ("ctranslate2", "plot_attention", "attention heatmaps come from the Keras model"),
+    ("ctranslate2", ("plot_attention",), "attention heatmaps come from the Keras model"),
 )
 
 
@@ -122,7 +119,7 @@ def write_lines(path, lines):
 
 
 def plot_attention(model, settings, subwords, sources, count, out_dir, name):
-    """Heatmaps of the last decoder block's cross-attention, averaged over heads."""
+    """Saves heatmaps of the last decoder block's cross-attention (mean of heads); prints paths."""
     from kyu_transformer.plots import plt, save_figure
     from kyu_transformer.translation import Translator
 
@@ -131,9 +128,8 @@ def plot_attention(model, settings, subwords, sources, count, out_dir, name):
                             batch_size=settings.batch_size)
     source_ids = subwords.encode(sources[:count])
     found = translator.translate_ids(source_ids, with_coverage=True)
-    outputs, coverages = found.outputs, found.coverages
-    paths = []
-    for index, (ids, output, coverage) in enumerate(zip(source_ids, outputs, coverages)):
+    for index, (ids, output, coverage) in enumerate(zip(source_ids, found.outputs,
+                                                        found.coverages)):
         if coverage is None:
             continue
         source_pieces = subwords.processor.id_to_piece(ids) + ["</s>"]
@@ -144,11 +140,9 @@ def plot_attention(model, settings, subwords, sources, count, out_dir, name):
                     aspect="auto")
         axes.set_xticks(range(len(source_pieces)), source_pieces, rotation=90)
         axes.set_yticks(range(len(output_pieces)), output_pieces)
-        axes.set_xlabel("source")
-        axes.set_ylabel("output")
-        paths.append(save_figure(figure, filenames.evaluation_file(
-            out_dir, name, filenames.ATTENTION_PLOT.format(index + 1)), dpi=80))
-    return paths
+        axes.set(xlabel="source", ylabel="output")
+        path = filenames.evaluation_file(out_dir, name, filenames.ATTENTION_PLOT.format(index + 1))
+        print(f"attention: {save_figure(figure, path, dpi=80)}")
 
 
 def load_ctranslate2(args):
@@ -159,9 +153,8 @@ def load_ctranslate2(args):
     copied = os.path.join(model_dir, filenames.SUBWORDS)  # the converter copies it there
     ours = os.path.join(args.logdir, filenames.SUBWORDS)
     if os.path.isfile(copied) and not filecmp.cmp(copied, ours, shallow=False):
-        raise data.DataError(f"{model_dir} was converted with another subword model than "
-                             f"{ours}: convert this logdir's model, or give the logdir it "
-                             "came from")
+        raise data.DataError(f"{model_dir} was converted with another subword model than {ours}: "
+                             "convert this logdir's model, or give the logdir it came from")
     from kyu_transformer.ctranslate2_export import CTranslate2Translator, ExportError
 
     try:
@@ -195,9 +188,9 @@ def load_translator(args, hparams):
         model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
     except CheckpointError as error:
         raise data.DataError(str(error)) from None
-    translator = Translator(model, args.settings)
-    return translator, {"engine": "keras", "checkpoint": describe(checkpoints),
-                        "checkpoints": checkpoints, "mixed_precision": precision, **choice}
+    return Translator(model, args.settings), {
+        "engine": "keras", "checkpoint": describe(checkpoints), "checkpoints": checkpoints,
+        "mixed_precision": precision, **choice}
 
 
 def write_scores(translator, subwords, sources, targets, out_dir, name):
@@ -253,15 +246,16 @@ def main(argv=None):
     translations, hypotheses, decode_seconds = write_translations(
         translator, facts, subwords, sources, args, out_dir, name)
     if args.plot_attention:
-        for path in plot_attention(translator.model, args.settings, subwords, sources,
-                                   args.plot_attention, out_dir, name):
-            print(f"attention: {path}")
+        plot_attention(translator.model, args.settings, subwords, sources, args.plot_attention,
+                       out_dir, name)
     if references is not None:
         from kyu_transformer.evaluation import score
 
+        searched = ("beam_size", "alpha", "length_margin") + (
+            SAMPLING_FLAGS if args.settings.sampling else ())
         result = score(hypotheses, references)
-        result.update(**facts, **search_record(args.settings), n_best=args.n_best,
-                      truncated_sources=translations.truncated_sources,
+        result.update(**facts, **{key: getattr(args.settings, key) for key in searched},
+                      n_best=args.n_best, truncated_sources=translations.truncated_sources,
                       truncated_outputs=translations.truncated_outputs,
                       num_sentences=len(sources), seconds=round(time.time() - started, 2),
                       decode_seconds=round(decode_seconds, 2))
@@ -280,9 +274,8 @@ def write_translations(translator, facts, subwords, sources, args, out_dir, name
     translations = translator.translate_ids(subwords.encode(sources), n_best=args.n_best)
     hypotheses = [subwords.decode(ids) for ids in translations.outputs]
     if args.n_best:  # the rows of <name>.nbest.jsonl
-        rows = [{"source": source,
-                 "hypotheses": [{"text": subwords.decode(ids), "score": score}
-                                for ids, score in zip(ids_list, scores)]}
+        rows = [{"source": source, "hypotheses": [{"text": subwords.decode(ids), "score": score}
+                                                  for ids, score in zip(ids_list, scores)]}
                 for source, ids_list, scores in zip(sources, translations.hypotheses,
                                                     translations.scores)]
     decode_seconds = time.time() - decode_started
@@ -309,12 +302,6 @@ def write_translations(translator, facts, subwords, sources, args, out_dir, name
               f"(source length + {translator.settings.length_margin} subwords, at most "
               f"{translator.max_length}) before ending and were cut there")
     return translations, hypotheses, decode_seconds
-
-
-def search_record(settings):
-    """The search settings that <name>.json records."""
-    names = ("beam_size", "alpha", "length_margin") + (SAMPLING_FLAGS if settings.sampling else ())
-    return {name: getattr(settings, name) for name in names}
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
 from kyu_transformer import data, filenames  # noqa: E402
-from kyu_transformer.files import staging_beside, stops_cleanly_when_full  # noqa: E402
+from kyu_transformer.files import staging_beside, stops_cleanly_when_full, write_text  # noqa: E402
 from kyu_transformer.flags import (  # noqa: E402
     QUANTIZATIONS, SAMPLING_FLAGS, SEARCH_FLAGS, add_checkpoint_arguments, add_search_arguments,
     check_checkpoint_arguments, given_search_flags, search_settings)
@@ -75,9 +75,8 @@ def check_args(parser, args):
                      if sampling else None)
     check_checkpoint_arguments(parser, args)
     if args.mixed_precision and args.format == "ctranslate2":
-        parser.error(f"--mixed_precision ({args.mixed_precision}) applies to --format "
-                     "saved_model only: a CTranslate2 model computes in its --quantization "
-                     "weight type")
+        parser.error(f"--mixed_precision ({args.mixed_precision}) applies to --format saved_model "
+                     "only: a CTranslate2 model computes in its --quantization weight type")
     if args.quantization and args.format != "ctranslate2":
         parser.error(f"--quantization ({args.quantization}) applies to --format ctranslate2 "
                      "only: a SavedModel keeps the model's float32 weights")
@@ -153,21 +152,19 @@ def write_saved_model(args, model, subwords, checkpoints, precision, target):
     from kyu_transformer.checkpoints import describe
 
     signatures = serving.save(model, subwords.path, args.settings, target, sampling=args.sampling)
-    settings, sampling = args.settings, args.sampling
     record = {"format": "saved_model", "signatures": signatures, "logdir": args.logdir,
               "checkpoint": describe(checkpoints), "checkpoints": checkpoints,
               "mixed_precision": precision, "compute_dtype": PRECISION_POLICIES[precision],
-              **{name: getattr(settings, name)
+              **{name: getattr(args.settings, name)
                  for name in ("beam_size", "alpha", "n_best", "length_margin", "batch_size")},
               "sample": None if serving.SAMPLE_SIGNATURE not in signatures else {
-                  name: getattr(sampling, name)
+                  name: getattr(args.sampling, name)
                   for name in ("sampling_topk", "sampling_topp", "sampling_temperature", "n_best")},
               "maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
               "subword_model": os.path.join("assets", os.path.basename(subwords.path))}
     path = os.path.join(target, filenames.SAVED_MODEL_SETTINGS)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(record, indent=2) + "\n")
+    write_text(path, json.dumps(record, indent=2) + "\n")
     return signatures
 
 
@@ -232,8 +229,8 @@ def main(argv=None):
         staging = staging_beside(args.out, "export")
     except OSError as error:
         raise SystemExit(f"error: cannot write beside --out {args.out} ({error})") from None
+    target = os.path.join(staging, "new")
     try:
-        target = os.path.join(staging, "new")
         if args.format == "ctranslate2":
             try:
                 ctranslate2_export.convert(model, hparams, subwords, target,
@@ -241,8 +238,7 @@ def main(argv=None):
             except (ctranslate2_export.ExportError, ImportError) as error:  # or no ctranslate2
                 raise SystemExit(f"error: --format ctranslate2: {error}") from None
         else:
-            signatures = write_saved_model(args, model, subwords, checkpoints, precision,
-                                           target)
+            signatures = write_saved_model(args, model, subwords, checkpoints, precision, target)
         put_in_place(target, args.out, staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

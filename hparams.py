@@ -5,6 +5,7 @@
 """
 
 import argparse
+import contextlib
 import difflib
 import json
 import os
@@ -113,15 +114,13 @@ def _convert(name, value):
             if text.lower() not in ("true", "1", "yes", "false", "0", "no"):
                 raise HParamsError(f"`{name}` must be true or false, got {value!r}")
             return text.lower() in ("true", "1", "yes")
-        try:
+        with contextlib.suppress(ValueError):  # the error below
             return kind(float(text)) if kind is int and float(text).is_integer() else kind(text)
-        except ValueError:
-            raise HParamsError(f"`{name}` must be {kind.__name__}, got {value!r}") from None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise HParamsError(f"`{name}` must be {kind.__name__}, got {value!r}")
-    return value
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise HParamsError(f"`{name}` must be {kind.__name__}, got {value!r}")
 
 
 def _read_json(path):

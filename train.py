@@ -40,16 +40,14 @@ def parse_args(argv):
     parser = hp.argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--strategy", default="auto", choices=STRATEGIES,
                         help="tf.distribute strategy (multi_worker reads TF_CONFIG)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start afresh in a logdir trained otherwise (moving the old one to "
-                             "<logdir>.old-<time>)")
+    parser.add_argument("--overwrite", action="store_true", help="start afresh in a logdir "
+                        "trained otherwise (moving the old one to <logdir>.old-<time>)")
     parser.add_argument("--deterministic", action="store_true",
                         help="TensorFlow op determinism: identical runs for the same seed")
     fine_tuning = parser.add_argument_group("fine-tuning (docs/fine_tuning.md)")
     add_checkpoint_arguments(fine_tuning, prefix="init_")
-    fine_tuning.add_argument("--init_optimizer", action="store_true",
-                             help="also take the source checkpoint's optimizer moments (its "
-                                  "step counter still starts at 0)")
+    fine_tuning.add_argument("--init_optimizer", action="store_true", help="also take the source "
+                             "checkpoint's optimizer moments (its step counter still starts at 0)")
     args = parser.parse_args(argv)
     check_checkpoint_arguments(parser, args, prefix="init_")
     if args.init_optimizer and not args.init_from:
@@ -144,10 +142,9 @@ def settle_logdir(hparams, overwrite):
             f"without a run of train.py, as import_tf1.py writes them) and differs in "
             f"{' and '.join(problems)}. To train from its weights, start a new run: --init_from "
             f"{logdir} with a new --logdir")
-    raise SystemExit(
-        f"error: {logdir} was trained with {' and '.join(problems)}. Use another --logdir, "
-        "the same settings to resume, or --overwrite to move the old logdir aside and "
-        "start afresh.")
+    raise SystemExit(f"error: {logdir} was trained with {' and '.join(problems)}. Use another "
+                     "--logdir, the same settings to resume, or --overwrite to move the old logdir "
+                     "aside and start afresh.")
 
 
 def corpus_fingerprint(hparams):
@@ -186,18 +183,16 @@ def prepare_run(args, strategy, chief):
         chosen = chief_choice(strategy, hparams["mixed_precision"], hp.CHOICES["mixed_precision"])
         if hparams["mixed_precision"] == AUTO:
             hparams["mixed_precision"] = chosen
-        digests = {f"hyperparameter {key}": short_digest(value)
-                   for key, value in sorted(hparams.items()) if key not in ("logdir", "data_dir")}
-        digests["corpus"] = short_digest(corpus_fingerprint(hparams))
+        facts = {f"hyperparameter {key}": value
+                 for key, value in sorted(hparams.items()) if key not in ("logdir", "data_dir")}
+        facts["corpus"] = corpus_fingerprint(hparams)
         # Pieces and scores: the model file also holds the path it was trained in, which differs.
         processor = corpus.subwords.processor
-        digests["subword vocabulary"] = short_digest(
-            [(processor.id_to_piece(i), processor.get_score(i))
-             for i in range(processor.get_piece_size())])
+        facts["subword vocabulary"] = [(processor.id_to_piece(i), processor.get_score(i))
+                                       for i in range(processor.get_piece_size())]
         # A source still training may save between reads (null: a worker that read none).
-        source = state["source"]
-        digests["fine-tuning source"] = short_digest(source and source.record["sha256"])
-        check_agreement(strategy, digests=digests)
+        facts["fine-tuning source"] = state["source"] and state["source"].record["sha256"]
+        check_agreement(strategy, digests={key: short_digest(fact) for key, fact in facts.items()})
     return hparams, corpus, state["source"]
 
 
@@ -267,8 +262,7 @@ def make_trainer(hparams, corpus, strategy, deterministic, source=None):
     hooks = ([ValidationBleu(corpus.val_sources, corpus.val_targets, corpus.subwords,
                              hparams["eval_sentences"], hparams["eval_batch_size"])]
              if hparams["eval_sentences"] else [])
-    trainer = Trainer(hparams, strategy, hooks=hooks,
-                      initialize=source.initialize if source is not None else None)
+    trainer = Trainer(hparams, strategy, hooks=hooks, initialize=source and source.initialize)
     print(f"model: {trainer.model.count_params():,} parameters")
     return trainer
 

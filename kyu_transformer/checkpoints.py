@@ -118,16 +118,14 @@ def _restore_latest_readable(model, logdir):
     if not available:
         raise CheckpointError(f"{logdir}: no checkpoint in {checkpoint_dir(logdir)} "
                               "(has training saved one yet?)")
-    skipped = []
     for path in reversed(available):
         try:
             _restore_into(model, path)
             return path
         except UnreadableCheckpoint as error:
             print(f"note: skipped {error}", flush=True)
-            skipped.append(os.path.basename(path))
-    raise CheckpointError(f"{checkpoint_dir(logdir)}: no checkpoint can be read (tried "
-                          f"{', '.join(skipped)})")
+    tried = ", ".join(os.path.basename(path) for path in reversed(available))
+    raise CheckpointError(f"{checkpoint_dir(logdir)}: no checkpoint can be read (tried {tried})")
 
 
 def _average_into(model, paths):
@@ -148,10 +146,8 @@ def _average_into(model, paths):
 
 def describe(paths):
     """A checkpoint path, or ``average of N checkpoints (names)`` for several."""
-    if len(paths) == 1:
-        return paths[0]
     names = ", ".join(os.path.basename(path) for path in paths)
-    return f"average of {len(paths)} checkpoints ({names})"
+    return paths[0] if len(paths) == 1 else f"average of {len(paths)} checkpoints ({names})"
 
 
 def load_model(hparams, logdir, ckpt=None, average_last=0):

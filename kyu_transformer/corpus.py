@@ -9,14 +9,13 @@ class Corpus:
     reports, with the unknown pieces (a fine-tuning run's subword model may lack characters)."""
 
     def __init__(self, data_dir, model_dir, hparams, log=print):
-        self.hparams = hparams
+        self.hparams, self.maxlens = hparams, (hparams["maxlen1"], hparams["maxlen2"])
         languages = (hparams["src_lang"], hparams["tgt_lang"])
         sources, targets, empty = data.load_split(data_dir, "train", *languages)
         self.subwords = data.Subwords.train_or_load(
             model_dir, sources + targets, hparams["vocab_size"], hparams["subword_model_type"])
         source_ids, target_ids = self.subwords.encode(sources), self.subwords.encode(targets)
-        self.train = data.add_markers(source_ids, target_ids, hparams["maxlen1"],
-                                      hparams["maxlen2"])
+        self.train = data.add_markers(source_ids, target_ids, *self.maxlens)
         log(f"train: {len(sources)} pairs from {data_dir}; {empty} with an empty side and "
             f"{self.train[3]} longer than maxlen1={hparams['maxlen1']}/maxlen2="
             f"{hparams['maxlen2']} dropped; {len(self.train[0])} kept; subword vocabulary "
@@ -42,14 +41,11 @@ class Corpus:
             return self.train[:3]
         ids = self.sampler.draw([self.hparams["seed"], epoch])
         half = len(ids) // 2  # the sampler holds the sources, then the targets
-        return data.add_markers(ids[:half], ids[half:], self.hparams["maxlen1"],
-                                self.hparams["maxlen2"])[:3]
+        return data.add_markers(ids[:half], ids[half:], *self.maxlens)[:3]
 
     def train_batches(self, epoch):
         """The global batches of `epoch`: shuffled with ``seed + epoch``."""
-        sources, targets_in, targets_out = self.train_pairs(epoch)
-        return pipeline.make_dataset(
-            sources, targets_in, targets_out, self.hparams["batch_size"],
-            self.hparams["batch_tokens"], max(self.hparams["maxlen1"], self.hparams["maxlen2"]),
-            seed=self.hparams["seed"] + epoch)
+        return pipeline.make_dataset(*self.train_pairs(epoch), self.hparams["batch_size"],
+                                     self.hparams["batch_tokens"], max(self.maxlens),
+                                     seed=self.hparams["seed"] + epoch)
 

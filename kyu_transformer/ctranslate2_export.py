@@ -20,7 +20,6 @@ from kyu_transformer.decoding import NO_HYPOTHESIS_SCORE
 from kyu_transformer.decoding import length_penalty as gnmt_penalty
 from kyu_transformer.flags import QUANTIZATIONS
 from kyu_transformer.layers import ScaledDotProductAttention, sinusoid_table
-from kyu_transformer.search_settings import SearchSettings
 from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from kyu_transformer.translation import Engine
 
@@ -295,8 +294,7 @@ class CTranslate2Translator(Engine):
                               "by kyu_transformer.ctranslate2_export.convert?")
         with open(path, encoding="utf-8") as handle:
             ours = json.load(handle)
-        super().__init__(ours["maxlen1"], ours["maxlen2"],
-                         (settings or SearchSettings()).replace(**fields))
+        super().__init__(ours["maxlen1"], ours["maxlen2"], settings, **fields)
         self.model_dir, self.quantization = model_dir, ours.get("quantization")
         self.translator_options = {"device": "cpu", **(translator_options or {})}
         self.translator = None

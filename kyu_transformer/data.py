@@ -20,8 +20,8 @@ from kyu_transformer.files import sha256
 from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
-MULTI30K_FILES = tuple(f"{split}.{lang}.gz" for split in ("train", "val", "test_2016_flickr")
-                       for lang in ("de", "en"))
+MULTI30K_SPLITS = ("train", "val", "test_2016_flickr")
+MULTI30K_FILES = tuple(f"{split}.{lang}.gz" for split in MULTI30K_SPLITS for lang in ("de", "en"))
 
 
 class DataError(ValueError):
@@ -47,9 +47,7 @@ def read_lines(path):
                     raise DataError(f"{path}, line {number}: invalid UTF-8 "
                                     f"(byte {raw[error.start]:#04x} at column {error.start + 1})"
                                     ) from None
-                if number == 1:
-                    text = text.lstrip("\ufeff")
-                lines.append(normalize_line(text))
+                lines.append(normalize_line(text.lstrip("\ufeff") if number == 1 else text))
     except (OSError, EOFError) as error:  # e.g. a truncated or non-gzip .gz
         raise DataError(f"{path}: cannot read ({error})") from None
     return lines
@@ -70,15 +68,13 @@ def read_parallel(source_path, target_path, reader=read_lines):
 _SEGMENT = re.compile(r"<seg[^>]*>(.*?)</seg>", re.IGNORECASE)
 
 
-def read_iwslt_train(path):
-    """``train.tags.*`` files: every line that is not an XML tag line."""
+def read_iwslt(path):
+    """IWSLT 2016's files: of ``IWSLT16.TED.*.xml``, the text of every ``<seg>`` element; of
+    ``train.tags.*``, every line that is not an XML tag line."""
+    if path.endswith(".xml"):
+        return [normalize_line(html.unescape(segment)) for line in read_lines(path)
+                for segment in _SEGMENT.findall(line)]
     return [line for line in read_lines(path) if not line.startswith("<")]
-
-
-def read_iwslt_xml(path):
-    """``IWSLT16.TED.*.xml`` files: the text of every ``<seg>`` element."""
-    return [normalize_line(html.unescape(segment)) for line in read_lines(path)
-            for segment in _SEGMENT.findall(line)]
 
 
 IWSLT_SPLITS = {"val": "tst2013", "test": "tst2014"}  # Kyubyong's choice
@@ -94,14 +90,12 @@ def split_files(data_dir, split, source_lang="de", target_lang="en"):
     iwslt = IWSLT_SPLITS.get(split, split)
     if iwslt == "train":
         paths = [os.path.join(data_dir, f"train.tags.{pair}.{lang}") for lang in languages]
-        reader = read_iwslt_train
     else:  # the last IWSLT xml file whose name holds the split (e.g. tst2014)
         found = sorted(glob.glob(os.path.join(data_dir, f"*{iwslt}*.{pair}.{source_lang}.xml")))
         stem = found[-1][:-len(f".{source_lang}.xml")] if found else None
         paths = [f"{stem}.{lang}.xml" for lang in languages] if found else []
-        reader = read_iwslt_xml
     if paths and all(os.path.isfile(p) for p in paths):
-        return paths, reader
+        return paths, read_iwslt
     name = os.path.basename(split)
     raise DataError(f"{data_dir}: no `{split}` split for {pair}; expected {name}.{source_lang}"
                     f"[.gz] and {name}.{target_lang}[.gz] (or the IWSLT 2016 files)")
@@ -141,7 +135,7 @@ def ensure_multi30k(data_dir, base_url=None, timeout=30):
     try:
         for name in MULTI30K_FILES:
             _download(f"{base_url}/{name}", os.path.join(staging, name), timeout)
-        for split in ("train", "val", "test_2016_flickr"):
+        for split in MULTI30K_SPLITS:
             load_split(staging, split)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
@@ -259,12 +253,7 @@ class SegmentationSampler:
 
 def add_markers(source_ids, target_ids, maxlen1, maxlen2):
     """``(sources + EOS, BOS + targets, targets + EOS, num_dropped)``, too long pairs dropped."""
-    sources, targets_in, targets_out, dropped = [], [], [], 0
-    for source, target in zip(source_ids, target_ids):
-        if len(source) + 1 > maxlen1 or len(target) + 1 > maxlen2:
-            dropped += 1
-            continue
-        sources.append(list(source) + [EOS_ID])
-        targets_in.append([BOS_ID] + list(target))
-        targets_out.append(list(target) + [EOS_ID])
-    return sources, targets_in, targets_out, dropped
+    kept = [(s, t) for s, t in zip(source_ids, target_ids)
+            if len(s) + 1 <= maxlen1 and len(t) + 1 <= maxlen2]
+    return ([[*s, EOS_ID] for s, _ in kept], [[BOS_ID, *t] for _, t in kept],
+            [[*t, EOS_ID] for _, t in kept], len(source_ids) - len(kept))

@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from kyu_transformer.search_settings import SearchSettings
 from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID
 
 _NEG_INF = -1.0e9  # score of impossible hypotheses (finite: no NaN in sums)
@@ -235,9 +236,7 @@ class BeamSearch(_Strategy):
     """
 
     def __init__(self, beam_size, alpha, n_best=1):
-        if n_best > beam_size:
-            raise ValueError(f"`n_best` ({n_best}) must be at most `beam_size` ({beam_size}): "
-                             "the search keeps only `beam_size` hypotheses")
+        SearchSettings(beam_size=beam_size, n_best=n_best)  # refuses `n_best` over `beam_size`
         self.k, self.alpha, self.n_best = int(beam_size), float(alpha), int(n_best)
 
     def start(self, batch, bound, width, source_length):

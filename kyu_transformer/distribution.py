@@ -26,14 +26,11 @@ def make_strategy(name="auto"):
         raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
     if name == "auto":
         name = "mirrored" if len(tf.config.list_logical_devices("GPU")) > 1 else "default"
-    if name == "default":
-        return tf.distribute.get_strategy()
-    if name == "mirrored":
-        return tf.distribute.MirroredStrategy()
-    if "TF_CONFIG" not in os.environ:
+    if name == "multi_worker" and "TF_CONFIG" not in os.environ:
         raise ValueError("--strategy multi_worker needs the cluster in the TF_CONFIG "
                          "environment variable")
-    return tf.distribute.MultiWorkerMirroredStrategy()
+    return {"default": tf.distribute.get_strategy, "mirrored": tf.distribute.MirroredStrategy,
+            "multi_worker": tf.distribute.MultiWorkerMirroredStrategy}[name]()
 
 
 def is_chief(strategy):
@@ -117,9 +114,8 @@ def short_digest(value):
 def barrier(strategy, failure=None):
     """Waits until every worker is here; if one failed (`failure`: its message), it raises its
     message and the others one naming it, so that none waits for ever in a collective."""
-    failed = np.zeros(1)
-    if is_multi_worker(strategy):
-        failed = gather(strategy, [float(failure is not None)])[:, 0]
+    failed = (gather(strategy, [float(failure is not None)])[:, 0] if is_multi_worker(strategy)
+              else np.zeros(1))
     if failure is not None:
         raise WorkerDisagreement(failure)
     if failed.any():

@@ -16,10 +16,9 @@ def score(hypotheses, references):
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
-    bleu_score = bleu.corpus_score(hypotheses, [references])
-    chrf_score = chrf.corpus_score(hypotheses, [references])
-    signature = str(bleu.get_signature())
-    return {"bleu": round(bleu_score.score, 2), "chrf": round(chrf_score.score, 2),
+    bleu_score, signature = bleu.corpus_score(hypotheses, [references]), str(bleu.get_signature())
+    return {"bleu": round(bleu_score.score, 2),
+            "chrf": round(chrf.corpus_score(hypotheses, [references]).score, 2),
             "signature": signature, "chrf_signature": str(chrf.get_signature()),
             "score_line": bleu_score.format(signature=signature)}
 

@@ -16,8 +16,6 @@ import time
 
 from kyu_transformer import filenames
 
-_NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded")
-
 
 class OutOfSpace(OSError):
     """Writing `path` (a file or folder) failed for lack of space; it `needed` bytes (or None)."""
@@ -34,7 +32,8 @@ class OutOfSpace(OSError):
 def is_out_of_space(error):
     """Whether `error` (an OSError, a TensorFlow or h5py error...) says the disk is full."""
     return (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
-            or any(text in str(error) for text in _NO_SPACE_TEXT))
+            or any(text in str(error) for text in ("No space left on device",
+                                                   "Disk quota exceeded")))
 
 
 def as_out_of_space(error, path=None, needed=None):

@@ -63,9 +63,8 @@ def copy_subwords(source_logdir, directory):
     """Copies the source's subword model (and its .vocab) into `directory`, byte for byte;
     one already there must be the same (else FineTuningError)."""
     model = os.path.join(directory, filenames.SUBWORDS)
-    theirs = os.path.join(source_logdir, filenames.SUBWORDS)
     if os.path.isfile(model):
-        if not filecmp.cmp(model, theirs, shallow=False):
+        if not filecmp.cmp(model, os.path.join(source_logdir, filenames.SUBWORDS), shallow=False):
             raise FineTuningError(
                 f"{model} is not the subword model of --init_from {source_logdir}: use another "
                 "--logdir (or --overwrite to move this one aside)")

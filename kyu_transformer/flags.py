@@ -1,7 +1,6 @@
 """The flags the programs share, each defined once. Free of TensorFlow, so that a program refuses
 a wrong flag before TensorFlow loads (seconds)."""
 
-import dataclasses
 import re
 
 from kyu_transformer.search_settings import SearchSettings
@@ -63,12 +62,11 @@ DEFAULTS = SearchSettings()
 
 def add_search_arguments(parser, names=SEARCH_FLAGS, helps=None):
     """Adds the flags of these `SearchSettings` fields, default None (= the field's default)."""
-    types = {field.name: field.type for field in dataclasses.fields(SearchSettings)}
     for name in names:
         letter, text = _FLAGS[name]
         text = (helps or {}).get(name, text)
-        parser.add_argument(f"--{name}", type=types[name], default=None, metavar=letter,
-                            help=f"{text} (default {getattr(DEFAULTS, name)})")
+        parser.add_argument(f"--{name}", type=SearchSettings.__annotations__[name], default=None,
+                            metavar=letter, help=f"{text} (default {getattr(DEFAULTS, name)})")
 
 
 def given_search_flags(args, names=SEARCH_FLAGS):

@@ -5,6 +5,7 @@ The kernel releases it however the process ends (`kill -9` included). The file n
 systems may lock per host only.
 """
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -49,10 +50,8 @@ class LogdirLock:
         if self._handle is None:
             return
         if self._made and os.listdir(self.logdir) == [LOCK]:
-            try:  # still held: a run opening the lock meanwhile is refused as busy
+            with contextlib.suppress(OSError):  # still held: another run is refused as busy
                 os.remove(self.path)
                 os.rmdir(self.logdir)
-            except OSError:
-                pass
         self._handle.close()  # closing the descriptor releases the flock
         self._handle = None

@@ -27,18 +27,6 @@ def read_history(path):
     return [by_step[key] for key in sorted(by_step)]
 
 
-def plot_series(records, key, path, title, ylabel):
-    """Plots `key` against the step of each record into `path` (atomically)."""
-    points = [(r["step"], r[key]) for r in records if key in r]
-    if not points:
-        return None
-    figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot(*zip(*points), marker="o" if len(points) < 30 else None)
-    axes.set(xlabel="step", ylabel=ylabel, title=title)
-    axes.grid(alpha=0.3)
-    return save_figure(figure, path)
-
-
 def save_figure(figure, path, dpi=100):
     """Lays `figure` out, writes it to `path` (atomically) and closes it; returns `path`."""
     figure.tight_layout()
@@ -51,13 +39,19 @@ def save_figure(figure, path, dpi=100):
 
 
 def plot_training(logdir):
-    """Draws the `filenames.PLOTS` of `logdir` (BLEU's only when BLEU was scored)."""
+    """Draws the `filenames.PLOTS` of `logdir`, each value against the step (BLEU's only when
+    BLEU was scored); returns their paths."""
     records = read_history(os.path.join(logdir, filenames.HISTORY))
-    train = [r for r in records if r.get("kind", "train") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
-    plots = (("loss", train, "training loss", "label-smoothed cross-entropy"),
-             ("lr", train, "learning rate", "lr"),
-             ("bleu", evals, "validation BLEU", "BLEU"))
-    drawn = [plot_series(series, key, os.path.join(logdir, filenames.PLOTS[key]), title, ylabel)
-             for key, series, title, ylabel in plots]
-    return [path for path in drawn if path]
+    plots = (("loss", "train", "training loss", "label-smoothed cross-entropy"),
+             ("lr", "train", "learning rate", "lr"), ("bleu", "eval", "validation BLEU", "BLEU"))
+    drawn = []
+    for key, kind, title, ylabel in plots:
+        points = [(r["step"], r[key]) for r in records
+                  if r.get("kind", "train") == kind and key in r]
+        if points:
+            figure, axes = plt.subplots(figsize=(6, 4))
+            axes.plot(*zip(*points), marker="o" if len(points) < 30 else None)
+            axes.set(xlabel="step", ylabel=ylabel, title=title)
+            axes.grid(alpha=0.3)
+            drawn.append(save_figure(figure, os.path.join(logdir, filenames.PLOTS[key])))
+    return drawn

@@ -32,14 +32,13 @@ def import_tensorflow_text():
     return tensorflow_text
 
 
-class _Decoder:
-    """A `Translator`'s compiled search, over any number of sentences in one graph."""
+class _Decoder(Translator):
+    """A `Translator` whose compiled search decodes any number of sentences in one graph."""
 
     def __init__(self, model, settings):
-        self.translator = Translator(model, settings)
-        self.settings, self.model = settings, model
+        super().__init__(model, settings)
         # One function for every signature of these settings: the SavedModel holds it once.
-        self.search = self.translator.search_function(settings.n_best, scores=True)
+        self.search = self.search_function(settings.n_best, scores=True)
 
     def decode(self, ids, seed=None):
         """``(hypotheses, scores)`` of ragged source ids `(N, None)` int32 (without EOS): ragged
@@ -47,9 +46,8 @@ class _Decoder:
         and scores `(N, K)` float32."""
         count, k = ids.nrows(out_type=tf.int32), self.settings.n_best
         lengths = tf.cast(ids.row_lengths(), tf.int32)
-        sources = encoder_inputs(ids, self.model.maxlen1)
-        limits = output_limit(lengths, self.model.maxlen1, self.translator.max_length,
-                              self.settings.length_margin)
+        sources = encoder_inputs(ids, self.maxlen1)
+        limits = output_limit(lengths, self.maxlen1, self.max_length, self.settings.length_margin)
         order = decoding_order(lengths)
         width = tf.maximum(tf.reduce_max(tf.gather(limits, order)), 0)  # 0 if none is decoded
         batch = self.settings.batch_size
@@ -124,9 +122,8 @@ def _text_function(tokenizer, decoder, seeded=False):
     inputs = [tf.TensorSpec((None,), tf.string, name="text")]
     if seeded:
         inputs.append(tf.TensorSpec((), tf.int64, name="seed"))
-    function = tf.function(translate_text if seeded else lambda text: translate_text(text),
-                           input_signature=inputs, autograph=False)
-    return function.get_concrete_function()
+    return tf.function(translate_text if seeded else lambda text: translate_text(text),
+                       input_signature=inputs, autograph=False).get_concrete_function()
 
 
 def save(model, subword_path, settings, out_dir, sampling=None):

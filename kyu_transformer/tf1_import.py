@@ -141,10 +141,9 @@ def layout(hparams, biases):
 
 
 def imported_weights(expected, read, hparams, biases):
-    """``{our weight path: float32 array}``: the variables of `expected` (`check_layout`) read
-    by `read(name)`, and those that code's model has not, as the function it computes: each
-    attention's output projection (identity, zero bias), without `biases` its projections'
-    (zeros)."""
+    """``{our weight path: float32 array}``: the variables of `expected` (`check_layout`) read by
+    `read(name)`, and those that code's model has not, as the function it computes: each attention's
+    output projection (identity, zero bias), without `biases` its projections' (zeros)."""
     weights = {ours: np.array(read(name), dtype="float32") for name, (_, ours) in expected.items()}
     weights[expected[EMBEDDINGS][1]][PAD_ID] = 0.0  # the graph zeroes the padding row
     d_model = hparams["d_model"]
@@ -164,13 +163,10 @@ def _listed(names):
     return f"`{names[0]}`" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
 
 
-def _sizes(hparams):
-    return ", ".join(f"{key}={hparams[key]}" for key in MODEL_KEYS[:5])
-
-
 def check_layout(where, shapes, hparams):
     """``(layout, biases, skipped)`` of a checkpoint's `shapes` (``{name: shape}``), or
     TF1ImportError naming the variable that is missing, unread or of the wrong shape."""
+    sizes = ", ".join(f"{key}={hparams[key]}" for key in MODEL_KEYS[:5])
     skipped = sorted(name for name in shapes
                      if name in OPTIMIZER_NAMES or name.endswith(OPTIMIZER_SUFFIXES))
     present = set(shapes) - set(skipped)
@@ -183,16 +179,15 @@ def check_layout(where, shapes, hparams):
     missing = sorted(set(expected) - present)
     if missing:
         raise TF1ImportError(f"{where}: no variable {_listed(missing)}, which the model of "
-                             f"{_sizes(hparams)} has")
+                             f"{sizes} has")
     unread = sorted(present - set(expected))
     if unread:
-        raise TF1ImportError(f"{where}: variable {_listed(unread)} is not in the model of "
-                             f"{_sizes(hparams)}, and would be left unread (another layout, or "
-                             "other hparams)")
+        raise TF1ImportError(f"{where}: variable {_listed(unread)} is not in the model of {sizes}"
+                             ", and would be left unread (another layout, or other hparams)")
     for name, (shape, _) in expected.items():
         if tuple(shapes[name]) != shape:
             raise TF1ImportError(f"{where}: variable `{name}` has shape {tuple(shapes[name])}, "
-                                 f"not {shape} as for {_sizes(hparams)}")
+                                 f"not {shape} as for {sizes}")
     return expected, biases, skipped
 
 

@@ -3,9 +3,7 @@
 import math
 import time
 
-import tensorflow as tf
-
-from kyu_transformer.distribution import is_multi_worker
+from kyu_transformer.distribution import gather, is_multi_worker
 
 
 class TimeBudget:
@@ -29,15 +27,10 @@ class TimeBudget:
 
     def spent(self):
         """Whether the budget is spent, agreed by all workers (any one's clock suffices)."""
-        if self.seconds == math.inf:
-            return False
         spent = self.used() > self.seconds
-        if not is_multi_worker(self.strategy):
+        if self.seconds == math.inf or not is_multi_worker(self.strategy):
             return spent
-        votes = self.strategy.reduce(
-            tf.distribute.ReduceOp.SUM,
-            self.strategy.run(lambda: tf.constant(float(spent))), axis=None)
-        return bool(votes.numpy() > 0)
+        return bool(gather(self.strategy, [float(spent)]).any())
 
     def resume_line(self, path, step):
         """What a resumed run prints: where it resumes, and the budget left."""

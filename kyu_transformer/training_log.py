@@ -66,8 +66,7 @@ class Progress:
     """A Keras progress bar on a terminal; one line per summary in a log file."""
 
     def __init__(self, epoch, num_epochs, skip, steps_per_epoch, enabled):
-        self.enabled, self.bar, self.minutes_left = enabled, None, None
-        self.totals = Window()
+        self.enabled, self.bar, self.minutes_left, self.totals = enabled, None, None, Window()
         if not enabled:
             return
         print(f"epoch {epoch + 1}/{num_epochs}"
@@ -96,8 +95,7 @@ class Progress:
 
     def finish(self, message=None):
         """Ends the bar's line; prints `message` (if any) below it."""
-        if self.enabled:
-            if self.bar is not None:
-                print()
-            if message:
-                print(message, flush=True)
+        if self.enabled and self.bar is not None:
+            print()
+        if self.enabled and message:
+            print(message, flush=True)

@@ -66,14 +66,15 @@ class Translations(collections.namedtuple("Translations", "hypotheses scores end
 
 
 class Engine:
-    """The front end of every engine (`SearchSettings` `settings`, the model's limits
-    `maxlen1`, `maxlen2`); an engine decodes one batch (`_decode`)."""
+    """The front end of every engine, by `settings` (default `SearchSettings()`) with `fields`
+    replaced, and the model's limits `maxlen1`, `maxlen2`; an engine decodes one batch
+    (`_decode`)."""
 
     coverage = log_probs = False  # what an engine can give besides outputs
 
-    def __init__(self, maxlen1, maxlen2, settings):
-        self.maxlen1, self.settings = maxlen1, settings
-        self.max_length = settings.max_length or maxlen2
+    def __init__(self, maxlen1, maxlen2, settings=None, **fields):
+        self.maxlen1, self.settings = maxlen1, (settings or SearchSettings()).replace(**fields)
+        self.max_length = self.settings.max_length or maxlen2
         if not 1 <= self.max_length <= maxlen2:
             raise ValueError(f"`max_length` must be in [1, {maxlen2}] (the model's maxlen2), "
                              f"got {self.max_length}")
@@ -163,8 +164,7 @@ class Translator(Engine):
     coverage = True
 
     def __init__(self, model, settings=None, jit_compile=False, **fields):
-        settings = (settings or SearchSettings()).replace(**fields)
-        super().__init__(model.maxlen1, model.maxlen2, settings)
+        super().__init__(model.maxlen1, model.maxlen2, settings, **fields)
         self.model = model
         # One trace serves every batch (shapes and limits are dynamic). No AutoGraph: the
         # control flow is `ops.while_loop` / `ops.cond`, and tracing is quicker without it.
