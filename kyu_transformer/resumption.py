@@ -37,11 +37,12 @@ class RunCheckpoints:
                                              name="step_in_epoch")
             self.train_seconds = tf.Variable(0.0, dtype=tf.float64, trainable=False,
                                              name="train_seconds")
-        self.model, self.optimizer = model, optimizer
         self.directory, self.chief, self.max_to_keep = directory, chief, max_to_keep
+        # What checkpoints written before random states and training time were saved hold.
+        self._older = dict(weights=model_weights(model), optimizer=optimizer, epoch=self.epoch,
+                           step_in_epoch=self.step_in_epoch)
         self.checkpoint = tf.train.Checkpoint(
-            weights=model_weights(model), optimizer=optimizer,
-            epoch=self.epoch, step_in_epoch=self.step_in_epoch,
+            **self._older,
             # Not in `model.weights`; without them a resumed run redraws step 1's dropout masks.
             random_states=random_states(model), train_seconds=self.train_seconds)
         if chief:
@@ -83,10 +84,8 @@ class RunCheckpoints:
     def _restore(self, path):
         try:
             self.checkpoint.restore(path).assert_existing_objects_matched()
-        except AssertionError:  # written before random states and training time were saved
-            tf.train.Checkpoint(weights=model_weights(self.model), optimizer=self.optimizer,
-                                epoch=self.epoch, step_in_epoch=self.step_in_epoch
-                                ).restore(path).assert_existing_objects_matched()
+        except AssertionError:  # an older checkpoint (`_older`)
+            tf.train.Checkpoint(**self._older).restore(path).assert_existing_objects_matched()
             if self.chief:
                 print(f"note: {path} holds no dropout random state or training time (an older "
                       "checkpoint): dropout masks and the time budget start afresh", flush=True)

@@ -6,7 +6,6 @@ the *global* batch's count; with ``accumulate_steps`` N, one update on N batches
 import keras
 import tensorflow as tf
 
-from kyu_transformer.distribution import distribute_batches
 from kyu_transformer.metrics import masked_accuracy_counts
 from kyu_transformer.special_ids import PAD_ID
 
@@ -25,7 +24,7 @@ def loss_terms_function(loss_fn, xla=True):
 
 class TrainStep:
     """``step(iterator)`` -> ``(batches, loss_sum, correct, tokens, stops)``: one update of
-    `accumulate_steps` batches from an iterator of `distribute`'s (`loss_terms`: from
+    `accumulate_steps` batches from an iterator of `Trainer.distribute`'s (`loss_terms`: from
     `loss_terms_function`; `jit_compile`: the whole step compiled with XLA).
 
     ``batches`` counts the batches the update took: fewer at the end of the data, 0 (and the
@@ -48,11 +47,6 @@ class TrainStep:
 
     def __call__(self, iterator):
         return self.function(iterator)
-
-    def distribute(self, make_global_batches):
-        """The distributed dataset the step takes (endless when it takes several batches)."""
-        return distribute_batches(self.strategy, make_global_batches,
-                                  endless=self.accumulate_steps > 1)
 
     def request_stop(self):
         """Asks every worker to stop after the next step (see ``stops``)."""

@@ -15,7 +15,8 @@ import tensorflow as tf
 
 from kyu_transformer import filenames
 from kyu_transformer.checkpoints import CheckpointError, checkpoint_dir
-from kyu_transformer.distribution import barrier, check_agreement, is_chief, is_multi_worker
+from kyu_transformer.distribution import (
+    barrier, check_agreement, distribute_batches, is_chief, is_multi_worker)
 from kyu_transformer.files import replaced_atomically
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
@@ -131,8 +132,9 @@ class Trainer:
         return int(self.optimizer.iterations.value.numpy())
 
     def distribute(self, make_global_batches):
-        """A distributed dataset from `make_global_batches()` (global batches), for the step."""
-        return self._train_step.distribute(make_global_batches)
+        """A distributed dataset from `make_global_batches()` (global batches), for the step
+        (endless when an update takes several batches)."""
+        return distribute_batches(self.strategy, make_global_batches, endless=self.per_update > 1)
 
     def restore(self):
         """Restores the latest readable checkpoint (returns its path), else runs `initialize`;
