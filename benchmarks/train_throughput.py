@@ -124,9 +124,13 @@ def make_step(model, jit_compile, optimizer_class, xla_loss=False, package=CURRE
     `package`: where the loss comes from (the current package, or `package_at`'s).
     """
     optimizer = optimizer_class(1e-4, beta_1=0.9, beta_2=0.98, epsilon=1e-9)
+    # Its variables made now, as the trainer makes them: made while the step is traced, each
+    # one is a variable-capturing scope of its own (seconds for a model's few hundred).
+    optimizer.build(model.trainable_variables)
     loss_terms = package.loss_terms_function(package.LabelSmoothedCrossEntropy(0.1), xla=xla_loss)
 
-    @tf.function(jit_compile=jit_compile)
+    # No AutoGraph, as the trainer's step: it has no Python control flow to convert.
+    @tf.function(jit_compile=jit_compile, autograph=False)
     def step(features, labels):
         with tf.GradientTape() as tape:
             loss_sum, _, tokens = loss_terms(labels, model(features, training=True))
