@@ -2,10 +2,10 @@
 
 The models here are trained by Keras' own loop, not by the project's `Trainer`:
 a functional model made of the layers (whose logits carry the target's Keras
-mask) and the project's `Transformer` (whose logits carry none). The runs on two
-devices and with the JAX backend are subprocesses, since both must be set up
-before the backend starts. This module imports no TensorFlow at its top, so
-that the JAX subprocess can import its helpers.
+mask) and the project's `Transformer` (whose logits carry none); README's test
+command runs them with the TensorFlow backend, then with JAX. The runs on two
+devices are a subprocess, since the devices must be set up before TensorFlow
+starts. This module imports no TensorFlow at its top, so that it runs with JAX.
 """
 
 import json
@@ -216,36 +216,21 @@ def test_evaluate_reports_the_masked_mean_on_one_and_two_replicas(mirrored_resul
         assert result["evaluated"] == pytest.approx(result["expected"], rel=1e-5), where
 
 
-JAX_SCRIPT = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import keras
-assert keras.backend.backend() == "jax", keras.backend.backend()
-import jax
-import numpy as np
-from kyu_transformer.losses import LabelSmoothedCrossEntropy
-from tests.test_keras_fit import (EPSILON, VOCAB, fit_against_reference, make_data,
-                                  reference_loss)
-result = fit_against_reference()
-# Logits without a Keras mask, in a traced function: the padding mask must come
-# from the loss itself.
-_, labels = make_data()
-logits = np.random.default_rng(1).normal(size=labels.shape + (VOCAB,)).astype("float32")
-result["jitted"] = [float(jax.jit(LabelSmoothedCrossEntropy(EPSILON))(labels, logits)),
-                    float(reference_loss(labels, logits))]
-print(json.dumps(result))
-"""
+def test_the_loss_in_a_compiled_function_masks_padding_itself():
+    """Logits without a Keras mask, in the backend's compiled function (`jax.jit` in the JAX
+    run, `tf.function` in the TensorFlow one): the padding mask must come from the loss itself."""
+    _, labels = make_data()
+    logits = np.random.default_rng(1).normal(size=labels.shape + (VOCAB,)).astype("float32")
+    if keras.backend.backend() == "jax":
+        import jax
 
+        compiled = jax.jit(LabelSmoothedCrossEntropy(EPSILON))
+    else:
+        import tensorflow as tf
 
-@pytest.mark.tensorflow_only("on JAX itself, the in-process fit test above is this test")
-def test_fit_with_the_jax_backend_reports_the_masked_mean():
-    pytest.importorskip("jax")
-    output = programs.run("-c", JAX_SCRIPT, ROOT, timeout=300,
-                          env=programs.environment(KERAS_BACKEND="jax"))
-    assert output.returncode == 0, output.stderr[-3000:]
-    result = json.loads(output.stdout.strip().splitlines()[-1])
-    check_fit_against_reference(result)
-    assert result["jitted"][0] == pytest.approx(result["jitted"][1], rel=1e-5)
+        compiled = tf.function(LabelSmoothedCrossEntropy(EPSILON), jit_compile=True)
+    assert float(compiled(labels, logits)) == pytest.approx(reference_loss(labels, logits),
+                                                            rel=1e-5)
 
 
 @pytest.mark.tensorflow_only("tf.data and tf.distribute, as README's example")
