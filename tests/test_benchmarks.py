@@ -125,16 +125,20 @@ def test_the_program_comparison_runs_both_trees_in_turns_and_prints_the_ratio():
     assert "error: --baseline no-such-revision: " in rejected.stderr
 
 
-@pytest.mark.slow  # trains a tiny model and decodes val three times
+@pytest.mark.slow  # trains a tiny model (stopped once), then eval.py four times
 def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(tmp_path):
     """Stopped by SIGTERM in training, a candidate keeps its minutes so far in search.json and
     says so in one line; run again, it resumes, and val's best alpha is the one tested."""
     _skip_unless_git_checkout()
     data_dir = os.path.join(ROOT, "tests", "data", "multi30k")
-    command = [sys.executable, os.path.join(ROOT, "benchmarks", "recipe_search.py"),
-               "--name", "c", "--hparams", "tiny,steps_per_epoch=60,checkpoint_every=5",
-               "--runs_dir", str(tmp_path), "--data_dir", data_dir, "--alphas", "0.6", "1.4",
-               "--average_last", "2", "--mixed_precision", "bf16", "--test"]
+
+    def recipe_search(*flags, alphas=("0.6", "1.4")):
+        return [sys.executable, os.path.join(ROOT, "benchmarks", "recipe_search.py"),
+                "--name", "c", "--hparams", "tiny,steps_per_epoch=60,checkpoint_every=5",
+                "--runs_dir", str(tmp_path), "--data_dir", data_dir, "--alphas", *alphas,
+                "--average_last", "2", *flags]
+
+    command = recipe_search("--mixed_precision", "bf16", "--test")
     environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=environment)
@@ -174,9 +178,10 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
     assert record["val"][record["alpha"]] == max(record["val"].values())
     row = result.stdout.strip().splitlines()[-1]
     assert row.startswith(f"| {record['date']} | `{head}` | c: `tiny,") and " (" in row
-    # scored again in float32 without --test: the bfloat16 test figure does not stay
-    rescored = subprocess.run(command[:-2] + ["no", "--eval_only"], capture_output=True,
-                              text=True, timeout=600, env=environment)
+    # scored again in float32 without --test (at one alpha): the bfloat16 test figure does not stay
+    rescored = subprocess.run(recipe_search("--mixed_precision", "no", "--eval_only",
+                                            alphas=("1.4",)),
+                              capture_output=True, text=True, timeout=600, env=environment)
     assert rescored.returncode == 0, rescored.stderr[-3000:]
     record = json.loads((tmp_path / "c" / "search.json").read_text())
     assert record["decoded_in"] == "no" and "test" not in record and record["steps"] == 60
