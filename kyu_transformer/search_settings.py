@@ -33,13 +33,14 @@ class SearchSettings:
         if self.beam_size is None:
             object.__setattr__(self, "beam_size", 1 if self.sampling else 4)
         least = {"beam_size": 1, "n_best": 1, "length_margin": 0, "batch_size": 1,
-                 "sampling_topk": 0, "seed": 0, "max_length": 1}
+                 "sampling_topk": 0, "seed": 0}
         for name, value in least.items():
-            given = getattr(self, name)
-            if given is not None and given < value:  # `max_length` None: the model's maxlen2
-                raise ValueError(f"`{name}` must be at least {value}, got {given}")
+            if getattr(self, name) < value:
+                raise ValueError(f"`{name}` must be at least {value}, got {getattr(self, name)}")
         if self.seed >= SEED_LIMIT:
             raise ValueError(f"`seed` must be below {SEED_LIMIT}, got {self.seed}")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"`max_length` must be at least 1, got {self.max_length}")
         if not 0.0 < self.sampling_topp <= 1.0:
             raise ValueError(f"`sampling_topp` must be in (0, 1], got {self.sampling_topp}")
         if not self.sampling_temperature >= _TINY:
