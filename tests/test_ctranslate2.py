@@ -8,6 +8,7 @@ import stat
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -163,8 +164,12 @@ def _our_token_log_probs(model, sources, outputs, batch_size=64):
 
 
 def _our_log_probs(model, sources, outputs):
-    """`sequence_log_probs` of each output (EOS included), one sentence at a time."""
-    return [float(sequence_log_probs(model, _padded([source]), _padded([output]))[0])
+    """`sequence_log_probs` of each output (EOS included), one sentence at a time (in one
+    traced graph: eager, each of hundreds of calls would run the model op by op)."""
+    spec = tf.TensorSpec((None, None), tf.int32)
+    log_probs = tf.function(lambda source, output: sequence_log_probs(model, source, output),
+                            input_signature=[spec, spec], autograph=False)
+    return [float(log_probs(_padded([source]), _padded([output]))[0])
             for source, output in zip(_encoder_inputs(model, sources), outputs)]
 
 

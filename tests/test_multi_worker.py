@@ -36,8 +36,9 @@ def run_workers(tmp_path, logdirs, *extra, worker_extra=(), while_running=None,
 
     `extra` goes to both, `worker_extra` to the second only (after `extra`);
     `while_running(processes)` is called once both have started. With `two_seeds` the second
-    worker starts in a fresh interpreter, with another hash seed, as on another machine: for
-    the runs whose workers must end alike (the others fork both).
+    worker starts in a fresh interpreter, with another hash seed, as on another machine: once
+    for each way the workers must end alike (training, resuming, fine-tuning; a fresh start
+    costs an import of TensorFlow), the other runs fork both.
     """
     workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     processes = []
@@ -87,8 +88,7 @@ def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_pa
 
     # --overwrite: the chief alone moves the old logdir aside, the other worker waits
     # for it (instead of reading the old hparams.json and refusing, or racing the move).
-    results = run_workers(tmp_path, [logdir, logdir], "--overwrite", "--d_model", "64",
-                          two_seeds=True)
+    results = run_workers(tmp_path, [logdir, logdir], "--overwrite", "--d_model", "64")
     for code, output in results:
         assert code == 0, output[-4000:]
     assert len(set(digests(results))) == 1
@@ -118,8 +118,7 @@ def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_pa
     # `auto` is the chief's to resolve: a worker that cannot read the chief's hparams.json
     # (here: a logdir of its own) takes the chief's choice instead of making its own.
     chief_dir, worker_dir = tmp_path / "chief_auto", tmp_path / "worker_auto"
-    results = run_workers(tmp_path, [chief_dir, worker_dir], "--mixed_precision", "auto",
-                          two_seeds=True)
+    results = run_workers(tmp_path, [chief_dir, worker_dir], "--mixed_precision", "auto")
     for code, output in results:
         assert code == 0, output[-4000:]
     assert "mixed_precision auto: no (" in results[0][1]
