@@ -124,6 +124,19 @@ def subwords(tmp_path_factory):
                                        sources + targets, 400)
 
 
+@pytest.fixture(scope="module")
+def random_model(subwords):
+    """An untrained model of the subword model's vocabulary, for the tests that only read it."""
+    return _random_model(subwords.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def random_export(random_model, subwords, tmp_path_factory):
+    """`random_model` converted, for the tests that only read the conversion."""
+    return convert(random_model, {"epsilon": 1e-6}, subwords,
+                   str(tmp_path_factory.mktemp("random") / "model"))
+
+
 def _random_model(vocab_size, norm_position="post", epsilon=1e-6, **kwargs):
     model = Transformer(vocab_size, d_model=32, d_ff=64, num_blocks=2, num_heads=4, maxlen1=24,
                         maxlen2=28, dropout_rate=0.0, norm_position=norm_position,
@@ -305,8 +318,8 @@ def test_untrained_models_convert_exactly(subwords, tmp_path, norm_position, sha
                for m, h in zip(mine, theirs)) < 1e-5
 
 
-def test_model_directory_holds_what_a_user_needs(subwords, tmp_path):
-    model = _random_model(subwords.vocab_size)
+def test_model_directory_holds_what_a_user_needs(random_model, subwords, tmp_path):
+    model = random_model
     out_dir = convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "model"))
     assert sorted(os.listdir(out_dir)) == sorted(
         ["model.bin", "config.json", "shared_vocabulary.json", filenames.SUBWORDS,
@@ -329,10 +342,11 @@ def test_model_directory_holds_what_a_user_needs(subwords, tmp_path):
     assert [name for name in os.listdir(tmp_path) if name != "model"] == []  # no staging left
 
 
-def test_the_model_folder_takes_the_umask_without_changing_it(subwords, tmp_path, monkeypatch):
+def test_the_model_folder_takes_the_umask_without_changing_it(random_model, subwords, tmp_path,
+                                                             monkeypatch):
     """Mode 0o777 less the umask, as any new folder's; the process umask is never set (a file
     another thread made meanwhile would be world-writable)."""
-    model = _random_model(subwords.vocab_size)
+    model = random_model
     set_umask, calls = os.umask, []
     monkeypatch.setattr(os, "umask", lambda mask: calls.append(mask) or set_umask(mask))
     previous = set_umask(0o027)
@@ -344,8 +358,8 @@ def test_the_model_folder_takes_the_umask_without_changing_it(subwords, tmp_path
     assert stat.S_IMODE(os.stat(out_dir).st_mode) == 0o750
 
 
-def test_mixed_precision_models_write_their_float32_weights(subwords, tmp_path):
-    model = _random_model(subwords.vocab_size)
+def test_mixed_precision_models_write_their_float32_weights(random_model, subwords, tmp_path):
+    model = random_model
     convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "float32"))
     keras.config.set_dtype_policy("mixed_bfloat16")
     mixed = _random_model(subwords.vocab_size)
@@ -396,9 +410,9 @@ def test_a_vocabulary_of_another_size_is_refused(subwords, tmp_path):
 
 @pytest.mark.parametrize("quantization", ["float16", "bfloat16", "int16", "int8_float16",
                                           "fp32", None])
-def test_other_quantizations_are_refused_naming_the_accepted_ones(subwords, tmp_path,
-                                                                  quantization):
-    model = _random_model(subwords.vocab_size)
+def test_other_quantizations_are_refused_naming_the_accepted_ones(random_model, subwords,
+                                                                  tmp_path, quantization):
+    model = random_model
     with pytest.raises(ExportError) as error:
         convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "model"),
                 quantization=quantization)
@@ -407,8 +421,8 @@ def test_other_quantizations_are_refused_naming_the_accepted_ones(subwords, tmp_
     assert os.listdir(tmp_path) == []
 
 
-def test_a_non_empty_directory_is_refused_an_empty_one_filled(subwords, tmp_path):
-    model = _random_model(subwords.vocab_size)
+def test_a_non_empty_directory_is_refused_an_empty_one_filled(random_model, subwords, tmp_path):
+    model = random_model
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     with pytest.raises(ExportError, match="already exists and is not an empty directory"):
@@ -429,12 +443,9 @@ def test_a_non_empty_directory_is_refused_an_empty_one_filled(subwords, tmp_path
     (dict(length_margin=-1), {}, "`length_margin` must be at least 0"),
     (dict(beam_size=0), {}, "`beam_size` must be at least 1"),
 ])
-def test_impossible_translation_options_are_refused(subwords, tmp_path, options, request_,
-                                                    message):
-    out_dir = convert(_random_model(subwords.vocab_size), {"epsilon": 1e-6}, subwords,
-                      str(tmp_path / "model"))
+def test_impossible_translation_options_are_refused(random_export, options, request_, message):
     with pytest.raises(ValueError) as error:
-        CTranslate2Translator(out_dir, **options).translate_ids([[5, 6, 7]], **request_)
+        CTranslate2Translator(random_export, **options).translate_ids([[5, 6, 7]], **request_)
     assert message in str(error.value)
 
 
