@@ -36,7 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READ_AT_RUN_TIME = {"PYTHONUNBUFFERED", "MULTI30K_URL", "TMPDIR", "TF_CONFIG",
                     "PYTEST_CURRENT_TEST"}
 # Keras imports its backend (TensorFlow, or JAX): the seconds a program would spend on imports.
-PRELOADED = ["keras", "sentencepiece", "sacrebleu"]
+# Then `tests.frozen_imports` freezes what they made, out of the collector's way.
+PRELOADED = ["keras", "sentencepiece", "sacrebleu", "tests.frozen_imports"]
 INTERRUPTED = "KeyboardInterrupt"  # what ended a program, where Python ends by SIGINT
 _server = {}
 _server_lock = threading.Lock()

@@ -114,6 +114,10 @@ def test_programs_fork_from_the_server_unless_their_environment_imports_otherwis
         monkeypatch, tmp_path):
     preloaded = "import sys; print('keras' in sys.modules)"
     assert programs.run("-c", preloaded).stdout == "True\n"
+    # the preloaded modules' objects frozen out of the collector's scans, in forked programs
+    frozen = "import gc; print(gc.get_freeze_count() > 100000)"
+    assert programs.run("-c", frozen).stdout == "True\n"
+    assert programs.run("-c", frozen, fresh=True).stdout == "False\n"
     for read_when_running in ({"TF_CONFIG": "{}"}, {"MULTI30K_URL": "http://localhost/"},
                               {"TMPDIR": str(tmp_path)}):
         environment = programs.environment(**read_when_running)
