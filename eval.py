@@ -26,6 +26,7 @@ from kyu_transformer.flags import (  # noqa: E402
     SAMPLING_FLAGS, add_checkpoint_arguments, add_search_arguments, check_checkpoint_arguments,
     given_search_flags, search_settings)
 from kyu_transformer.precision import AUTO, resolve_precision, set_precision  # noqa: E402
+from kyu_transformer.startup import import_frozen  # noqa: E402
 
 
 def parse_args(argv):
@@ -231,6 +232,7 @@ def main(argv=None):
                 raise data.DataError(f"{args.score} has {len(targets)} lines but {source_file} "
                                      f"has {len(sources)}: --score needs one translation per "
                                      "source line")
+        import_frozen()
         translator, facts = load_translator(args, hparams)
     except (hp.HParamsError, data.DataError) as error:
         raise SystemExit(f"error: {error}")

@@ -24,6 +24,7 @@ from kyu_transformer.flags import (  # noqa: E402
     check_checkpoint_arguments, given_search_flags, search_settings)
 from kyu_transformer.precision import (  # noqa: E402
     PRECISION_POLICIES, resolve_precision, set_precision)
+from kyu_transformer.startup import import_frozen  # noqa: E402
 
 FORMATS = ("saved_model", "ctranslate2")
 EXAMPLE = "Zwei Hunde spielen im Schnee."
@@ -221,6 +222,7 @@ def print_ctranslate2_usage(out, args, checkpoint):
 def main(argv=None):
     args = parse_args(argv)
     check_out(args.out, args.overwrite, args.logdir)
+    import_frozen()
     hparams, subwords, model, checkpoints, precision = load(args)
     from kyu_transformer import ctranslate2_export
     from kyu_transformer.checkpoints import describe

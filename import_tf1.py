@@ -20,6 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import hparams as hp  # noqa: E402
 from kyu_transformer import filenames, tf1_import  # noqa: E402
 from kyu_transformer.files import staging_beside, stops_cleanly_when_full  # noqa: E402
+from kyu_transformer.startup import import_frozen  # noqa: E402
 from kyu_transformer.tf1_import import TF1ImportError  # noqa: E402
 
 
@@ -117,6 +118,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         hparams, subword_model = check_before_tensorflow(args)
+        import_frozen()
         weights, step, prefix, biases, skipped = read_weights(args, hparams)
     except (TF1ImportError, hp.HParamsError) as error:
         raise SystemExit(f"error: {error}") from None

@@ -27,6 +27,7 @@ from kyu_transformer.flags import (  # noqa: E402
     STRATEGIES, add_checkpoint_arguments, check_checkpoint_arguments)
 from kyu_transformer.logdir_lock import LogdirBusy, LogdirLock  # noqa: E402
 from kyu_transformer.precision import AUTO, resolve_precision  # noqa: E402
+from kyu_transformer.startup import import_frozen  # noqa: E402
 
 # Hyperparameters that may change when a run is resumed: none changes the model or the data.
 RESUMABLE = ("num_epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
@@ -322,6 +323,7 @@ def train(argv):
     args = parse_args(argv)
     if args.strategy != "multi_worker":
         check_before_tensorflow(args)
+    import_frozen()
     from kyu_transformer.checkpoints import CheckpointError
     from kyu_transformer.distribution import WorkerDisagreement, is_chief, make_strategy
     from kyu_transformer.training import TrainingError
