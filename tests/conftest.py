@@ -5,6 +5,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # -m pytest -q tests` runs every test that does not need TensorFlow itself on
 # JAX (the others skip, see TENSORFLOW_ONLY_MODULES and `tensorflow_only`).
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+from kyu_transformer.startup import import_frozen  # noqa: E402
+
+import_frozen(("keras",))  # as the programs import it (the collector held back)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

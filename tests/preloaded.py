@@ -1,10 +1,8 @@
-"""Imported last by the tests' forkserver (`tests/programs.py`), after the modules it preloads.
-
-`gc.freeze()` moves every object that exists now (those of Keras, TensorFlow and the other
-imports: some 400,000, none of them garbage) to a generation the collector never scans. A
-forked program's collections then scan only what the program made itself, instead of the
-imports again at each full collection.
+"""Imported by the tests' forkserver (`tests/programs.py`) before it forks any program: Keras
+(and its backend), sentencepiece and sacrebleu, as the programs import TensorFlow and Keras
+(`kyu_transformer.startup`: the collector held back, then what the process holds frozen). A
+forked program finds them imported, and its collections scan only what it makes itself.
 """
-import gc
+from kyu_transformer.startup import import_frozen
 
-gc.freeze()
+import_frozen(("keras", "sentencepiece", "sacrebleu"))

@@ -35,9 +35,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # set them to anything (pytest sets the last one for each test).
 READ_AT_RUN_TIME = {"PYTHONUNBUFFERED", "MULTI30K_URL", "TMPDIR", "TF_CONFIG",
                     "PYTEST_CURRENT_TEST"}
-# Keras imports its backend (TensorFlow, or JAX): the seconds a program would spend on imports.
-# Then `tests.frozen_imports` freezes what they made, out of the collector's way.
-PRELOADED = ["keras", "sentencepiece", "sacrebleu", "tests.frozen_imports"]
+# Keras (which imports its backend, TensorFlow or JAX), sentencepiece and sacrebleu: the seconds
+# a program would spend on imports.
+PRELOADED = ["tests.preloaded"]
 INTERRUPTED = "KeyboardInterrupt"  # what ended a program, where Python ends by SIGINT
 _server = {}
 _server_lock = threading.Lock()
