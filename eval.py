@@ -176,6 +176,7 @@ def load_translator(args, hparams):
     """``(translator, facts for the json)``: of the logdir's model, or of --ctranslate2 DIR."""
     if args.ctranslate2:
         return load_ctranslate2(args)
+    import_frozen()
     from kyu_transformer.checkpoints import CheckpointError, describe, load_model
     from kyu_transformer.translation import Translator
 
@@ -232,7 +233,6 @@ def main(argv=None):
                 raise data.DataError(f"{args.score} has {len(targets)} lines but {source_file} "
                                      f"has {len(sources)}: --score needs one translation per "
                                      "source line")
-        import_frozen()
         translator, facts = load_translator(args, hparams)
     except (hp.HParamsError, data.DataError) as error:
         raise SystemExit(f"error: {error}")

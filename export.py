@@ -135,6 +135,7 @@ def load(args):
         subwords = data.Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
     except (hp.HParamsError, data.DataError) as error:
         raise SystemExit(f"error: {error}") from None
+    import_frozen()
     from kyu_transformer.checkpoints import CheckpointError, load_model
 
     precision = resolve_precision(args.mixed_precision or "no", hparams)
@@ -222,7 +223,6 @@ def print_ctranslate2_usage(out, args, checkpoint):
 def main(argv=None):
     args = parse_args(argv)
     check_out(args.out, args.overwrite, args.logdir)
-    import_frozen()
     hparams, subwords, model, checkpoints, precision = load(args)
     from kyu_transformer import ctranslate2_export
     from kyu_transformer.checkpoints import describe

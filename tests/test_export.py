@@ -136,7 +136,7 @@ def served(varied, exports, tmp_path_factory):
     with open(folder / "request.json", "w", encoding="utf-8") as handle:
         json.dump(request, handle)
     result = run("-c", SERVE_SCRIPT, folder / "request.json", folder / "results.json",
-                 cwd=folder, timeout=900)
+                 cwd=folder, timeout=900, fresh=True)  # never a process that imported the package
     assert result.returncode == 0, result.stdout + result.stderr
     with open(folder / "results.json", encoding="utf-8") as handle:
         return {**json.load(handle), "source_ids": ids}
