@@ -156,6 +156,7 @@ def load_ctranslate2(args):
     if os.path.isfile(copied) and not filecmp.cmp(copied, ours, shallow=False):
         raise data.DataError(f"{model_dir} was converted with another subword model than {ours}: "
                              "convert this logdir's model, or give the logdir it came from")
+    import_frozen()
     from kyu_transformer.ctranslate2_export import CTranslate2Translator, ExportError
 
     try:

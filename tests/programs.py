@@ -9,15 +9,18 @@ change what those imports do (another Keras backend, oneDNN switched, another PY
 from a fresh interpreter instead, as does every program when `KYU_TESTS_FRESH_PROCESSES=1`.
 
 A forked program shares the server's hash seed and `sys.flags`, finds the tests' folders on its
-`sys.path` after its own, does not see what the imports printed (once, in the server), and ends by
-`os._exit` after its threads and atexit functions, with no interpreter teardown (a script's
-`__main__` is the server's again by then). Tests that compare two training runs bit for bit
+`sys.path` after its own, does not see what the imports printed (once, in the server), starts with
+what it inherited frozen out of the collector's scans (`gc.freeze`: the imports' objects, none of
+them garbage, as `kyu_transformer.startup` leaves a program's), and ends by `os._exit` after its
+threads and atexit functions, with no interpreter teardown (a script's `__main__` is the server's
+again by then). Tests that compare two training runs bit for bit
 start one of them `fresh=True`: two hash seeds, as two users' runs have.
 
 `run` runs a program to its end; `start` gives it running, for the tests that signal, stop or
 kill it. The programs that the benchmark scripts start are the scripts' own: fresh interpreters.
 """
 import atexit
+import gc
 import io
 import multiprocessing.forkserver
 import os
@@ -35,9 +38,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # set them to anything (pytest sets the last one for each test).
 READ_AT_RUN_TIME = {"PYTHONUNBUFFERED", "MULTI30K_URL", "TMPDIR", "TF_CONFIG",
                     "PYTEST_CURRENT_TEST"}
-# Keras (which imports its backend, TensorFlow or JAX), sentencepiece and sacrebleu: the seconds
-# a program would spend on imports.
-PRELOADED = ["tests.preloaded"]
+# Keras imports its backend (TensorFlow, or JAX): the seconds a program would spend on imports.
+# (Names the server imports from any folder: it is started without the tests' `sys.path`.)
+PRELOADED = ["keras", "sentencepiece", "sacrebleu"]
 INTERRUPTED = "KeyboardInterrupt"  # what ended a program, where Python ends by SIGINT
 _server = {}
 _server_lock = threading.Lock()
@@ -161,6 +164,7 @@ def _read(path):
 
 def _run_here(command, env, cwd, paths):
     """In the forked process: becomes `python command...` and exits with its exit code."""
+    gc.freeze()  # the server's imports: its collections scan only what the program makes
     _take_streams(paths, unbuffered=bool(env.get("PYTHONUNBUFFERED")))  # as `python -u`
     os.environ.clear()
     os.environ.update(env)

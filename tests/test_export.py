@@ -34,9 +34,9 @@ EXPORTS = {
     "beam_bf16": ("--beam_size", 4, "--mixed_precision", "bf16"),
 }
 
-# Run in a fresh interpreter: loads SavedModels with TensorFlow and
-# tensorflow-text only, calls their signatures as the request file says, and
-# writes the outputs (and whether kyu_transformer got imported) as JSON.
+# Run as a program that has not imported kyu_transformer: loads SavedModels with TensorFlow and
+# tensorflow-text only, calls their signatures as the request file says, and writes the outputs
+# (and whether kyu_transformer got imported) as JSON.
 SERVE_SCRIPT = r"""
 import json, sys
 import numpy as np
@@ -136,7 +136,7 @@ def served(varied, exports, tmp_path_factory):
     with open(folder / "request.json", "w", encoding="utf-8") as handle:
         json.dump(request, handle)
     result = run("-c", SERVE_SCRIPT, folder / "request.json", folder / "results.json",
-                 cwd=folder, timeout=900, fresh=True)  # never a process that imported the package
+                 cwd=folder, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     with open(folder / "results.json", encoding="utf-8") as handle:
         return {**json.load(handle), "source_ids": ids}

@@ -21,6 +21,7 @@ print("tensorflow" in sys.modules and "keras" in sys.modules, len(collections), 
 
 
 @pytest.mark.slow  # a fresh interpreter, as a program starts
+@pytest.mark.tensorflow_only("the programs' import of TensorFlow")
 def test_a_program_imports_without_collections_then_freezes_what_it_holds():
     result = programs.run("-c", FIRST_IMPORT, ROOT, fresh=True)
     assert result.returncode == 0, result.stderr[-3000:]
