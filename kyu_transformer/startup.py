@@ -1,6 +1,6 @@
 """How the programs import TensorFlow and Keras: with the cyclic garbage collector held back.
 
-The imports make some 470,000 objects, none of them garbage. With the collector on, each full
+The imports make over 400,000 objects, almost none of them garbage. With the collector on, each full
 collection while they pile up scans them all again: about a third of the imports' time. The
 programs (train.py, eval.py, export.py, import_tf1.py) call `import_frozen` where they first
 need TensorFlow: the imports run with the collector off, then `gc.freeze()` moves every object
