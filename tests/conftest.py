@@ -5,6 +5,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # -m pytest -q tests` runs every test that does not need TensorFlow itself on
 # JAX (the others skip, see TENSORFLOW_ONLY_MODULES and `tensorflow_only`).
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# pytest-xdist's workers share the machine's cores: each worker, and every program it starts,
+# splits a TensorFlow op over its share of them only. Split over more threads than there are
+# free cores, an op's threads wait for cores the other worker's ops hold (TensorFlow's pool
+# spins while it waits): more processor time for the same result, on a suite that is bound by
+# processor time. Set TF_NUM_INTRAOP_THREADS to choose another count.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS",
+                          str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
 from kyu_transformer.startup import import_frozen  # noqa: E402
 
 import_frozen(("keras",))  # as the programs import it (the collector held back)
