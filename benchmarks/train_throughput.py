@@ -1,18 +1,18 @@
 """Training throughput (target tokens/s) of our Transformer against keras-hub's, in one run.
 
     python benchmarks/train_throughput.py [--repeats 3] [--steps 20] [--variants fp32,bf16]
-                                          [--baseline REV]
+                                          [--baseline REV] [--shape d_model=512,num_blocks=6]
 
 Both models: d_model 256, d_ff 1024, 3 encoder + 3 decoder blocks, 4 heads,
-vocabulary 8000, trained on the same fixed batch (64 pairs, 24 source and 24
-target tokens, no padding) by the same step function (Adam, label-smoothed
-cross-entropy; the peer with `jit_compile`, ours as --variants says). Each
-trains as its users would: the peer with Keras' Adam, ours as the trainer
-does, with its Adam (`kyu_transformer.optimizers.Adam`, the same update in
-one fused kernel; `--keras_adam` gives ours Keras' Adam) and its loss compiled
-alone with XLA (`train_step.loss_terms_function`; `--no_xla_loss` leaves it to
-TensorFlow's kernels, as the rest of the step). The peer is built from
-keras-hub's `TokenAndPositionEmbedding`, `TransformerEncoder` and
+vocabulary 8000 (`--shape` changes any of these), trained on the same fixed
+batch (64 pairs, 24 source and 24 target tokens, no padding) by the same step
+function (Adam, label-smoothed cross-entropy; the peer with `jit_compile`, ours
+as --variants says). Each trains as its users would: the peer with Keras' Adam,
+ours as the trainer does, with its Adam (`kyu_transformer.optimizers.Adam`, the
+same update in one fused kernel; `--keras_adam` gives ours Keras' Adam) and its
+loss compiled alone with XLA (`train_step.loss_terms_function`; `--no_xla_loss`
+leaves it to TensorFlow's kernels, as the rest of the step). The peer is built
+from keras-hub's `TokenAndPositionEmbedding`, `TransformerEncoder` and
 `TransformerDecoder` (install with `pip install -e .[bench]`).
 
 Repetitions take turns (each times every configuration once, so that the
@@ -155,7 +155,11 @@ def training_flops_per_step():
     return 3 * forward
 
 
-def matmul_peak(dtype, size=2048, repeats=20):
+def matmul_peak(dtype, size=2048, repeats=5):
+    """FLOP/s of `repeats` chained products of `size` x `size` matrices, at the fastest of three
+    calls after one to warm up: products this large keep the cores' vector units busy, and a
+    call of five (86 GFLOP) lasts a tenth of a second or more on a CPU, hundreds of times the
+    cost of a call."""
     a = tf.random.normal((size, size), dtype=tf.float32)
     a = tf.cast(a, dtype)
 
@@ -200,7 +204,19 @@ def measure(steps_by_name, features, labels, steps, repeats, warmup=3):
     return rates
 
 
-def main():
+def shape_flag(text):
+    """`--shape`'s value: SHAPE with the ``KEY=INTEGER,...`` of `text` in place of its own."""
+    shape = dict(SHAPE)
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in SHAPE or not value.isdigit() or int(value) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected KEY=N (N a positive integer, KEY one of {', '.join(SHAPE)})")
+        shape[key] = int(value)
+    return shape
+
+
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
@@ -215,7 +231,14 @@ def main():
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also time our model as it stood at git revision REV, in the "
                              "same process and turns (configurations named at-REV-fp32, ...)")
-    args = parser.parse_args()
+    parser.add_argument("--shape", type=shape_flag, default=SHAPE, metavar="KEY=N,...",
+                        help=f"both models' shape, changed from {SHAPE}")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    SHAPE.update(args.shape)
     if not args.skip_peer:
         require("keras_hub")
     features, labels = batch()

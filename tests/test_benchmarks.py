@@ -89,18 +89,28 @@ def test_a_baseline_revision_trains_beside_the_current_package(monkeypatch):
 
 @pytest.mark.slow
 def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
-    """`--baseline HEAD` end to end: both packages timed, in reverse order every other turn."""
+    """`--baseline HEAD` end to end: both packages timed, in reverse order every other turn
+    (on a smaller model than the benchmark's, as `--shape` makes it)."""
     _skip_unless_git_checkout()
     result = programs.run("benchmarks/train_throughput.py", "--skip_peer", "--baseline", "HEAD",
-                          "--variants", "fp32", "--repeats", "2", "--steps", "1")
+                          "--variants", "fp32", "--repeats", "2", "--steps", "1", "--shape",
+                          "vocab_size=300,d_model=32,d_ff=64,num_blocks=1")
     assert result.returncode == 0, result.stderr[-3000:]
     timed = [line.split()[0] for line in result.stdout.splitlines() if " repeat " in line]
     assert timed == ["ours-fp32", "at-HEAD-fp32", "at-HEAD-fp32", "ours-fp32"]
     assert "ratio ours-fp32 / at-HEAD-fp32: " in result.stdout
     assert "at-HEAD-fp32     median" in result.stdout
-    # what `mixed_precision auto` would train these shapes in, beside the configurations
-    assert re.search(r"mixed_precision auto picks (bf16|no) here \(CPU matrix products of the "
-                     r"model's shapes: .*\): ours-(bf16|fp32)\n", result.stdout), result.stdout
+    assert ("shape: {'vocab_size': 300, 'd_model': 32, 'd_ff': 64, 'num_blocks': 1, "
+            "'num_heads': 4}, batch 64 x 24/24 tokens") in result.stdout
+    # what `mixed_precision auto` would train this shape in, beside the configurations
+    assert re.search(r"mixed_precision auto picks no here \(the model's matrix products are too "
+                     r"small .*\): ours-fp32\n", result.stdout), result.stdout
+    rejected = programs.run("benchmarks/train_throughput.py", "--skip_peer", "--shape",
+                            "d_model=32,layers=2", timeout=120)
+    assert rejected.returncode == 2 and "Traceback" not in rejected.stderr
+    assert rejected.stderr.strip().splitlines()[-1].endswith(
+        "error: argument --shape: 'layers=2': expected KEY=N (N a positive integer, KEY one of "
+        "vocab_size, d_model, d_ff, num_blocks, num_heads)")
 
 
 @pytest.mark.slow  # four train.py runs of a few updates
