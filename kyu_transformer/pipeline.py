@@ -1,5 +1,7 @@
 """The tf.data pipeline: marked subword ids in, shuffled batches of padded ids out."""
 
+import math
+
 import numpy as np
 import tensorflow as tf
 
@@ -18,7 +20,8 @@ def _padded(sequences):
 def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, maxlen=None,
                  seed=0):
     """Batches ``({"source", "target_in"}, target_out)`` of int32 ids padded with 0, bucketed by
-    the longer side; with a fixed `seed` the same every time (a resumed run skips those trained)."""
+    the longer side; with a fixed `seed` the same every time (a resumed run skips those trained).
+    Its `cardinality()` is its count of batches, known without going through it."""
     maxlen = maxlen or max(max(len(s) for s in sources), max(len(t) for t in targets_in))
     columns = [_padded(sequences) for sequences in (sources, targets_in, targets_out)]
     dataset = tf.data.Dataset.from_tensor_slices(tuple(columns))
@@ -36,4 +39,15 @@ def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, m
     # Buckets emit in length order within a window: mix the batches too.
     dataset = dataset.shuffle(256, seed=seed + 1, reshuffle_each_iteration=False)
     dataset = dataset.map(lambda s, t_in, t_out: ({"source": s, "target_in": t_in}, t_out))
-    return dataset.prefetch(tf.data.AUTOTUNE)
+    # tf.data checks the count when the batches run out (an error if they are more or fewer).
+    count = _batch_count(np.maximum(columns[0][1], columns[1][1]), boundaries, sizes)
+    return dataset.apply(tf.data.experimental.assert_cardinality(count)).prefetch(
+        tf.data.AUTOTUNE)
+
+
+def _batch_count(lengths, boundaries, sizes):
+    """The batches `bucket_by_sequence_length` makes of pairs of `lengths` (their longer side's):
+    a bucket's full batches as they fill, and its rest at the end, in any order of the pairs."""
+    buckets = np.searchsorted(boundaries, lengths, side="right")  # boundary i-1 <= length < i
+    counts = np.bincount(buckets, minlength=len(sizes))  # (buckets,) pairs in each
+    return sum(math.ceil(count / size) for count, size in zip(counts, sizes))

@@ -54,11 +54,14 @@ class UpdatePlan:
 
     @classmethod
     def of_run(cls, first_epoch, epochs, steps_per_epoch, done, per_update=1):
-        """The plan of a run whose first epoch, the dataset `first_epoch`, is counted (a second
-        or two), of `per_update` batches an update (the last of an epoch takes those left)."""
+        """The plan of a run whose first epoch is the dataset `first_epoch`, of `per_update`
+        batches an update (the last of an epoch takes those left). Its batches are counted by
+        going through them (a second or two) where the dataset does not know their count."""
         if steps_per_epoch:
             first_epoch = first_epoch.take(steps_per_epoch * per_update)
-        batches = int(first_epoch.reduce(0, lambda count, _: count + 1))
+        batches = int(first_epoch.cardinality())
+        if batches < 0:  # tf.data.UNKNOWN_CARDINALITY (or infinite: not a dataset of an epoch)
+            batches = int(first_epoch.reduce(0, lambda count, _: count + 1))
         return cls(epochs, math.ceil(batches / per_update), done)
 
     def line(self, minutes=0, decay_steps=0):

@@ -233,6 +233,19 @@ def test_batches_respect_token_budget_and_padding(rng):
     assert real / sum(s.size for s, _, _ in batches) > 0.8
 
 
+@pytest.mark.parametrize("batch_size, batch_tokens, maxlen", [(64, 400, None), (32, 600, None),
+                                                         (7, 0, None), (16, 0, 20)])
+def test_the_dataset_knows_its_count_of_batches(rng, batch_size, batch_tokens, maxlen):
+    """Without going through it (the plan of a run reads it); with `maxlen` under the longest
+    pairs' lengths, these go to the last bucket."""
+    sources, targets_in, targets_out = make_pairs(rng)
+    dataset = pipeline.make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens,
+                                    maxlen, seed=3)
+    batches = collect(dataset)
+    assert int(dataset.cardinality()) == len(batches) > len(sources) / batch_size
+    assert sum(len(source) for source, _, _ in batches) == len(sources)
+
+
 def test_same_seed_same_batches_other_seed_other_order(rng):
     sources, targets_in, targets_out = make_pairs(rng)
     make = functools.partial(pipeline.make_dataset, sources, targets_in, targets_out, 32, 600)

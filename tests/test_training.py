@@ -607,9 +607,13 @@ def test_mixed_precision_trains(tmp_path, multi30k_tiny, precision):
 
 
 def test_the_plan_counts_an_epochs_updates_and_its_estimate_keeps_to_the_budget():
-    epoch = tf.data.Dataset.range(59).batch(2)  # 30 batches
+    epoch = tf.data.Dataset.range(59).batch(2)  # 30 batches, a count tf.data knows
     assert UpdatePlan.of_run(epoch, 3, 0, 0).total == 90
     assert UpdatePlan.of_run(epoch, 3, 5, 0).total == 15  # steps_per_epoch caps each epoch
+    unknown = epoch.filter(lambda batch: True)  # counted by going through it
+    assert int(unknown.cardinality()) == tf.data.UNKNOWN_CARDINALITY
+    assert UpdatePlan.of_run(unknown, 3, 0, 0).total == 90
+    assert UpdatePlan.of_run(unknown, 3, 5, 0).total == 15
     # updates of 4 batches: 8 an epoch, the last of 2; the cap counts updates
     assert UpdatePlan.of_run(epoch, 3, 0, 0, per_update=4).total == 24
     assert UpdatePlan.of_run(epoch, 3, 5, 0, per_update=4).total == 15
