@@ -6,6 +6,7 @@ import glob
 import gzip
 import html
 import http.client
+import itertools
 import os
 import re
 import shutil
@@ -217,21 +218,28 @@ class SegmentationSampler:
     generator of `seed`: unlike SentencePiece's own sampling, the same in a resumed run."""
 
     def __init__(self, subwords, sentences, alpha, nbest=16):
-        self.alpha, pieces, lengths, scores, counts = float(alpha), [], [], [], []
+        self.alpha, pieces, lengths, counts = float(alpha), [], [], []
         processor, sentences = subwords.processor, list(sentences)
-        for begin in range(0, len(sentences), 512):  # small chunks: their protos are large
-            protos = processor.nbest_encode(sentences[begin:begin + 512], nbest_size=nbest,
-                                            return_type="proto")
-            candidates = [best for proto in protos for best in proto.nbests]  # ids and score
-            pieces.append(np.fromiter((piece.id for best in candidates for piece in best.pieces),
-                                      np.int32))
-            lengths.extend(len(best.pieces) for best in candidates)
-            scores.extend(best.score for best in candidates)
-            counts.extend(len(proto.nbests) for proto in protos)
+        for begin in range(0, len(sentences), 512):  # in chunks: n-best lists are large
+            nbests = processor.nbest_encode(sentences[begin:begin + 512], nbest_size=nbest,
+                                            out_type=int)
+            candidates = [ids for nbest_ids in nbests for ids in nbest_ids]
+            pieces.append(np.fromiter(itertools.chain.from_iterable(candidates), np.int32))
+            lengths.extend(map(len, candidates))
+            counts.extend(map(len, nbests))
         self.pieces = np.concatenate(pieces)  # every candidate's ids, one after another
         self.starts = np.concatenate([[0], np.cumsum(lengths)])  # (candidates + 1,)
-        self.scores = np.array(scores, dtype=np.float64)  # (candidates,) log-probabilities
         self.first = np.concatenate([[0], np.cumsum(counts)])  # (sentences + 1,)
+        self.scores = self._log_probabilities(processor, np.array(lengths))  # (candidates,)
+
+    def _log_probabilities(self, processor, lengths):
+        """Each candidate's log p(x), the unigram model's: the sum of its pieces' scores, as
+        SentencePiece's n-best search sums them. (It scores an unknown character apart; every
+        candidate of a sentence holds the same ones, so a draw among them does not see it.)"""
+        piece_scores = np.array([processor.get_score(i) for i in range(len(processor))])
+        candidate_of_piece = np.repeat(np.arange(len(lengths)), lengths)  # (pieces,)
+        return np.bincount(candidate_of_piece, weights=piece_scores[self.pieces],
+                           minlength=len(lengths))
 
     def candidates(self, sentence):
         """The segmentations (lists of ids) of sentence number `sentence`, the best first."""

@@ -235,6 +235,23 @@ def test_each_segmentation_is_drawn_with_probability_proportional_to_p_to_the_al
         assert abs(share - probability) < five_sigma(probability, draws), (share, probability)
 
 
+def test_candidate_scores_are_sentencepieces_but_for_unknown_characters(subwords):
+    """The n-best scores SentencePiece gives (summed there in float32), where a sentence has
+    no unknown character; where it has, the same penalty in every candidate of the sentence,
+    which ours leave out: a constant, which a draw among them does not see."""
+    sentences = ["Ein Mann mit einem orangefarbenen Hut.", "Zwei 漢字 Hunde ☃ spielen."]
+    sampler = data.SegmentationSampler(subwords, sentences, alpha=0.5)
+    protos = subwords.processor.nbest_encode(sentences, nbest_size=16, return_type="proto")
+    offsets = []
+    for index, proto in enumerate(protos):
+        ours = sampler.scores[sampler.first[index]:sampler.first[index + 1]]
+        assert [list(ids) for ids in sampler.candidates(index)] == [
+            [piece.id for piece in best.pieces] for best in proto.nbests]
+        offsets.append(np.array([best.score for best in proto.nbests]) - ours)
+        np.testing.assert_allclose(offsets[-1], offsets[-1][0], atol=1e-3)
+    assert abs(offsets[0][0]) < 1e-3 and offsets[1][0] < -20  # three unknown characters
+
+
 @pytest.mark.tensorflow_only("the Corpus builds tf.data batches")
 def test_corpus_draws_each_epochs_segmentations_and_keeps_the_best_without_alpha(tmp_path):
     from kyu_transformer.corpus import Corpus
