@@ -12,8 +12,9 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # processor time. Set TF_NUM_INTRAOP_THREADS to choose another count.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    os.environ.setdefault("TF_NUM_INTRAOP_THREADS",
-                          str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+    _CORES = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")  # Linux
+              else os.cpu_count() or 1)
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", str(max(1, _CORES // _WORKERS)))
 from kyu_transformer.startup import import_frozen  # noqa: E402
 
 import_frozen(("keras",))  # as the programs import it (the collector held back)
