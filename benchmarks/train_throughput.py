@@ -155,11 +155,9 @@ def training_flops_per_step():
     return 3 * forward
 
 
-def matmul_peak(dtype, size=2048, repeats=5):
+def matmul_peak(dtype, size=2048, repeats=20):
     """FLOP/s of `repeats` chained products of `size` x `size` matrices, at the fastest of three
-    calls after one to warm up: products this large keep the cores' vector units busy, and a
-    call of five (86 GFLOP) lasts a tenth of a second or more on a CPU, hundreds of times the
-    cost of a call."""
+    calls after one to warm up."""
     a = tf.random.normal((size, size), dtype=tf.float32)
     a = tf.cast(a, dtype)
 
@@ -209,10 +207,15 @@ def shape_flag(text):
     shape = dict(SHAPE)
     for item in text.split(","):
         key, _, value = item.partition("=")
-        if key not in SHAPE or not value.isdigit() or int(value) < 1:
+        if key not in SHAPE or not value.isdecimal() or int(value) < 1:
             raise argparse.ArgumentTypeError(
                 f"{item!r}: expected KEY=N (N a positive integer, KEY one of {', '.join(SHAPE)})")
         shape[key] = int(value)
+    if shape["d_model"] % shape["num_heads"] or shape["vocab_size"] <= 4:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: d_model ({shape['d_model']}) must be a multiple of num_heads "
+            f"({shape['num_heads']}) and vocab_size ({shape['vocab_size']}) over 4, the "
+            "special ids")
     return shape
 
 

@@ -49,8 +49,8 @@ def test_a_baseline_revision_trains_beside_the_current_package(monkeypatch):
     At HEAD (in a clean checkout) its units are today's code under another
     name, so its first two training steps, the second after its own Adam's
     update, give the current package's losses exactly (on a smaller model than
-    the benchmark's: what is compared is the code, the end-to-end test below
-    runs the benchmark's).
+    the benchmark's: what is compared is the code; the end-to-end test below
+    runs a small one too, through `--shape`).
     """
     _skip_unless_git_checkout()
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -105,12 +105,15 @@ def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
     # what `mixed_precision auto` would train this shape in, beside the configurations
     assert re.search(r"mixed_precision auto picks no here \(the model's matrix products are too "
                      r"small .*\): ours-fp32\n", result.stdout), result.stdout
-    rejected = programs.run("benchmarks/train_throughput.py", "--skip_peer", "--shape",
-                            "d_model=32,layers=2", timeout=120)
-    assert rejected.returncode == 2 and "Traceback" not in rejected.stderr
-    assert rejected.stderr.strip().splitlines()[-1].endswith(
-        "error: argument --shape: 'layers=2': expected KEY=N (N a positive integer, KEY one of "
-        "vocab_size, d_model, d_ff, num_blocks, num_heads)")
+    for shape, error in [("d_model=32,layers=2", "'layers=2': expected KEY=N (N a positive "
+                          "integer, KEY one of vocab_size, d_model, d_ff, num_blocks, num_heads)"),
+                         ("d_model=30", "'d_model=30': d_model (30) must be a multiple of "
+                          "num_heads (4) and vocab_size (8000) over 4, the special ids")]:
+        rejected = programs.run("benchmarks/train_throughput.py", "--skip_peer", "--shape",
+                                shape, timeout=120)
+        assert rejected.returncode == 2 and "Traceback" not in rejected.stderr
+        assert rejected.stderr.strip().splitlines()[-1].endswith(
+            f"error: argument --shape: {error}"), rejected.stderr
 
 
 @pytest.mark.slow  # four train.py runs of a few updates
