@@ -234,8 +234,9 @@ class SegmentationSampler:
 
     def _log_probabilities(self, processor, lengths):
         """Each candidate's log p(x), the unigram model's: the sum of its pieces' scores, as
-        SentencePiece's n-best search sums them. (It scores an unknown character apart; every
-        candidate of a sentence holds the same ones, so a draw among them does not see it.)"""
+        SentencePiece's n-best search sums them for a model of `Subwords.train_or_load` (no
+        user-defined symbols, which it scores otherwise). It scores an unknown character apart;
+        every candidate of a sentence holds the same ones, so a draw among them does not see it."""
         piece_scores = np.array([processor.get_score(i) for i in range(len(processor))])
         candidate_of_piece = np.repeat(np.arange(len(lengths)), lengths)  # (pieces,)
         return np.bincount(candidate_of_piece, weights=piece_scores[self.pieces],

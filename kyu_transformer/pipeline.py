@@ -24,9 +24,12 @@ def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, m
     Its `cardinality()` is its count of batches, known without going through it."""
     maxlen = maxlen or max(max(len(s) for s in sources), max(len(t) for t in targets_in))
     columns = [_padded(sequences) for sequences in (sources, targets_in, targets_out)]
-    dataset = tf.data.Dataset.from_tensor_slices(tuple(columns))
+    # A pair's length, its longer side's: what it is bucketed by, and the count of batches below.
+    lengths = np.maximum(columns[0][1], columns[1][1])  # (pairs,)
+    dataset = tf.data.Dataset.from_tensor_slices((tuple(columns), lengths))
     # Each element back to its own length; the batches are padded again below.
-    dataset = dataset.map(lambda *columns: tuple(ids[:length] for ids, length in columns))
+    dataset = dataset.map(lambda columns, length: (
+        tuple(ids[:size] for ids, size in columns), length))
     dataset = dataset.shuffle(len(sources), seed=seed, reshuffle_each_iteration=False)
     # Buckets every 8 tokens; one of lengths up to L batches min(batch_size, batch_tokens // L)
     # pairs (at most `batch_tokens` padded tokens a side).
@@ -34,13 +37,13 @@ def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, m
     sizes = [max(1, min(batch_size, batch_tokens // length)) if batch_tokens else batch_size
              for length in [b - 1 for b in boundaries] + [maxlen]]
     dataset = dataset.bucket_by_sequence_length(
-        element_length_func=lambda s, t_in, t_out: tf.maximum(tf.shape(s)[0], tf.shape(t_in)[0]),
-        bucket_boundaries=boundaries, bucket_batch_sizes=sizes, padding_values=PAD_ID)
+        element_length_func=lambda pair, length: length, bucket_boundaries=boundaries,
+        bucket_batch_sizes=sizes, padding_values=PAD_ID)
     # Buckets emit in length order within a window: mix the batches too.
     dataset = dataset.shuffle(256, seed=seed + 1, reshuffle_each_iteration=False)
-    dataset = dataset.map(lambda s, t_in, t_out: ({"source": s, "target_in": t_in}, t_out))
-    # tf.data checks the count when the batches run out (an error if they are more or fewer).
-    count = _batch_count(np.maximum(columns[0][1], columns[1][1]), boundaries, sizes)
+    dataset = dataset.map(lambda pair, _: ({"source": pair[0], "target_in": pair[1]}, pair[2]))
+    # tf.data checks the count: an error at a batch beyond it, or where the batches end before.
+    count = _batch_count(lengths, boundaries, sizes)
     return dataset.apply(tf.data.experimental.assert_cardinality(count)).prefetch(
         tf.data.AUTOTUNE)
 

@@ -60,7 +60,7 @@ class UpdatePlan:
         if steps_per_epoch:
             first_epoch = first_epoch.take(steps_per_epoch * per_update)
         batches = int(first_epoch.cardinality())
-        if batches < 0:  # tf.data.UNKNOWN_CARDINALITY (or infinite: not a dataset of an epoch)
+        if batches < 0:  # tf.data.UNKNOWN_CARDINALITY (an epoch is never endless)
             batches = int(first_epoch.reduce(0, lambda count, _: count + 1))
         return cls(epochs, math.ceil(batches / per_update), done)
 

@@ -233,8 +233,8 @@ def test_batches_respect_token_budget_and_padding(rng):
     assert real / sum(s.size for s, _, _ in batches) > 0.8
 
 
-@pytest.mark.parametrize("batch_size, batch_tokens, maxlen", [(64, 400, None), (32, 600, None),
-                                                         (7, 0, None), (16, 0, 20)])
+@pytest.mark.parametrize("batch_size, batch_tokens, maxlen", [
+    (64, 400, None), (32, 600, None), (7, 0, None), (16, 0, 20), (32, 600, 20)])
 def test_the_dataset_knows_its_count_of_batches(rng, batch_size, batch_tokens, maxlen):
     """Without going through it (the plan of a run reads it); with `maxlen` under the longest
     pairs' lengths, these go to the last bucket."""
