@@ -17,6 +17,11 @@ from tests.programs import ROOT
 from tests.test_data import MULTI30K
 
 MISSING_KERAS_HUB = 'raise ModuleNotFoundError("No module named \'keras_hub\'", name="keras_hub")\n'
+# `python SCRIPT` with FOLDER on its module path, after the script's own folder, where PYTHONPATH
+# would put it: `programs.run("-c", WITH_FOLDER_ON_PATH, FOLDER, SCRIPT)`.
+WITH_FOLDER_ON_PATH = ("import os, runpy, sys; folder, script = sys.argv[1:3]; "
+                       "sys.path[:0] = [os.path.dirname(script), folder]; sys.argv = [script]; "
+                       "runpy.run_path(script, run_name='__main__')")
 
 
 @pytest.mark.slow
@@ -25,10 +30,8 @@ def test_benchmark_without_its_extra_names_the_extra(tmp_path, script):
     hidden = tmp_path / "site" / "keras_hub"
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text(MISSING_KERAS_HUB)  # as if not installed
-    environment = {**os.environ, "PYTHONPATH": str(tmp_path / "site"),
-                   "TF_CPP_MIN_LOG_LEVEL": "3"}
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script)],
-                            capture_output=True, text=True, env=environment, timeout=300)
+    result = programs.run("-c", WITH_FOLDER_ON_PATH, tmp_path / "site",
+                          os.path.join(ROOT, "benchmarks", script), timeout=300)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == (
