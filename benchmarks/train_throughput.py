@@ -211,11 +211,12 @@ def shape_flag(text):
             raise argparse.ArgumentTypeError(
                 f"{item!r}: expected KEY=N (N a positive integer, KEY one of {', '.join(SHAPE)})")
         shape[key] = int(value)
-    if shape["d_model"] % shape["num_heads"] or shape["vocab_size"] <= 4:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: d_model ({shape['d_model']}) must be a multiple of num_heads "
-            f"({shape['num_heads']}) and vocab_size ({shape['vocab_size']}) over 4, the "
-            "special ids")
+    if shape["d_model"] % shape["num_heads"]:
+        raise argparse.ArgumentTypeError(f"{text!r}: d_model ({shape['d_model']}) must be a "
+                                         f"multiple of num_heads ({shape['num_heads']})")
+    if shape["vocab_size"] <= 4:
+        raise argparse.ArgumentTypeError(f"{text!r}: vocab_size ({shape['vocab_size']}) must "
+                                         "be over 4, the special ids")
     return shape
 
 

@@ -18,7 +18,9 @@ from tests.test_data import MULTI30K
 
 MISSING_KERAS_HUB = 'raise ModuleNotFoundError("No module named \'keras_hub\'", name="keras_hub")\n'
 # `python SCRIPT` with FOLDER on its module path, after the script's own folder, where PYTHONPATH
-# would put it: `programs.run("-c", WITH_FOLDER_ON_PATH, FOLDER, SCRIPT)`.
+# would put it: `programs.run("-c", WITH_FOLDER_ON_PATH, FOLDER, SCRIPT)`. Forked (see
+# `tests/programs.py`), the script does not print what importing TensorFlow prints: the server
+# imported it once, unseen.
 WITH_FOLDER_ON_PATH = ("import os, runpy, sys; folder, script = sys.argv[1:3]; "
                        "sys.path[:0] = [os.path.dirname(script), folder]; sys.argv = [script]; "
                        "runpy.run_path(script, run_name='__main__')")
@@ -111,7 +113,9 @@ def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
     for shape, error in [("d_model=32,layers=2", "'layers=2': expected KEY=N (N a positive "
                           "integer, KEY one of vocab_size, d_model, d_ff, num_blocks, num_heads)"),
                          ("d_model=30", "'d_model=30': d_model (30) must be a multiple of "
-                          "num_heads (4) and vocab_size (8000) over 4, the special ids")]:
+                          "num_heads (4)"),
+                         ("vocab_size=4", "'vocab_size=4': vocab_size (4) must be over 4, the "
+                          "special ids")]:
         rejected = programs.run("benchmarks/train_throughput.py", "--skip_peer", "--shape",
                                 shape, timeout=120)
         assert rejected.returncode == 2 and "Traceback" not in rejected.stderr
