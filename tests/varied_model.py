@@ -19,7 +19,10 @@ round differently). The weights here are set instead: seeded uniform values
   rest reach it (`check_varied_outputs` states what the tests rely on).
 
 Only rounding separates two machines' outputs then, which moves an argmax only
-where two logits tie to the last bits: the properties hold with wide margins.
+where two logits tie to the last bits. How often EOS wins depends on the draw,
+though, so the seed (0) is part of the construction: most other seeds run nearly
+every output to its limit, which `check_varied_outputs` refuses (the figures of
+seeds 0 to 9: benchmarks/RESULTS.md, "Test suite").
 """
 
 import os
@@ -99,18 +102,23 @@ def write_varied_logdir(logdir, data_dir, architecture, seed=0):
     return logdir
 
 
-def check_varied_outputs(model, sources):
-    """Raises AssertionError, naming the figure, unless the outputs vary and run long.
-
-    What the tests rely on, checked once: greedy outputs of `sources` (id
-    lists) with the default margin of 16 are mostly distinct, and both ending
-    with EOS and reaching the limit are common.
-    """
+def varied_figures(model, sources):
+    """``(distinct, cut)``: how many greedy outputs of `sources` (id lists), with the default
+    margin of 16, differ from one another, and how many reach their limit."""
     from kyu_transformer.translation import Translator
 
     translations = Translator(model, beam_size=1).translate_ids(sources)
-    distinct = len({tuple(output) for output in translations.outputs})
-    cut = translations.truncated_outputs
+    return len({tuple(output) for output in translations.outputs}), translations.truncated_outputs
+
+
+def check_varied_outputs(model, sources):
+    """Raises AssertionError, naming the figure, unless the outputs vary and run long.
+
+    What the tests rely on, checked once: the greedy outputs of `sources` (id
+    lists) are mostly distinct, and both ending with EOS and reaching the limit
+    are common.
+    """
+    distinct, cut = varied_figures(model, sources)
     figures = (f"{distinct} distinct outputs, {cut} at their limit, of {len(sources)} "
                "sources")
     assert distinct >= 0.8 * len(sources), f"the set weights give too few outputs: {figures}"
@@ -146,3 +154,22 @@ def clear_greedy_choices(model, source_ids, greedy, margin):
         clear += [i for i, row, target in zip(rows, gaps, targets)
                   if row[:len(target)].min() >= margin]
     return clear
+
+
+if __name__ == "__main__":  # python -m tests.varied_model SEED ...: each seed's figures on val
+    import pathlib
+    import sys
+    import tempfile
+
+    from tests.conftest import TINY_ARCHITECTURE, load_logdir
+    from tests.test_data import MULTI30K
+
+    val_sources, _, _ = data.load_split(MULTI30K, "val")
+    with tempfile.TemporaryDirectory() as folder:
+        for seed in map(int, sys.argv[1:]):
+            logdir = write_varied_logdir(pathlib.Path(folder, str(seed)), MULTI30K,
+                                         TINY_ARCHITECTURE, seed)
+            _, model, subwords = load_logdir(pathlib.Path(logdir))
+            distinct, cut = varied_figures(model, subwords.encode(val_sources))
+            print(f"seed {seed}: {distinct} distinct greedy outputs, {cut} at their limit, "
+                  f"of {len(val_sources)}", flush=True)
