@@ -400,7 +400,7 @@ def test_eval_scores_a_split_with_sacrebleu(trained):
     expected = sacrebleu.corpus_bleu(hypotheses, [references]).score
     # Far above the tolerance, so that two near-zero figures cannot agree whatever eval.py did;
     # not a bar of quality: that the model learned is its fixture's check, and its BLEU here
-    # ranges from run to run (RESULTS.md, "Test suite").
+    # moves with the seed and the processor's kernels (RESULTS.md, "Test suite").
     assert scores["bleu"] == pytest.approx(expected, abs=0.01) and scores["bleu"] > 0.5
     assert (logdir / "eval" / "val.attention.1.png").is_file()
     assert (logdir / "eval" / "val.attention.2.png").is_file()
