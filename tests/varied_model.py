@@ -103,8 +103,9 @@ def write_varied_logdir(logdir, data_dir, architecture, seed=0):
 
 
 def varied_figures(model, sources):
-    """``(distinct, cut)``: how many greedy outputs of `sources` (id lists), with the default
-    margin of 16, differ from one another, and how many reach their limit."""
+    """``(distinct, cut)``: how many greedy outputs of `sources` (id lists), with the
+    `Translator`'s default length margin, differ from one another, and how many reach their
+    limit."""
     from kyu_transformer.translation import Translator
 
     translations = Translator(model, beam_size=1).translate_ids(sources)
