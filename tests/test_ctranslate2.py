@@ -288,8 +288,8 @@ def test_quantized_models_write_and_translate(trained, tmp_path, quantization):
         0.5 * os.path.getsize(os.path.join(trained["exported"], "model.bin"))
     model, sources = trained["model"], trained["sources"]
     # Computed in int8: a translation of every source within its limit. How many differ from
-    # ours is the processor's: without VNNI, CTranslate2's oneDNN kernels sum pairs of int8
-    # products in 16 bits, which saturate (RESULTS.md, "Test suite").
+    # ours depends on the processor and the model: without VNNI, CTranslate2's oneDNN kernels
+    # add pairs of int8 products in 16 bits, which saturate (RESULTS.md, "Test suite").
     in_int8 = ctranslate2_translations(out_dir, sources, beam_size=1)
     assert len(in_int8) == len(sources)
     for source, hypotheses in zip(sources, in_int8):
