@@ -20,13 +20,26 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import data, filenames  # noqa: E402
-from kyu_transformer.files import stops_cleanly_when_full, write_text  # noqa: E402
-from kyu_transformer.flags import (  # noqa: E402
-    SAMPLING_FLAGS, add_checkpoint_arguments, add_search_arguments, check_checkpoint_arguments,
-    given_search_flags, search_settings)
+from kyu_transformer import filenames  # noqa: E402
+from kyu_transformer.cli.flags import (  # noqa: E402
+    SAMPLING_FLAGS,
+    add_checkpoint_arguments,
+    add_search_arguments,
+    check_checkpoint_arguments,
+    given_search_flags,
+    search_settings,
+)
+from kyu_transformer.cli.startup import import_frozen  # noqa: E402
+from kyu_transformer.data.subwords import Subwords  # noqa: E402
+from kyu_transformer.data.text import (  # noqa: E402
+    DataError,
+    check_data_dir,
+    normalize_line,
+    read_lines,
+    split_files,
+)
 from kyu_transformer.precision import AUTO, resolve_precision, set_precision  # noqa: E402
-from kyu_transformer.startup import import_frozen  # noqa: E402
+from kyu_transformer.safety.writes import stops_cleanly_when_full, write_text  # noqa: E402
 
 
 def parse_args(argv):
@@ -98,19 +111,19 @@ def load_inputs(args, hparams):
     """``(name, sources, references or None, source file)``."""
     split = args.split or "test_2016_flickr"
     if args.src:
-        (source_path, target_path), reader = (args.src, args.ref), data.read_lines
+        (source_path, target_path), reader = (args.src, args.ref), read_lines
     else:
         data_dir = args.data_dir or hparams["data_dir"]
-        data.check_data_dir(data_dir)
-        (source_path, target_path), reader = data.split_files(
+        check_data_dir(data_dir)
+        (source_path, target_path), reader = split_files(
             data_dir, split, hparams["src_lang"], hparams["tgt_lang"])
     sources = reader(source_path)
     references = reader(target_path) if target_path else None
     if references is not None and len(references) != len(sources):
-        raise data.DataError(f"{source_path} has {len(sources)} lines but {target_path} has "
+        raise DataError(f"{source_path} has {len(sources)} lines but {target_path} has "
                              f"{len(references)}")
     if args.src and not sources:
-        raise data.DataError(f"{args.src}: no sentence to translate (the file is empty)")
+        raise DataError(f"{args.src}: no sentence to translate (the file is empty)")
     name = args.name or (os.path.basename(args.src).split(".")[0] if args.src else split)
     return name, sources, references, source_path
 
@@ -121,8 +134,8 @@ def write_lines(path, lines):
 
 def plot_attention(model, settings, subwords, sources, count, out_dir, name):
     """Saves heatmaps of the last decoder block's cross-attention (mean of heads); prints paths."""
-    from kyu_transformer.plots import plt, save_figure
-    from kyu_transformer.translation import Translator
+    from kyu_transformer.decoding.translator import Translator
+    from kyu_transformer.training.plots import plt, save_figure
 
     # Coverage is recorded by greedy search.
     translator = Translator(model, beam_size=1, length_margin=settings.length_margin,
@@ -150,25 +163,25 @@ def load_ctranslate2(args):
     """``(translator, facts)`` of --ctranslate2 DIR, checked against the logdir's subwords."""
     model_dir = args.ctranslate2
     if not os.path.isdir(model_dir):
-        raise data.DataError(f"--ctranslate2 {model_dir}: no such directory")
+        raise DataError(f"--ctranslate2 {model_dir}: no such directory")
     copied = os.path.join(model_dir, filenames.SUBWORDS)  # the converter copies it there
     ours = os.path.join(args.logdir, filenames.SUBWORDS)
     if os.path.isfile(copied) and not filecmp.cmp(copied, ours, shallow=False):
-        raise data.DataError(f"{model_dir} was converted with another subword model than {ours}: "
+        raise DataError(f"{model_dir} was converted with another subword model than {ours}: "
                              "convert this logdir's model, or give the logdir it came from")
     import_frozen()
-    from kyu_transformer.ctranslate2_export import CTranslate2Translator, ExportError
+    from kyu_transformer.export.ctranslate2 import CTranslate2Translator, ExportError
 
     try:
         translator = CTranslate2Translator(model_dir, args.settings)
         translator.load()
     except ImportError:
-        raise data.DataError('--ctranslate2 needs the ctranslate2 package: pip install -e '
+        raise DataError('--ctranslate2 needs the ctranslate2 package: pip install -e '
                              '".[serve]" (or pip install ctranslate2)') from None
     except ExportError as error:  # not a directory the converter wrote
-        raise data.DataError(str(error)) from None
+        raise DataError(str(error)) from None
     except RuntimeError as error:  # CTranslate2's own: a missing or broken model.bin
-        raise data.DataError(f"{model_dir}: CTranslate2 cannot load it ({error})") from None
+        raise DataError(f"{model_dir}: CTranslate2 cannot load it ({error})") from None
     return translator, {"engine": "ctranslate2", "model_dir": model_dir,
                         "quantization": translator.quantization}
 
@@ -178,8 +191,8 @@ def load_translator(args, hparams):
     if args.ctranslate2:
         return load_ctranslate2(args)
     import_frozen()
-    from kyu_transformer.checkpoints import CheckpointError, describe, load_model
-    from kyu_transformer.translation import Translator
+    from kyu_transformer.decoding.translator import Translator
+    from kyu_transformer.training.checkpoints import CheckpointError, describe, load_model
 
     choice = {}
     # On standard error: with `--src -`, standard output holds the translations only.
@@ -190,7 +203,7 @@ def load_translator(args, hparams):
     try:
         model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
     except CheckpointError as error:
-        raise data.DataError(str(error)) from None
+        raise DataError(str(error)) from None
     return Translator(model, args.settings), {
         "engine": "keras", "checkpoint": describe(checkpoints), "checkpoints": checkpoints,
         "mixed_precision": precision, **choice}
@@ -226,20 +239,20 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
-        subwords = data.Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
+        subwords = Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
         if args.src != "-":
             name, sources, references, source_file = load_inputs(args, hparams)
-            targets = data.read_lines(args.score) if args.score else None
+            targets = read_lines(args.score) if args.score else None
             if args.score and len(targets) != len(sources):
-                raise data.DataError(f"{args.score} has {len(targets)} lines but {source_file} "
+                raise DataError(f"{args.score} has {len(targets)} lines but {source_file} "
                                      f"has {len(sources)}: --score needs one translation per "
                                      "source line")
         translator, facts = load_translator(args, hparams)
-    except (hp.HParamsError, data.DataError) as error:
+    except (hp.HParamsError, DataError) as error:
         raise SystemExit(f"error: {error}")
     if args.src == "-":  # line by line, as it comes
         for line in sys.stdin:
-            print(translator.translate([data.normalize_line(line)], subwords)[0], flush=True)
+            print(translator.translate([normalize_line(line)], subwords)[0], flush=True)
         return 0
     out_dir = os.path.join(args.logdir, filenames.EVAL)
     os.makedirs(out_dir, exist_ok=True)
@@ -252,7 +265,7 @@ def main(argv=None):
         plot_attention(translator.model, args.settings, subwords, sources, args.plot_attention,
                        out_dir, name)
     if references is not None:
-        from kyu_transformer.evaluation import score
+        from kyu_transformer.decoding.scoring import score
 
         searched = ("beam_size", "alpha", "length_margin") + (
             SAMPLING_FLAGS if args.settings.sampling else ())

@@ -17,14 +17,22 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import data, filenames  # noqa: E402
-from kyu_transformer.files import staging_beside, stops_cleanly_when_full, write_text  # noqa: E402
-from kyu_transformer.flags import (  # noqa: E402
-    QUANTIZATIONS, SAMPLING_FLAGS, SEARCH_FLAGS, add_checkpoint_arguments, add_search_arguments,
-    check_checkpoint_arguments, given_search_flags, search_settings)
-from kyu_transformer.precision import (  # noqa: E402
-    PRECISION_POLICIES, resolve_precision, set_precision)
-from kyu_transformer.startup import import_frozen  # noqa: E402
+from kyu_transformer import filenames  # noqa: E402
+from kyu_transformer.cli.flags import (  # noqa: E402
+    QUANTIZATIONS,
+    SAMPLING_FLAGS,
+    SEARCH_FLAGS,
+    add_checkpoint_arguments,
+    add_search_arguments,
+    check_checkpoint_arguments,
+    given_search_flags,
+    search_settings,
+)
+from kyu_transformer.cli.startup import import_frozen  # noqa: E402
+from kyu_transformer.data.subwords import Subwords  # noqa: E402
+from kyu_transformer.data.text import DataError  # noqa: E402
+from kyu_transformer.precision import PRECISION_POLICIES, resolve_precision, set_precision  # noqa: E402
+from kyu_transformer.safety.writes import staging_beside, stops_cleanly_when_full, write_text  # noqa: E402
 
 FORMATS = ("saved_model", "ctranslate2")
 EXAMPLE = "Zwei Hunde spielen im Schnee."
@@ -132,11 +140,11 @@ def load(args):
     does; the Keras dtype policy is set to `precision` (--mixed_precision, by default float32)."""
     try:
         hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
-        subwords = data.Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
-    except (hp.HParamsError, data.DataError) as error:
+        subwords = Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
+    except (hp.HParamsError, DataError) as error:
         raise SystemExit(f"error: {error}") from None
     import_frozen()
-    from kyu_transformer.checkpoints import CheckpointError, load_model
+    from kyu_transformer.training.checkpoints import CheckpointError, load_model
 
     precision = resolve_precision(args.mixed_precision or "no", hparams)
     set_precision(precision)
@@ -150,16 +158,16 @@ def load(args):
 def write_saved_model(args, model, subwords, checkpoints, precision, target):
     """Writes the SavedModel to `target` (not existing yet) with a record of its settings;
     returns the names of its signatures (without tensorflow-text, the ids one only)."""
-    from kyu_transformer import serving
-    from kyu_transformer.checkpoints import describe
+    from kyu_transformer.export import saved_model
+    from kyu_transformer.training.checkpoints import describe
 
-    signatures = serving.save(model, subwords.path, args.settings, target, sampling=args.sampling)
+    signatures = saved_model.save(model, subwords.path, args.settings, target, sampling=args.sampling)
     record = {"format": "saved_model", "signatures": signatures, "logdir": args.logdir,
               "checkpoint": describe(checkpoints), "checkpoints": checkpoints,
               "mixed_precision": precision, "compute_dtype": PRECISION_POLICIES[precision],
               **{name: getattr(args.settings, name)
                  for name in ("beam_size", "alpha", "n_best", "length_margin", "batch_size")},
-              "sample": None if serving.SAMPLE_SIGNATURE not in signatures else {
+              "sample": None if saved_model.SAMPLE_SIGNATURE not in signatures else {
                   name: getattr(args.sampling, name)
                   for name in ("sampling_topk", "sampling_topp", "sampling_temperature", "n_best")},
               "maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
@@ -172,7 +180,7 @@ def write_saved_model(args, model, subwords, checkpoints, precision, target):
 
 def print_saved_model_usage(out, signatures, args, checkpoint, precision):
     """Says what was written (`checkpoint`: its description) and how to call, load and serve it."""
-    from kyu_transformer import serving
+    from kyu_transformer.export import saved_model
 
     settings, sampling = args.settings, args.sampling
     search = (f"beam {settings.beam_size}, alpha {settings.alpha}" if settings.beam_size > 1
@@ -180,22 +188,22 @@ def print_saved_model_usage(out, signatures, args, checkpoint, precision):
     print(f"wrote a SavedModel to {out}: checkpoint {checkpoint}; {search}, "
           f"n_best {settings.n_best}, length margin {settings.length_margin}; decoding in "
           f"{PRECISION_POLICIES[precision]}")
-    if serving.SAMPLE_SIGNATURE in signatures:
-        print(f"{serving.SAMPLE_SIGNATURE}: {sampling.n_best} samples per sentence, top-k "
+    if saved_model.SAMPLE_SIGNATURE in signatures:
+        print(f"{saved_model.SAMPLE_SIGNATURE}: {sampling.n_best} samples per sentence, top-k "
               f"{sampling.sampling_topk}, top-p {sampling.sampling_topp}, temperature "
               f"{sampling.sampling_temperature}; call it with text=..., seed=tf.constant(S, "
               "tf.int64)")
     print(f"signatures: {', '.join(signatures)}  (saved_model_cli show --dir {out} --all)")
-    if serving.TEXT_SIGNATURE not in signatures:
+    if saved_model.TEXT_SIGNATURE not in signatures:
         print("note: tensorflow-text is not installed, so only the ids signature was written "
-              f"(subword ids in and out); for the text signature: {serving.SERVE_EXTRA}, "
+              f"(subword ids in and out); for the text signature: {saved_model.SERVE_EXTRA}, "
               "then export again")
         return
     name = os.path.basename(os.path.abspath(out))
     print("call it from Python (TensorFlow and tensorflow-text, without this package):")
     print("  import tensorflow as tf, tensorflow_text  # tensorflow_text registers the "
           "SentencePiece ops")
-    print(f"  translate = tf.saved_model.load({out!r}).signatures[{serving.TEXT_SIGNATURE!r}]")
+    print(f"  translate = tf.saved_model.load({out!r}).signatures[{saved_model.TEXT_SIGNATURE!r}]")
     print(f"  print(translate(text=tf.constant([{EXAMPLE!r}]))[\"translations\"])")
     print("serve it with TensorFlow Serving (REST on port 8501):")
     print(f'  docker run -p 8501:8501 -v "$(realpath {out}):/models/{name}/1" '
@@ -212,7 +220,7 @@ def print_ctranslate2_usage(out, args, checkpoint):
     print(f"  python eval.py --logdir {args.logdir} --ctranslate2 {out} --beam_size "
           f"{args.settings.beam_size} --alpha {args.settings.alpha}")
     print("or from Python, as eval.py decodes (EOS appended, the same length limits):")
-    print("  from kyu_transformer.ctranslate2_export import CTranslate2Translator")
+    print("  from kyu_transformer.export.ctranslate2 import CTranslate2Translator")
     print(f"  CTranslate2Translator({out!r}, beam_size={args.settings.beam_size})"
           ".translate_ids(source_ids).outputs")
     print("  (source_ids: lists of subword ids without EOS, from the subword model in the "
@@ -224,8 +232,8 @@ def main(argv=None):
     args = parse_args(argv)
     check_out(args.out, args.overwrite, args.logdir)
     hparams, subwords, model, checkpoints, precision = load(args)
-    from kyu_transformer import ctranslate2_export
-    from kyu_transformer.checkpoints import describe
+    from kyu_transformer.export import ctranslate2
+    from kyu_transformer.training.checkpoints import describe
 
     try:  # a new hidden directory beside --out, to write the export in first
         staging = staging_beside(args.out, "export")
@@ -235,9 +243,9 @@ def main(argv=None):
     try:
         if args.format == "ctranslate2":
             try:
-                ctranslate2_export.convert(model, hparams, subwords, target,
+                ctranslate2.convert(model, hparams, subwords, target,
                                            quantization=args.quantization or "float32")
-            except (ctranslate2_export.ExportError, ImportError) as error:  # or no ctranslate2
+            except (ctranslate2.ExportError, ImportError) as error:  # or no ctranslate2
                 raise SystemExit(f"error: --format ctranslate2: {error}") from None
         else:
             signatures = write_saved_model(args, model, subwords, checkpoints, precision, target)

@@ -10,7 +10,7 @@ import difflib
 import json
 import os
 
-from kyu_transformer.files import write_text
+from kyu_transformer.safety.writes import write_text
 
 # name: (default, help). Kyubyong's names where they exist.
 SPEC = {

@@ -7,7 +7,7 @@ PATH (--checkpoint) is a checkpoint prefix or the folder of its `checkpoint` fil
 file that code writes beside it gives the model's sizes (--hparams overrides them and sets the
 rest). The logdir gets hparams.json, the subword model and the weights as one checkpoint, no run
 state: eval.py and export.py use it as any logdir, train.py with --init_from. What is read and
-what is not: kyu_transformer/tf1_import.py and docs/import_tf1.md. The flags, the hparams file,
+what is not: kyu_transformer/tf1_checkpoint.py and docs/import_tf1.md. The flags, the hparams file,
 the subword model and --logdir are checked before TensorFlow loads; a refusal writes nothing.
 """
 
@@ -18,10 +18,13 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import filenames, tf1_import  # noqa: E402
-from kyu_transformer.files import staging_beside, stops_cleanly_when_full  # noqa: E402
-from kyu_transformer.startup import import_frozen  # noqa: E402
-from kyu_transformer.tf1_import import TF1ImportError  # noqa: E402
+from kyu_transformer import (
+    filenames,  # noqa: E402
+    tf1_checkpoint,
+)
+from kyu_transformer.cli.startup import import_frozen  # noqa: E402
+from kyu_transformer.safety.writes import staging_beside, stops_cleanly_when_full  # noqa: E402
+from kyu_transformer.tf1_checkpoint import TF1ImportError  # noqa: E402
 
 
 def parse_args(argv):
@@ -63,25 +66,25 @@ def check_before_tensorflow(args):
     file: all that can be checked without TensorFlow."""
     check_checkpoint_path(args.checkpoint)
     check_logdir(args.logdir)
-    hparams_path, tf1 = tf1_import.read_hparams(args.checkpoint)
+    hparams_path, tf1 = tf1_checkpoint.read_hparams(args.checkpoint)
     # The checkpoint's values as the first key=value parts, so that --hparams overrides them.
-    spec = ",".join([f"{key}={value}" for key, value in tf1_import.project_values(tf1).items()]
+    spec = ",".join([f"{key}={value}" for key, value in tf1_checkpoint.project_values(tf1).items()]
                     + [args.hparams])
     hparams = hp.parse(spec, {"logdir": args.logdir})
-    problems = tf1_import.changed_fixed(hparams)
+    problems = tf1_checkpoint.changed_fixed(hparams)
     if problems:
         raise TF1ImportError(f"--hparams: {'; '.join(problems)}")
-    subword_model = tf1_import.subword_model_path(args.subword_model, tf1, hparams_path)
-    tf1_import.check_subword_model(subword_model, hparams["vocab_size"])
+    subword_model = tf1_checkpoint.subword_model_path(args.subword_model, tf1, hparams_path)
+    tf1_checkpoint.check_subword_model(subword_model, hparams["vocab_size"])
     return hparams, subword_model
 
 
 def read_weights(args, hparams):
     """``(weights by our path, step, prefix, biases, skipped names)`` of the checkpoint."""
-    prefix = tf1_import.checkpoint_prefix(args.checkpoint)
-    shapes, read = tf1_import.read_checkpoint(prefix)
-    expected, biases, skipped = tf1_import.check_layout(prefix, shapes, hparams)
-    weights = tf1_import.imported_weights(expected, read, hparams, biases)
+    prefix = tf1_checkpoint.checkpoint_prefix(args.checkpoint)
+    shapes, read = tf1_checkpoint.read_checkpoint(prefix)
+    expected, biases, skipped = tf1_checkpoint.check_layout(prefix, shapes, hparams)
+    weights = tf1_checkpoint.imported_weights(expected, read, hparams, biases)
     step = int(read("global_step")) if "global_step" in shapes else 0
     return weights, step, prefix, biases, skipped
 
@@ -98,12 +101,12 @@ def write_logdir(hparams, subword_model, weights, step):
         os.mkdir(new)
         hp.save(hparams, os.path.join(new, filenames.HPARAMS))
         shutil.copyfile(subword_model, os.path.join(new, filenames.SUBWORDS))
-        processor = tf1_import.check_subword_model(subword_model, hparams["vocab_size"])
+        processor = tf1_checkpoint.check_subword_model(subword_model, hparams["vocab_size"])
         with open(os.path.join(new, filenames.SUBWORDS_VOCABULARY), "w",
                   encoding="utf-8") as handle:
             handle.writelines(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n"
                               for i in range(processor.get_piece_size()))
-        path = tf1_import.save_weights(hparams, weights,
+        path = tf1_checkpoint.save_weights(hparams, weights,
                                        os.path.join(new, filenames.CHECKPOINTS), step)
         if os.path.isdir(logdir):
             os.rmdir(logdir)  # empty (checked before)
@@ -123,7 +126,7 @@ def main(argv=None):
     except (TF1ImportError, hp.HParamsError) as error:
         raise SystemExit(f"error: {error}") from None
     path = write_logdir(hparams, subword_model, weights, step)
-    read = len(tf1_import.layout(hparams, biases))
+    read = len(tf1_checkpoint.layout(hparams, biases))
     print(f"read {read} variables of {prefix} (attention projections "
           f"{'with' if biases else 'without'} biases); skipped {len(skipped)} of the optimizer "
           "(Adam slots, beta1_power, beta2_power, global_step)")

@@ -19,15 +19,24 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import data, filenames  # noqa: E402
-from kyu_transformer.files import as_out_of_space, copy_aside, is_out_of_space  # noqa: E402
-from kyu_transformer.fine_tuning import (  # noqa: E402
-    FineTuningError, check_source, copy_subwords, has_own_checkpoint, with_architecture)
-from kyu_transformer.flags import (  # noqa: E402
-    STRATEGIES, add_checkpoint_arguments, check_checkpoint_arguments)
-from kyu_transformer.logdir_lock import LogdirBusy, LogdirLock  # noqa: E402
+from kyu_transformer import filenames  # noqa: E402
+from kyu_transformer.cli.flags import (  # noqa: E402
+    STRATEGIES,
+    add_checkpoint_arguments,
+    check_checkpoint_arguments,
+)
+from kyu_transformer.cli.startup import import_frozen  # noqa: E402
+from kyu_transformer.data.text import DataError, check_data_dir, ensure_multi30k, fingerprint  # noqa: E402
 from kyu_transformer.precision import AUTO, resolve_precision  # noqa: E402
-from kyu_transformer.startup import import_frozen  # noqa: E402
+from kyu_transformer.safety.lock import LogdirBusy, LogdirLock  # noqa: E402
+from kyu_transformer.safety.writes import as_out_of_space, copy_aside, is_out_of_space  # noqa: E402
+from kyu_transformer.training.fine_tuning import (  # noqa: E402
+    FineTuningError,
+    check_source,
+    copy_subwords,
+    has_own_checkpoint,
+    with_architecture,
+)
 
 # Hyperparameters that may change when a run is resumed: none changes the model or the data.
 RESUMABLE = ("num_epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
@@ -86,8 +95,8 @@ def run_hparams(args):
 def read_source(args, hparams, chief):
     """The source of a fine-tuning run that starts now, its weights read before anything is
     written; None without --init_from, or when the run resumes from its own checkpoints."""
-    from kyu_transformer.checkpoints import list_checkpoints
-    from kyu_transformer.fine_tuning import Source
+    from kyu_transformer.training.checkpoints import list_checkpoints
+    from kyu_transformer.training.fine_tuning import Source
 
     if not args.init_from:
         return None
@@ -149,7 +158,7 @@ def settle_logdir(hparams, overwrite):
 
 
 def corpus_fingerprint(hparams):
-    return data.fingerprint(hparams["data_dir"], "train", hparams["src_lang"], hparams["tgt_lang"])
+    return fingerprint(hparams["data_dir"], "train", hparams["src_lang"], hparams["tgt_lang"])
 
 
 def prepare_run(args, strategy, chief):
@@ -157,8 +166,13 @@ def prepare_run(args, strategy, chief):
     fine-tuning run's `fine_tuning.Source` (or None). The chief goes first (it alone locks and
     writes the logdir), then the others; all check that they agree. A worker that fails says so
     at the next barrier."""
-    from kyu_transformer.distribution import (
-        barrier, check_agreement, chief_choice, is_multi_worker, short_digest)
+    from kyu_transformer.training.distribution import (
+        barrier,
+        check_agreement,
+        chief_choice,
+        is_multi_worker,
+        short_digest,
+    )
 
     state = {}
 
@@ -199,14 +213,14 @@ def prepare_run(args, strategy, chief):
 
 def failure_of(step, strategy):
     """Runs `step()`; returns None, or the message of the error that stopped it."""
-    from kyu_transformer.checkpoints import CheckpointError
-    from kyu_transformer.distribution import is_multi_worker
+    from kyu_transformer.training.checkpoints import CheckpointError
+    from kyu_transformer.training.distribution import is_multi_worker
 
     try:
         step()
     except SystemExit as error:
         return str(error).removeprefix("error: ")
-    except (hp.HParamsError, data.DataError, CheckpointError, FineTuningError) as error:
+    except (hp.HParamsError, DataError, CheckpointError, FineTuningError) as error:
         return str(error)
     except Exception as error:  # pylint: disable=broad-except
         if not is_multi_worker(strategy):
@@ -220,15 +234,19 @@ def prepare_logdir(hparams, overwrite, chief, source=None):
     """``(hparams, corpus)``: the data folder checked (the default one downloaded if missing),
     the logdir settled; the chief also writes `hparams.json` and `corpus.json` the first time.
     A fine-tuning run's corpus is encoded with its `source`'s subword model, copied first."""
-    from kyu_transformer.checkpoints import list_checkpoints, unreadable
-    from kyu_transformer.corpus import Corpus
-    from kyu_transformer.resumption import private_dir, refuse_weights_only
+    from kyu_transformer.data.corpus import Corpus
+    from kyu_transformer.training.checkpoints import (
+        list_checkpoints,
+        private_dir,
+        refuse_weights_only,
+        unreadable,
+    )
 
     data_dir = hparams["data_dir"]
     if to_download(data_dir):
         print(f"{data_dir} is missing: downloading Multi30k")
-        data.ensure_multi30k(data_dir)
-    data.check_data_dir(data_dir)
+        ensure_multi30k(data_dir)
+    check_data_dir(data_dir)
     hparams = settle_logdir(hparams, overwrite)
     if chief:  # the others take the chief's choice (`prepare_run`)
         hparams["mixed_precision"] = resolve_precision(hparams["mixed_precision"], hparams)
@@ -255,8 +273,8 @@ def prepare_logdir(hparams, overwrite, chief, source=None):
 
 
 def make_trainer(hparams, corpus, strategy, deterministic, source=None):
-    from kyu_transformer.evaluation import ValidationBleu
-    from kyu_transformer.training import Trainer, seed_everything
+    from kyu_transformer.training.trainer import Trainer, seed_everything
+    from kyu_transformer.training.validation import ValidationBleu
 
     seed_everything(hparams["seed"], deterministic)
     print(f"strategy: {type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)")
@@ -270,7 +288,7 @@ def make_trainer(hparams, corpus, strategy, deterministic, source=None):
 
 def out_of_space_line(error, logdir):
     """The one line a run stopped by a full disk ends with."""
-    from kyu_transformer.checkpoints import list_checkpoints
+    from kyu_transformer.training.checkpoints import list_checkpoints
 
     try:
         newest = list_checkpoints(logdir) if logdir and os.path.isdir(logdir) else []
@@ -306,10 +324,10 @@ def check_before_tensorflow(args):
         _HELD.append(hold_logdir(hparams["logdir"]))  # the lock lives as long as the process
         if to_download(hparams["data_dir"]):
             return  # the corpus comes first: `prepare_logdir` downloads it, then checks the rest
-        data.check_data_dir(hparams["data_dir"])
+        check_data_dir(hparams["data_dir"])
         if not args.overwrite:
             settle_logdir(hparams, overwrite=False)
-    except (hp.HParamsError, data.DataError) as error:
+    except (hp.HParamsError, DataError) as error:
         raise SystemExit(f"error: {error}") from None
 
 
@@ -324,9 +342,9 @@ def train(argv):
     if args.strategy != "multi_worker":
         check_before_tensorflow(args)
     import_frozen()
-    from kyu_transformer.checkpoints import CheckpointError
-    from kyu_transformer.distribution import WorkerDisagreement, is_chief, make_strategy
-    from kyu_transformer.training import TrainingError
+    from kyu_transformer.training.checkpoints import CheckpointError
+    from kyu_transformer.training.distribution import WorkerDisagreement, is_chief, make_strategy
+    from kyu_transformer.training.trainer import TrainingError
 
     # Multi-worker collectives must be set up before TensorFlow runs anything else.
     strategy = make_strategy(args.strategy)
@@ -347,7 +365,7 @@ def train(argv):
 
 def report(result, trainer, logdir, minutes, argv):
     """Prints how the run ended; returns the exit status."""
-    from kyu_transformer.training import weights_digest
+    from kyu_transformer.training.trainer import weights_digest
 
     if result["resumed_from"]:
         print(f"resumed from {result['resumed_from']}")

@@ -35,11 +35,17 @@ from keras import ops  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from kyu_transformer import data  # noqa: E402
-from kyu_transformer.decoding import beam_search, greedy_search  # noqa: E402
-from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
-from kyu_transformer.model import Transformer  # noqa: E402
 from prerequisites import DEFAULT_DATA, require, require_data  # noqa: E402
+
+from kyu_transformer.conventions import (  # noqa: E402
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,  # noqa: E402
+)
+from kyu_transformer.data.subwords import Subwords  # noqa: E402
+from kyu_transformer.data.text import load_split  # noqa: E402
+from kyu_transformer.decoding.search import beam_search, greedy_search  # noqa: E402
+from kyu_transformer.model import Transformer  # noqa: E402
 
 SHAPE = dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4)
 
@@ -95,7 +101,7 @@ class KerasHubTranslator:
         self_cache = ops.zeros((batch, layers_, 2, length, SHAPE["num_heads"], head))
         cross_cache = ops.zeros((batch, layers_, 2, ops.shape(source)[1], SHAPE["num_heads"],
                                  head))
-        prompt = ops.concatenate([ops.full((batch, 1), data.BOS_ID, "int32"),
+        prompt = ops.concatenate([ops.full((batch, 1), BOS_ID, "int32"),
                                   ops.zeros((batch, self.max_length), "int32")], axis=1)
         _, hidden, self_cache, cross_cache = self.decode_with_cache(
             memory, memory_mask, prompt[:, :1], self_cache, 0, cross_cache, 0)
@@ -112,7 +118,7 @@ class KerasHubTranslator:
                                 ops.zeros((batch, self.max_length), "bool")], axis=1)
         return self.samplers[method](next=next, prompt=prompt,
                                      cache=(self_cache, memory, memory_mask, cross_cache),
-                                     index=1, mask=mask, stop_token_ids=[data.EOS_ID],
+                                     index=1, mask=mask, stop_token_ids=[EOS_ID],
                                      hidden_states=hidden)
 
 
@@ -185,11 +191,11 @@ def main():
         require("keras_hub")
     require_data(args.data_dir)
 
-    train_sources, train_targets, _ = data.load_split(args.data_dir, "train")
-    subwords = data.Subwords.train_or_load(tempfile.mkdtemp(), train_sources + train_targets,
+    train_sources, train_targets, _ = load_split(args.data_dir, "train")
+    subwords = Subwords.train_or_load(tempfile.mkdtemp(), train_sources + train_targets,
                                            SHAPE["vocab_size"])
-    sources, _, _ = data.load_split(args.data_dir, "test_2016_flickr")
-    encoded = [ids + [data.EOS_ID] for ids in subwords.encode(sources[:args.sentences])]
+    sources, _, _ = load_split(args.data_dir, "test_2016_flickr")
+    encoded = [ids + [EOS_ID] for ids in subwords.encode(sources[:args.sentences])]
     batches = batches_of(encoded, args.batch_size)
     print(f"{len(encoded)} sentences of test_2016_flickr in {len(batches)} batches; random "
           f"weights; {args.max_length} tokens decoded per sentence", flush=True)

@@ -56,9 +56,9 @@ def timed(function, repeats):
 
 
 def ours(logdir, hparams, subwords, sources, args):
-    from kyu_transformer.checkpoints import load_model
+    from kyu_transformer.decoding.translator import Translator
     from kyu_transformer.precision import set_precision
-    from kyu_transformer.translation import Translator
+    from kyu_transformer.training.checkpoints import load_model
 
     set_precision(hparams["mixed_precision"])
     model, _ = load_model(hparams, logdir)
@@ -83,7 +83,7 @@ def saved_model(directory, sources, args):
 
 
 def ctranslate2_model(directory, hparams, subwords, sources, args):
-    from kyu_transformer.ctranslate2_export import CTranslate2Translator
+    from kyu_transformer.export.ctranslate2 import CTranslate2Translator
 
     state = {}
 
@@ -136,9 +136,9 @@ def parse_args():
 
 
 def load_split(args):
-    from kyu_transformer import data
+    from kyu_transformer.data.text import load_split
 
-    return data.load_split(args.data_dir, args.split)[:2]
+    return load_split(args.data_dir, args.split)[:2]
 
 
 PATHS = ("ours (Translator)", "SavedModel", "CTranslate2 float32", "CTranslate2 int8")
@@ -149,11 +149,13 @@ def measure(args):
     import sacrebleu
 
     import hparams as hp
-    from kyu_transformer import data, filenames
+    from kyu_transformer import filenames
+    from kyu_transformer.data.subwords import Subwords
+    from kyu_transformer.data.text import load_split
 
     name, exports = args.measure.split(":", 1)
     hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
-    subwords = data.Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
+    subwords = Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
     sources, references = load_split(args)
     if name == "ours (Translator)":
         first, steady, hypotheses = ours(args.logdir, hparams, subwords, sources, args)

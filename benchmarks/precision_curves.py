@@ -18,9 +18,9 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from kyu_transformer.plots import plt, read_history  # noqa: E402
 from prerequisites import DEFAULT_DATA, require_data  # noqa: E402
 
+from kyu_transformer.training.plots import plt, read_history  # noqa: E402
 
 
 def train(logdir, precision, epochs, data_dir):

@@ -20,10 +20,10 @@ checkpoint, as Ctrl-C does.
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import re
-import functools
 import signal
 import subprocess
 import sys
@@ -32,8 +32,7 @@ import time
 from prerequisites import DEFAULT_DATA, ROOT, require_data, tree_at  # noqa: E402
 
 from kyu_transformer import filenames  # noqa: E402
-from kyu_transformer.files import write_text  # noqa: E402
-
+from kyu_transformer.safety.writes import write_text  # noqa: E402
 
 # The part running now: [] between parts, [None] while it starts, [process] while it runs.
 RUNNING = []

@@ -25,13 +25,14 @@ import tensorflow as tf  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import hparams as hp  # noqa: E402
-from train_throughput import BATCH, TARGET_LEN, batch, make_step, ours  # noqa: E402
-from kyu_transformer.corpus import Corpus  # noqa: E402
 from prerequisites import DEFAULT_DATA, require_data  # noqa: E402
+from train_throughput import BATCH, TARGET_LEN, batch, make_step, ours  # noqa: E402
+
+import hparams as hp  # noqa: E402
+from kyu_transformer.data.corpus import Corpus  # noqa: E402
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
-from kyu_transformer.optimizers import Adam  # noqa: E402
-from kyu_transformer.train_step import loss_terms_function  # noqa: E402
+from kyu_transformer.training.optimizer import Adam  # noqa: E402
+from kyu_transformer.training.step import loss_terms_function  # noqa: E402
 
 
 def timed(function, arguments, steps, repeats):

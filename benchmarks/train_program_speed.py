@@ -28,7 +28,7 @@ import time
 
 from prerequisites import DEFAULT_DATA, ROOT, require_data, tree_at  # noqa: E402
 
-from kyu_transformer.plots import read_history  # noqa: E402
+from kyu_transformer.training.plots import read_history  # noqa: E402
 
 
 def run_program(tree, logdir, args, hparams, subwords):

@@ -8,7 +8,7 @@ vocabulary 8000 (`--shape` changes any of these), trained on the same fixed
 batch (64 pairs, 24 source and 24 target tokens, no padding) by the same step
 function (Adam, label-smoothed cross-entropy; the peer with `jit_compile`, ours
 as --variants says). Each trains as its users would: the peer with Keras' Adam,
-ours as the trainer does, with its Adam (`kyu_transformer.optimizers.Adam`, the
+ours as the trainer does, with its Adam (`kyu_transformer.training.optimizer.Adam`, the
 same update in one fused kernel; `--keras_adam` gives ours Keras' Adam) and its
 loss compiled alone with XLA (`train_step.loss_terms_function`; `--no_xla_loss`
 leaves it to TensorFlow's kernels, as the rest of the step). The peer is built
@@ -41,12 +41,13 @@ import tensorflow as tf  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from prerequisites import require, tree_at  # noqa: E402
+
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
-from kyu_transformer.optimizers import Adam  # noqa: E402
 from kyu_transformer.precision import choose_precision  # noqa: E402
-from kyu_transformer.train_step import loss_terms_function  # noqa: E402
-from prerequisites import require, tree_at  # noqa: E402
+from kyu_transformer.training.optimizer import Adam  # noqa: E402
+from kyu_transformer.training.step import loss_terms_function  # noqa: E402
 
 # The units a training step takes from our package (`package_at` gives an earlier one's).
 CURRENT = SimpleNamespace(Transformer=Transformer, Adam=Adam,

@@ -6,8 +6,18 @@ from keras import ops
 
 from kyu_transformer import fast_paths as fast
 from kyu_transformer.layers import (
-    LAYER_NORM_EPSILON, NORM_POSITIONS, DecoderBlock, Dropout, Embedding, EncoderBlock, Normalize,
-    PositionalEncoding, _check_choice, _check_rates, _without_saved_switch)
+    LAYER_NORM_EPSILON,
+    NORM_POSITIONS,
+    DecoderBlock,
+    Dropout,
+    Embedding,
+    EncoderBlock,
+    Normalize,
+    PositionalEncoding,
+    _check_choice,
+    _check_rates,
+    _without_saved_switch,
+)
 
 # The model's own arguments; `from_hparams` picks these out of a larger dict.
 MODEL_ARGUMENTS = (

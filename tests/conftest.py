@@ -15,7 +15,7 @@ if _WORKERS > 1:
     _CORES = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")  # Linux
               else os.cpu_count() or 1)
     os.environ.setdefault("TF_NUM_INTRAOP_THREADS", str(max(1, _CORES // _WORKERS)))
-from kyu_transformer.startup import import_frozen  # noqa: E402
+from kyu_transformer.cli.startup import import_frozen  # noqa: E402
 
 import_frozen(("keras",))  # as the programs import it (the collector held back)
 import keras  # noqa: E402
@@ -147,14 +147,14 @@ def varied_tiny_logdir(tmp_path_factory):
     """
     import pathlib
 
-    from kyu_transformer import data
+    from kyu_transformer.data.text import load_split
     from tests.test_data import MULTI30K
     from tests.varied_model import check_varied_outputs, write_varied_logdir
 
     logdir = pathlib.Path(write_varied_logdir(tmp_path_factory.mktemp("varied-tiny") / "log",
                                               MULTI30K, TINY_ARCHITECTURE))
     _, model, subwords = load_logdir(logdir)
-    val, _, _ = data.load_split(MULTI30K, "val")
+    val, _, _ = load_split(MULTI30K, "val")
     check_varied_outputs(model, subwords.encode(val))
     return logdir
 
@@ -162,12 +162,13 @@ def varied_tiny_logdir(tmp_path_factory):
 def load_logdir(logdir):
     """``(hparams, model, subwords)`` of a logdir, as eval.py loads them."""
     import hparams as hp
-    from kyu_transformer import data, filenames
-    from kyu_transformer.checkpoints import load_model
+    from kyu_transformer import filenames
+    from kyu_transformer.data.subwords import Subwords
+    from kyu_transformer.training.checkpoints import load_model
 
     hparams = hp.load(str(logdir / "hparams.json"))
     model, _ = load_model(hparams, str(logdir))
-    return hparams, model, data.Subwords(str(logdir / filenames.SUBWORDS))
+    return hparams, model, Subwords(str(logdir / filenames.SUBWORDS))
 
 
 def copy_of_logdir(logdir, tmp_path_factory, name):

@@ -11,7 +11,7 @@ from a fresh interpreter instead, as does every program when `KYU_TESTS_FRESH_PR
 A forked program shares the server's hash seed and `sys.flags`, finds the tests' folders on its
 `sys.path` after its own, does not see what the imports printed (once, in the server), starts with
 what it inherited frozen out of the collector's scans (`gc.freeze`: the imports' objects, almost
-none of them garbage, as `kyu_transformer.startup` leaves a program's), and ends by `os._exit`
+none of them garbage, as `kyu_transformer.cli.startup` leaves a program's), and ends by `os._exit`
 after its threads and atexit functions, with no interpreter teardown (a script's `__main__` is the
 server's again by then). Tests that compare two training runs bit for bit start one of them
 `fresh=True`: two hash seeds, as two users' runs have.

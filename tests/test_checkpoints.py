@@ -7,8 +7,13 @@ import pytest
 import tensorflow as tf
 
 import hparams as hp
-from kyu_transformer.checkpoints import (CheckpointError, describe, list_checkpoints, load_model,
-                                         model_weights)
+from kyu_transformer.training.checkpoints import (
+    CheckpointError,
+    describe,
+    list_checkpoints,
+    load_model,
+    model_weights,
+)
 from tests.test_training import run_train
 
 pytestmark = pytest.mark.tensorflow_only("TensorFlow checkpoints written by train.py")

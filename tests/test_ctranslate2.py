@@ -12,12 +12,14 @@ import tensorflow as tf
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
-from kyu_transformer import data, filenames  # noqa: E402
-from kyu_transformer.ctranslate2_export import (  # noqa: E402
-    CTranslate2Translator, ExportError, convert)
-from kyu_transformer.decoding import output_limit, sequence_log_probs  # noqa: E402
-from kyu_transformer.flags import QUANTIZATIONS  # noqa: E402
-from kyu_transformer.translation import Translator  # noqa: E402
+from kyu_transformer import filenames  # noqa: E402
+from kyu_transformer.cli.flags import QUANTIZATIONS  # noqa: E402
+from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
+from kyu_transformer.data.subwords import Subwords  # noqa: E402
+from kyu_transformer.data.text import load_split  # noqa: E402
+from kyu_transformer.decoding.search import output_limit, sequence_log_probs  # noqa: E402
+from kyu_transformer.decoding.translator import Translator  # noqa: E402
+from kyu_transformer.export.ctranslate2 import CTranslate2Translator, ExportError, convert  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
 from tests.conftest import load_logdir  # noqa: E402
 from tests.test_data import MULTI30K  # noqa: E402
@@ -33,12 +35,12 @@ def _load(logdir):
 
 def _source_ids(subwords, maxlen1):
     """The 300 val sources, 6 longer than maxlen1, 2 with unknown characters, an empty one."""
-    val, _, _ = data.load_split(MULTI30K, "val")
+    val, _, _ = load_split(MULTI30K, "val")
     texts = val + [" ".join(val[first:first + 5]) for first in range(0, 30, 5)]
     texts += UNKNOWN_TEXT + [""]
     ids = subwords.encode(texts)
     assert sum(len(source) + 1 > maxlen1 for source in ids) >= 6  # some are cut
-    assert all(data.UNK_ID in source for source in ids[-3:-1])
+    assert all(UNK_ID in source for source in ids[-3:-1])
     return ids
 
 
@@ -119,8 +121,8 @@ def trained(trained_tiny_logdir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def subwords(tmp_path_factory):
     """A 400-piece subword model of the test corpus, for untrained models."""
-    sources, targets, _ = data.load_split(MULTI30K, "train")
-    return data.Subwords.train_or_load(str(tmp_path_factory.mktemp("subwords")),
+    sources, targets, _ = load_split(MULTI30K, "train")
+    return Subwords.train_or_load(str(tmp_path_factory.mktemp("subwords")),
                                        sources + targets, 400)
 
 
@@ -147,17 +149,17 @@ def _random_model(vocab_size, norm_position="post", epsilon=1e-6, **kwargs):
 
 def _encoder_inputs(model, sources):
     """Source ids with EOS, cut to maxlen1, as `Translator` feeds the encoder."""
-    return [(list(source) + [data.EOS_ID])[:model.maxlen1] for source in sources]
+    return [(list(source) + [EOS_ID])[:model.maxlen1] for source in sources]
 
 
 def _padded(sequences):
     width = max(len(sequence) for sequence in sequences)
-    return np.array([list(s) + [data.PAD_ID] * (width - len(s)) for s in sequences], "int32")
+    return np.array([list(s) + [PAD_ID] * (width - len(s)) for s in sequences], "int32")
 
 
 def _full_outputs(hypotheses):
     """Each output's generated ids: EOS included unless it was cut at its limit."""
-    return [h.ids + ([] if h.truncated else [data.EOS_ID]) for h in hypotheses]
+    return [h.ids + ([] if h.truncated else [EOS_ID]) for h in hypotheses]
 
 
 def _our_token_log_probs(model, sources, outputs, batch_size=64):
@@ -166,7 +168,7 @@ def _our_token_log_probs(model, sources, outputs, batch_size=64):
     for first in range(0, len(sources), batch_size):
         source = _padded(_encoder_inputs(model, sources[first:first + batch_size]))
         batch = outputs[first:first + batch_size]
-        target_in = _padded([[data.BOS_ID] + output[:-1] for output in batch])
+        target_in = _padded([[BOS_ID] + output[:-1] for output in batch])
         logits = keras.ops.convert_to_numpy(
             model({"source": source, "target_in": target_in}, training=False)).astype("float64")
         shifted = logits - logits.max(axis=-1, keepdims=True)
@@ -317,7 +319,7 @@ def test_untrained_models_convert_exactly(subwords, tmp_path, norm_position, sha
     model = _random_model(subwords.vocab_size, norm_position, share_embeddings=share_embeddings,
                           sinusoid=sinusoid, epsilon=1e-2)
     out_dir = convert(model, {"epsilon": 1e-2}, subwords, str(tmp_path / "model"))
-    val, _, _ = data.load_split(MULTI30K, "val")
+    val, _, _ = load_split(MULTI30K, "val")
     sources = subwords.encode(val[:80])
     ours = Translator(model, beam_size=1, length_margin=4).translate_ids(sources).outputs
     theirs = [h[0] for h in ctranslate2_translations(out_dir, sources, beam_size=1,
@@ -467,11 +469,11 @@ def _eos_first(model):
     so the tied output layer's logit of EOS is the largest.
     """
     rows = np.array(model.target_embedding.embeddings.numpy())
-    rows[data.EOS_ID] *= 10.0
+    rows[EOS_ID] *= 10.0
     model.target_embedding.embeddings.assign(rows)
     norm = model.decoder_blocks[-1].feed_forward.norm
     norm.gamma.assign(np.zeros_like(norm.gamma.numpy()))
-    norm.beta.assign(rows[data.EOS_ID])
+    norm.beta.assign(rows[EOS_ID])
     return model
 
 
@@ -480,7 +482,7 @@ def test_an_output_that_ends_at_once_is_empty_in_both(subwords, tmp_path, beam_s
     """CTranslate2 would give at least one token without ``min_decoding_length=0``."""
     model = _eos_first(_random_model(subwords.vocab_size))
     out_dir = convert(model, {"epsilon": 1e-6}, subwords, str(tmp_path / "model"))
-    val, _, _ = data.load_split(MULTI30K, "val")
+    val, _, _ = load_split(MULTI30K, "val")
     sources = subwords.encode(val[:20])
     ours = Translator(model, beam_size=beam_size).translate_ids(sources).outputs
     theirs = ctranslate2_translations(out_dir, sources, beam_size=beam_size)
@@ -507,7 +509,7 @@ def test_sampling_repeats_with_its_seed_and_top_k_one_is_greedy(varied, exported
         0.8 * len(decoded)
     # Each sample scored as ours: the model's log-probability over GNMT's penalty.
     chosen = [(i, k) for i in decoded[:40] for k in range(3) if first.ended[i][k]]
-    outputs = [first.hypotheses[i][k] + [data.EOS_ID] for i, k in chosen]
+    outputs = [first.hypotheses[i][k] + [EOS_ID] for i, k in chosen]
     log_probs = _our_log_probs(varied["model"], [sources[i] for i, _ in chosen], outputs)
     np.testing.assert_allclose([first.scores[i][k] for i, k in chosen],
                                [lp / ((5 + len(o)) / 6) ** 0.6

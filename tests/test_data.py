@@ -10,7 +10,16 @@ import threading
 import numpy as np
 import pytest
 
-from kyu_transformer import data, pipeline
+from kyu_transformer.conventions import BOS_ID, EOS_ID
+from kyu_transformer.data import pipeline
+from kyu_transformer.data.subwords import Subwords, add_markers
+from kyu_transformer.data.text import (
+    MULTI30K_FILES,
+    DataError,
+    ensure_multi30k,
+    load_split,
+    read_parallel,
+)
 from tests import programs
 
 # The first lines of Multi30k's splits, shipped with the tests (see tests/data/README.md).
@@ -35,7 +44,7 @@ def corpus(tmp_path, source, target, split="train"):
 def test_reads_plain_and_gzip_with_bom_crlf_tabs_and_blank_lines(tmp_path):
     source = write(tmp_path / "train.de.gz", "\ufeffEin Hund.\r\nZwei\tKatzen.\r\n   \r\nDrei.\n")
     target = write(tmp_path / "train.en", "A dog.\nTwo  cats.\nNothing here\nThree.\n")
-    sources, targets, empty = data.read_parallel(source, target)
+    sources, targets, empty = read_parallel(source, target)
     assert sources == ["Ein Hund.", "Zwei Katzen.", "Drei."]
     assert targets == ["A dog.", "Two cats.", "Three."]
     assert empty == 1
@@ -43,37 +52,37 @@ def test_reads_plain_and_gzip_with_bom_crlf_tabs_and_blank_lines(tmp_path):
 
 def test_line_counts_that_differ_name_both_files(tmp_path):
     source, target = corpus(tmp_path, "a\nb\nc\n", "x\ny\n")
-    with pytest.raises(data.DataError, match=r"train.de has 3 lines but .*train.en has 2"):
-        data.read_parallel(source, target)
+    with pytest.raises(DataError, match=r"train.de has 3 lines but .*train.en has 2"):
+        read_parallel(source, target)
 
 
 def test_invalid_utf8_names_file_and_line(tmp_path):
     source, target = corpus(tmp_path, b"gut\nauch gut\nkaputt \xff\xfe\n", "a\nb\nc\n")
-    with pytest.raises(data.DataError, match=r"train.de, line 3: invalid UTF-8"):
-        data.read_parallel(source, target)
+    with pytest.raises(DataError, match=r"train.de, line 3: invalid UTF-8"):
+        read_parallel(source, target)
 
 
 def test_empty_corpus_is_an_error(tmp_path):
     source, target = corpus(tmp_path, "\n  \n", "\n\n")
-    with pytest.raises(data.DataError, match="no non-empty sentence pair"):
-        data.read_parallel(source, target)
+    with pytest.raises(DataError, match="no non-empty sentence pair"):
+        read_parallel(source, target)
 
 
 def test_data_folder_missing_empty_or_a_file(tmp_path):
-    with pytest.raises(data.DataError, match="no such data folder"):
-        data.load_split(str(tmp_path / "nowhere"), "train")
+    with pytest.raises(DataError, match="no such data folder"):
+        load_split(str(tmp_path / "nowhere"), "train")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(data.DataError, match="the data folder is empty"):
-        data.load_split(str(tmp_path / "empty"), "train")
-    with pytest.raises(data.DataError, match="is a file"):
-        data.load_split(write(tmp_path / "file.txt", "x"), "train")
+    with pytest.raises(DataError, match="the data folder is empty"):
+        load_split(str(tmp_path / "empty"), "train")
+    with pytest.raises(DataError, match="is a file"):
+        load_split(write(tmp_path / "file.txt", "x"), "train")
     corpus(tmp_path, "a\n", "b\n")
-    with pytest.raises(data.DataError, match=r"no `val` split for de-en; expected val.de"):
-        data.load_split(str(tmp_path), "val")
+    with pytest.raises(DataError, match=r"no `val` split for de-en; expected val.de"):
+        load_split(str(tmp_path), "val")
 
 
 def test_multi30k_sample_splits_shipped_with_the_tests():
-    sources, targets, empty = data.load_split(MULTI30K, "test_2016_flickr")
+    sources, targets, empty = load_split(MULTI30K, "test_2016_flickr")
     assert len(sources) == len(targets) == 300 and empty == 0
     assert sources[0].startswith("Ein Mann mit einem orangefarbenen Hut")
 
@@ -89,9 +98,9 @@ def test_iwslt_layout(tmp_path):
           xml.format(lang="de", one="Guten Tag.", two="A &amp; B"))
     write(tmp_path / "IWSLT16.TED.tst2014.de-en.en.xml",
           xml.format(lang="en", one="Good day.", two="A &amp; B"))
-    assert data.load_split(str(tmp_path), "train")[:2] == (
+    assert load_split(str(tmp_path), "train")[:2] == (
         ["Hallo Welt.", "Wie geht's?"], ["Hello world.", "How are you?"])
-    sources, targets, _ = data.load_split(str(tmp_path), "test")
+    sources, targets, _ = load_split(str(tmp_path), "test")
     assert sources == ["Guten Tag.", "A & B"] and targets == ["Good day.", "A & B"]
 
 
@@ -125,38 +134,38 @@ def nothing_left(parent, name):
 def test_multi30k_download_when_missing(tmp_path, file_server):
     url, served = file_server
     target = tmp_path / "multi30k"
-    data.ensure_multi30k(str(target), base_url=url, timeout=5)
-    assert sorted(os.listdir(target)) == sorted(data.MULTI30K_FILES)
-    for name in data.MULTI30K_FILES:
+    ensure_multi30k(str(target), base_url=url, timeout=5)
+    assert sorted(os.listdir(target)) == sorted(MULTI30K_FILES)
+    for name in MULTI30K_FILES:
         assert (target / name).read_bytes() == (served / name).read_bytes()
-    assert data.load_split(str(target), "val") == data.load_split(MULTI30K, "val")
+    assert load_split(str(target), "val") == load_split(MULTI30K, "val")
 
 
 def test_broken_downloads_leave_no_corpus_behind(tmp_path, file_server, monkeypatch):
     url, served = file_server
     os.remove(served / "val.en.gz")  # HTTP 404
-    with pytest.raises(data.DataError, match=r"could not be downloaded from http://127.0.0.1:"
+    with pytest.raises(DataError, match=r"could not be downloaded from http://127.0.0.1:"
                        r"\d+ \(http://127.0.0.1:\d+/val.en.gz: HTTP Error 404.*Put the six files"):
-        data.ensure_multi30k(str(tmp_path / "multi30k"), base_url=url, timeout=5)
+        ensure_multi30k(str(tmp_path / "multi30k"), base_url=url, timeout=5)
     assert nothing_left(tmp_path, "multi30k")
 
     shutil.copy(MULTI30K + "/val.en.gz", served / "val.en.gz")
     whole = (served / "train.de.gz").read_bytes()
     (served / "train.de.gz").write_bytes(whole[:len(whole) // 2])  # a cut-off transfer
-    with pytest.raises(data.DataError, match=r"train.de.gz: cannot read"):
-        data.ensure_multi30k(str(tmp_path / "multi30k"), base_url=url, timeout=5)
+    with pytest.raises(DataError, match=r"train.de.gz: cannot read"):
+        ensure_multi30k(str(tmp_path / "multi30k"), base_url=url, timeout=5)
     assert nothing_left(tmp_path, "multi30k")
 
     # Files of different lengths (one side of another version) are not a corpus either.
     write(served / "train.de.gz", "Nur ein Satz.\n")
     monkeypatch.setenv("MULTI30K_URL", url)  # the default base URL comes from here
-    with pytest.raises(data.DataError, match=r"train.de.gz has 1 lines but .*train.en.gz has 2400"):
-        data.ensure_multi30k(str(tmp_path / "multi30k"), timeout=5)
+    with pytest.raises(DataError, match=r"train.de.gz has 1 lines but .*train.en.gz has 2400"):
+        ensure_multi30k(str(tmp_path / "multi30k"), timeout=5)
     assert nothing_left(tmp_path, "multi30k")
 
     (served / "train.de.gz").write_bytes(whole)  # the server mended, the same call succeeds
-    data.ensure_multi30k(str(tmp_path / "multi30k"), timeout=5)
-    assert sorted(os.listdir(tmp_path / "multi30k")) == sorted(data.MULTI30K_FILES)
+    ensure_multi30k(str(tmp_path / "multi30k"), timeout=5)
+    assert sorted(os.listdir(tmp_path / "multi30k")) == sorted(MULTI30K_FILES)
 
 
 @pytest.mark.slow
@@ -179,36 +188,36 @@ def test_train_py_downloads_multi30k_on_first_use(tmp_path, file_server):
     assert first.returncode == 0, first.stderr[-3000:]
     assert "data/multi30k is missing: downloading Multi30k" in first.stdout
     assert "done: 1 epochs, 2 steps" in first.stdout
-    assert sorted(os.listdir(tmp_path / "data" / "multi30k")) == sorted(data.MULTI30K_FILES)
+    assert sorted(os.listdir(tmp_path / "data" / "multi30k")) == sorted(MULTI30K_FILES)
 
 
 def test_subwords_train_once_then_reuse(tmp_path):
     sentences = [f"the cat number {i} sat on the mat" for i in range(200)]
-    first = data.Subwords.train_or_load(str(tmp_path), sentences, vocab_size=60)
+    first = Subwords.train_or_load(str(tmp_path), sentences, vocab_size=60)
     stamp = os.path.getmtime(first.path)
-    again = data.Subwords.train_or_load(str(tmp_path), ["completely different text"] * 50,
+    again = Subwords.train_or_load(str(tmp_path), ["completely different text"] * 50,
                                         vocab_size=99)
     assert os.path.getmtime(again.path) == stamp and again.vocab_size == first.vocab_size
     ids = first.encode(["the cat sat"])[0]
-    assert all(i > data.EOS_ID for i in ids)
-    assert first.decode([data.BOS_ID] + ids + [data.EOS_ID, 7, 8]) == "the cat sat"
+    assert all(i > EOS_ID for i in ids)
+    assert first.decode([BOS_ID] + ids + [EOS_ID, 7, 8]) == "the cat sat"
     assert first.processor.pad_id() == 0 and first.processor.bos_id() == 2
 
 
 def test_markers_and_length_filter():
-    sources, targets_in, targets_out, dropped = data.add_markers(
+    sources, targets_in, targets_out, dropped = add_markers(
         [[5, 6], [5] * 9, [7]], [[8], [9], [10] * 9], maxlen1=4, maxlen2=4)
     assert dropped == 2
-    assert sources == [[5, 6, data.EOS_ID]]
-    assert targets_in == [[data.BOS_ID, 8]] and targets_out == [[8, data.EOS_ID]]
+    assert sources == [[5, 6, EOS_ID]]
+    assert targets_in == [[BOS_ID, 8]] and targets_out == [[8, EOS_ID]]
 
 
 def make_pairs(rng, count=500):
     lengths = rng.integers(1, 40, size=count)
-    sources = [list(rng.integers(4, 100, size=n)) + [data.EOS_ID] for n in lengths]
+    sources = [list(rng.integers(4, 100, size=n)) + [EOS_ID] for n in lengths]
     targets = [list(rng.integers(4, 100, size=max(1, n + rng.integers(-3, 4))))
                for n in lengths]
-    return sources, [[data.BOS_ID] + t for t in targets], [t + [data.EOS_ID] for t in targets]
+    return sources, [[BOS_ID] + t for t in targets], [t + [EOS_ID] for t in targets]
 
 
 def collect(dataset):
@@ -223,10 +232,10 @@ def test_batches_respect_token_budget_and_padding(rng):
     for source, target_in, target_out in batches:
         assert source.size <= 400 and target_in.size <= 400 and len(source) <= 64
         assert target_in.shape == target_out.shape
-        np.testing.assert_array_equal(target_in[:, 0], data.BOS_ID)
+        np.testing.assert_array_equal(target_in[:, 0], BOS_ID)
         lengths = (target_out != 0).sum(1)
         np.testing.assert_array_equal(target_out[np.arange(len(lengths)), lengths - 1],
-                                      data.EOS_ID)
+                                      EOS_ID)
         assert np.all((source == 0) == (np.cumsum(source == 0, axis=1) > 0))  # pad at the end
     # bucketing: batches hold similar lengths, so padding stays small
     real = sum((s != 0).sum() for s, _, _ in batches)

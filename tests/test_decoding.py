@@ -13,13 +13,23 @@ import sacrebleu
 import tensorflow as tf
 
 import hparams as hp
-from kyu_transformer import data, filenames
-from kyu_transformer.checkpoints import CheckpointError, list_checkpoints, load_model
-from kyu_transformer.decoding import (GreedySearch, _top_k_rows, _uniforms, beam_search,
-                                      greedy_search, length_penalty, search, sequence_log_probs)
+from kyu_transformer import filenames
+from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from kyu_transformer.data.text import load_split
+from kyu_transformer.decoding.search import (
+    GreedySearch,
+    _top_k_rows,
+    _uniforms,
+    beam_search,
+    greedy_search,
+    length_penalty,
+    search,
+    sequence_log_probs,
+)
+from kyu_transformer.decoding.translator import Translator
 from kyu_transformer.layers import DecoderBlock
 from kyu_transformer.model import Transformer
-from kyu_transformer.translation import Translator
+from kyu_transformer.training.checkpoints import CheckpointError, list_checkpoints, load_model
 from tests.conftest import copy_of_logdir, load_logdir
 from tests.programs import run
 from tests.test_data import MULTI30K
@@ -39,16 +49,16 @@ def varied(varied_tiny_logdir, tmp_path_factory):
     """The session's model with set weights (outputs that vary and run long), in a logdir copy."""
     logdir = copy_of_logdir(varied_tiny_logdir, tmp_path_factory, "decoding")
     _, model, subwords = load_logdir(logdir)
-    sources, _, _ = data.load_split(MULTI30K, "val")
+    sources, _, _ = load_split(MULTI30K, "val")
     return {"logdir": logdir, "model": model, "subwords": subwords,
-            "sources": [ids + [data.EOS_ID] for ids in subwords.encode(sources)
+            "sources": [ids + [EOS_ID] for ids in subwords.encode(sources)
                         if len(ids) < 30][:96]}
 
 
 def _strip(row):
     """A decoded row as a list, EOS and what follows removed (padding too)."""
     row = list(row)
-    return [i for i in (row[:row.index(data.EOS_ID)] if data.EOS_ID in row else row) if i]
+    return [i for i in (row[:row.index(EOS_ID)] if EOS_ID in row else row) if i]
 
 
 def _pad(sequences):
@@ -65,8 +75,8 @@ def traced(function, *arguments, **settings):
 @pytest.fixture(scope="module")
 def mixed_lengths(varied):
     """300 val and test sources (without EOS), and 6 of 5 joined sentences, longer than maxlen1."""
-    val, _, _ = data.load_split(MULTI30K, "val")
-    test, _, _ = data.load_split(MULTI30K, "test_2016_flickr")
+    val, _, _ = load_split(MULTI30K, "val")
+    test, _, _ = load_split(MULTI30K, "test_2016_flickr")
     encode = varied["subwords"].encode
     joined = [sum(encode(val[first:first + 5]), []) for first in range(200, 230, 5)]
     assert all(len(ids) >= varied["model"].maxlen1 for ids in joined)
@@ -112,7 +122,7 @@ def test_reordered_hypotheses_see_only_their_own_history(rng):
     source[0, 4:] = 0
     memory, source_mask = model.encode(source)
     cache = model.init_cache(memory, source_mask)
-    prefixes = np.full((batch, k, 1), data.BOS_ID, dtype="int32")
+    prefixes = np.full((batch, k, 1), BOS_ID, dtype="int32")
     history = np.zeros((batch, k, 0), dtype=bool)
     for step in range(length):
         history = np.concatenate([history, np.broadcast_to(np.eye(k, dtype=bool),
@@ -174,7 +184,7 @@ def test_cached_greedy_equals_recomputing_greedy(varied):
     recomputed = traced(recompute_greedy_search, varied["model"], tf.constant(source), 40)
     np.testing.assert_array_equal(cached, recomputed)
     # Enough sentences stop before the limit for the stopping to be compared too.
-    assert (np.asarray(cached) == data.EOS_ID).any(axis=1).sum() >= 8
+    assert (np.asarray(cached) == EOS_ID).any(axis=1).sum() >= 8
 
 
 def _beam_of_one(model, source, greedy, limit):
@@ -187,7 +197,7 @@ def _beam_of_one(model, source, greedy, limit):
     so stopping early changes nothing).
     """
     greedy = np.asarray(greedy)
-    target_in = np.concatenate([np.full((len(greedy), 1), data.BOS_ID), greedy[:, :-1]], 1)
+    target_in = np.concatenate([np.full((len(greedy), 1), BOS_ID), greedy[:, :-1]], 1)
     logits = np.asarray(model({"source": source, "target_in": target_in.astype("int32")}),
                         "float64")
     log_probs = logits - logits.max(-1, keepdims=True)
@@ -196,9 +206,9 @@ def _beam_of_one(model, source, greedy, limit):
     for row, steps in zip(greedy, log_probs):
         candidates, prefix = [], 0.0
         for step in range(limit):
-            if data.EOS_ID in np.argsort(-steps[step])[:2]:
-                candidates.append((prefix + steps[step, data.EOS_ID], list(row[:step])))
-            if row[step] == data.EOS_ID:
+            if EOS_ID in np.argsort(-steps[step])[:2]:
+                candidates.append((prefix + steps[step, EOS_ID], list(row[:step])))
+            if row[step] == EOS_ID:
                 break
             prefix += steps[step, row[step]]
         else:  # cut at the limit: the output without EOS competes too
@@ -246,7 +256,7 @@ def test_greedy_scores_are_summed_while_picking_as_forced_decoding_scores_them(v
     expected = (sequence_log_probs(model, source, ids).numpy()
                 / length_penalty(lengths, 0.6).numpy())
     np.testing.assert_allclose(found.scores[:, 0], expected, rtol=1e-5, atol=1e-5)
-    ended = (ids == data.EOS_ID).any(axis=1)
+    ended = (ids == EOS_ID).any(axis=1)
     assert ended.sum() >= 4 and (~ended).sum() >= 4  # outputs ended by EOS and cut at a limit
 
 
@@ -261,7 +271,7 @@ def test_finished_sentences_stay_padded(varied, beam_size):
     assert ids.shape == (32, 40)
     finished = cut = 0
     for row, limit in zip(ids, limits):
-        ends = np.flatnonzero(row == data.EOS_ID)
+        ends = np.flatnonzero(row == EOS_ID)
         if len(ends) == 0:  # cut at its own length limit: padding only after it
             cut += 1
             assert np.all(row[:limit] != 0) and np.all(row[limit:] == 0)
@@ -393,7 +403,7 @@ def test_eval_scores_a_split_with_sacrebleu(trained):
                 "num_sentences", "seconds", "truncated_sources", "truncated_outputs"):
         assert key in scores
     assert scores["checkpoints"] == list_checkpoints(str(logdir))[-1:]
-    _, references, _ = data.load_split(MULTI30K, "val")
+    _, references, _ = load_split(MULTI30K, "val")
     assert scores["num_sentences"] == len(references) == 300 and scores["beam_size"] == 2
     hypotheses = (logdir / "eval" / "val.hyp.txt").read_text(encoding="utf-8").splitlines()
     assert len(hypotheses) == 300
@@ -408,7 +418,7 @@ def test_eval_scores_a_split_with_sacrebleu(trained):
 
 def test_eval_translates_files_and_standard_input(varied, tmp_path):
     logdir = varied["logdir"]
-    val, val_references, _ = data.load_split(MULTI30K, "val")
+    val, val_references, _ = load_split(MULTI30K, "val")
     sources = ["Ein Mann fährt Fahrrad.", "", "Zwei Hunde spielen im Schnee.",
                " ".join(val[:5])]  # longer than maxlen1
     references = ["A man rides a bike.", "", "Two dogs play in the snow.",
@@ -467,21 +477,19 @@ def test_eval_errors_are_clear(varied, tmp_path):
 
 @pytest.mark.slow  # starts a program
 def test_the_search_knows_no_corpus():
-    """decoding (and the exports built on it) take the special ids from `special_ids`."""
-    script = ("import sys; import kyu_transformer.decoding, kyu_transformer.serving; "
-              "print('kyu_transformer.data' in sys.modules)")
+    """decoding (and the exports built on it) take the special ids from `conventions`."""
+    script = ("import sys; import kyu_transformer.decoding.search, "
+              "kyu_transformer.decoding.translator, kyu_transformer.export.saved_model; "
+              "print(any(m.startswith('kyu_transformer.data') for m in sys.modules))")
     result = run("-c", script, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
-    from kyu_transformer import data, special_ids
-    assert (data.PAD_ID, data.UNK_ID, data.BOS_ID, data.EOS_ID) == \
-        (special_ids.PAD_ID, special_ids.UNK_ID, special_ids.BOS_ID, special_ids.EOS_ID) == \
-        (0, 1, 2, 3)
+    assert (PAD_ID, UNK_ID, BOS_ID, EOS_ID) == (0, 1, 2, 3)
 
 
 def test_the_beam_cache_layout_is_the_searchs(rng):
     """Slot ``l * K + j`` is position `l` of hypothesis `j`; the block does not guess it."""
-    from kyu_transformer.decoding import own_history
+    from kyu_transformer.decoding.search import own_history
     expected = np.array([[[slot % 3 == j for slot in range(6)] for j in range(3)]])
     np.testing.assert_array_equal(own_history(2, 3), expected)
     # A decoder step does not guess the layout: several queries need their mask.
@@ -627,7 +635,7 @@ def test_sampling_settings_hold_at_their_limits():
                    dict(sampling_topk=0, sampling_temperature=2e-38)):
         found = Translator(model, max_length=6, **fields).translate_ids(sources, n_best=4)
         drawn = {i for row in found.hypotheses for output in row for i in output}
-        assert drawn and not drawn & {data.PAD_ID, data.BOS_ID}, fields
+        assert drawn and not drawn & {PAD_ID, BOS_ID}, fields
         assert np.all(np.isfinite(found.scores)), fields
     for name, value in (("sampling_topp", 0.9), ("sampling_temperature", 0.5)):
         with pytest.raises(ValueError, match=f"`{name}` applies to sampling"):
@@ -640,7 +648,7 @@ def _cut_softmax(logits, topk, topp, temperature):
     """The distribution sampling draws from: softmax(logits / T) without PAD and BOS (no
     output tokens), cut to top-k then top-p."""
     logits = logits.copy()
-    logits[[data.PAD_ID, data.BOS_ID]] = -np.inf
+    logits[[PAD_ID, BOS_ID]] = -np.inf
     probs = np.exp((logits - logits.max()) / temperature)
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
@@ -659,8 +667,8 @@ def test_first_tokens_are_drawn_from_the_cut_softmax(topk, topp, temperature):
     """4,000 first tokens of one source: frequencies within 5 standard deviations of the
     reference probabilities, and never a token the cuts remove, nor PAD or BOS."""
     model = _tiny_model()
-    source = np.array([[5, 6, 7, data.EOS_ID]], "int32")
-    logits = np.asarray(model({"source": source, "target_in": np.array([[data.BOS_ID]])}),
+    source = np.array([[5, 6, 7, EOS_ID]], "int32")
+    logits = np.asarray(model({"source": source, "target_in": np.array([[BOS_ID]])}),
                         "float64")[0, 0]
     expected = _cut_softmax(logits, topk, topp, temperature)
     assert 3 <= np.count_nonzero(expected) and expected.max() < 0.8  # a real choice
@@ -672,6 +680,6 @@ def test_first_tokens_are_drawn_from_the_cut_softmax(topk, topp, temperature):
         tf.range(rows), tf.constant(7, tf.int64))
     counts = np.bincount(found.ids.numpy()[:, :, 0].ravel(), minlength=24)
     draws = rows * samples
-    assert np.all(counts[expected == 0] == 0) and counts[data.PAD_ID] == counts[data.BOS_ID] == 0
+    assert np.all(counts[expected == 0] == 0) and counts[PAD_ID] == counts[BOS_ID] == 0
     tolerance = 5 * np.sqrt(expected * (1 - expected) / draws) + 1 / draws
     assert np.all(np.abs(counts / draws - expected) <= tolerance), (counts / draws, expected)

@@ -9,10 +9,13 @@ import pytest
 
 import eval as eval_program
 import hparams as hp
-from kyu_transformer import data, filenames
-from kyu_transformer.checkpoints import load_model
+from kyu_transformer import filenames
+from kyu_transformer.conventions import BOS_ID, EOS_ID
+from kyu_transformer.data.subwords import Subwords
+from kyu_transformer.data.text import load_split
+from kyu_transformer.decoding.translator import Translator
 from kyu_transformer.model import Transformer
-from kyu_transformer.translation import Translator
+from kyu_transformer.training.checkpoints import load_model
 from tests.conftest import copy_of_logdir
 from tests.programs import run
 from tests.test_data import MULTI30K
@@ -33,9 +36,9 @@ def varied(varied_tiny_logdir, tmp_path_factory):
     logdir = copy_of_logdir(varied_tiny_logdir, tmp_path_factory, "eval")
     hparams = hp.load(str(logdir / "hparams.json"))
     model, _ = load_model(hparams, str(logdir))
-    sources, references, _ = data.load_split(MULTI30K, "val")
+    sources, references, _ = load_split(MULTI30K, "val")
     return {"logdir": logdir, "model": model, "hparams": hparams,
-            "subwords": data.Subwords(str(logdir / filenames.SUBWORDS)),
+            "subwords": Subwords(str(logdir / filenames.SUBWORDS)),
             "sources": sources, "references": references}
 
 
@@ -195,8 +198,8 @@ def test_eval_samples_with_a_seed_as_the_translator_does(varied, tmp_path):
 
 def _log_prob_by_hand(model, source_ids, target_ids):
     """Sum of the numpy log-softmax of the model's logits at the given target ids."""
-    source = np.array([(source_ids + [data.EOS_ID])[:model.maxlen1]], "int32")
-    target_in = np.array([[data.BOS_ID] + target_ids[:-1]], "int32")
+    source = np.array([(source_ids + [EOS_ID])[:model.maxlen1]], "int32")
+    target_in = np.array([[BOS_ID] + target_ids[:-1]], "int32")
     logits = np.asarray(model({"source": source, "target_in": target_in}), "float64")[0]
     log_softmax = logits - logits.max(axis=-1, keepdims=True)
     log_softmax -= np.log(np.exp(log_softmax).sum(axis=-1, keepdims=True))
@@ -220,7 +223,7 @@ def test_eval_scores_given_translations_as_the_model_does(varied, tmp_path):
     rows = read_json_lines(varied["logdir"] / "eval" / "given.scores.jsonl")
     assert [(row["source"], row["target"]) for row in rows] == pairs
     for (source_text, target_text), row in zip(pairs, rows):
-        target_ids = subwords.encode([target_text])[0] + [data.EOS_ID]
+        target_ids = subwords.encode([target_text])[0] + [EOS_ID]
         assert row["truncated"] == (len(target_ids) > model.maxlen2)
         target_ids = target_ids[:model.maxlen2]
         expected = _log_prob_by_hand(model, subwords.encode([source_text])[0], target_ids)
@@ -250,7 +253,7 @@ def test_eval_refuses_a_score_file_of_another_length(varied, tmp_path):
 @pytest.mark.slow
 def test_eval_with_ctranslate2_writes_the_keras_greedy_translations(varied, tmp_path):
     pytest.importorskip("ctranslate2")
-    from kyu_transformer.ctranslate2_export import convert
+    from kyu_transformer.export.ctranslate2 import convert
 
     logdir, sources = varied["logdir"], _sources(varied)
     model_dir = convert(varied["model"], varied["hparams"], varied["subwords"],
@@ -285,7 +288,7 @@ def test_eval_with_ctranslate2_writes_the_keras_greedy_translations(varied, tmp_
 @pytest.mark.slow
 def test_eval_refuses_a_ctranslate2_model_of_other_subwords(varied, tmp_path):
     pytest.importorskip("ctranslate2")
-    from kyu_transformer.ctranslate2_export import convert
+    from kyu_transformer.export.ctranslate2 import convert
 
     model_dir = convert(varied["model"], varied["hparams"], varied["subwords"],
                         str(tmp_path / "ct2"))

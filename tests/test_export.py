@@ -10,11 +10,15 @@ import pytest
 import tensorflow as tf
 
 import export
-from kyu_transformer import data, decoding, filenames, serving
-from kyu_transformer.checkpoints import load_model
-from kyu_transformer.decoding import length_penalty, sequence_log_probs
+from kyu_transformer import filenames
+from kyu_transformer.conventions import EOS_ID, PAD_ID
+from kyu_transformer.data.text import load_split
+from kyu_transformer.decoding import search
+from kyu_transformer.decoding.search import length_penalty, sequence_log_probs
+from kyu_transformer.decoding.translator import Translator
+from kyu_transformer.export import saved_model
 from kyu_transformer.precision import set_precision
-from kyu_transformer.translation import Translator
+from kyu_transformer.training.checkpoints import load_model
 from tests.conftest import copy_of_logdir, load_logdir
 from tests.programs import environment, run
 from tests.test_data import MULTI30K
@@ -22,8 +26,8 @@ from tests.varied_model import clear_greedy_choices
 
 # The text signature, and loading a SavedModel that has it, need tensorflow-text's ops.
 needs_tensorflow_text = pytest.mark.skipif(
-    serving.import_tensorflow_text() is None,
-    reason=f"tensorflow-text is not installed ({serving.SERVE_EXTRA})")
+    saved_model.import_tensorflow_text() is None,
+    reason=f"tensorflow-text is not installed ({saved_model.SERVE_EXTRA})")
 ALPHA = 0.6
 # Each export of the `exports` fixture: its export.py flags.
 EXPORTS = {
@@ -77,7 +81,7 @@ def _padded(id_lists):
 
 def _stripped(row):
     """A `(L,)` output row of the ids signature as a list, padding removed."""
-    return [int(i) for i in row if i != data.PAD_ID]
+    return [int(i) for i in row if i != PAD_ID]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +89,7 @@ def varied(varied_tiny_logdir, tmp_path_factory):
     """The session's model with set weights (a logdir copy), its subword model, val sentences."""
     logdir = copy_of_logdir(varied_tiny_logdir, tmp_path_factory, "export")
     hparams, model, subwords = load_logdir(logdir)
-    val, _, _ = data.load_split(MULTI30K, "val")
+    val, _, _ = load_split(MULTI30K, "val")
     # Five val sentences joined: longer than the encoder's maxlen1.
     long = [" ".join(val[first:first + 5]) for first in range(200, 230, 5)]
     assert all(len(ids) + 1 > model.maxlen1 for ids in subwords.encode(long))
@@ -119,7 +123,7 @@ def served(varied, exports, tmp_path_factory):
         "beam_empty": ("beam", ["", val[0], " ", ""]), "beam_none": ("beam", []),
         "greedy_one": ("greedy", val[:1]), "greedy_thousand": ("greedy", val * 4),
     }
-    request = {key: {"dir": exports[name]["dir"], "signature": serving.TEXT_SIGNATURE,
+    request = {key: {"dir": exports[name]["dir"], "signature": saved_model.TEXT_SIGNATURE,
                      "text": text} for key, (name, text) in calls.items()}
     samples = {"cold": ("greedy", val, 5), "sample": ("beam", val, 1),
                "sample_again": ("beam", val, 1), "sample_other_seed": ("beam", val, 2),
@@ -127,10 +131,10 @@ def served(varied, exports, tmp_path_factory):
                # The first 100 sentences at their places, other neighbours, other batches.
                "sample_neighbours": ("beam", val[:100] + long + val[150:], 1)}
     for key, (name, text, seed) in samples.items():
-        request[key] = {"dir": exports[name]["dir"], "signature": serving.SAMPLE_SIGNATURE,
+        request[key] = {"dir": exports[name]["dir"], "signature": saved_model.SAMPLE_SIGNATURE,
                         "text": text, "seed": seed}
     for name in ("greedy", "beam"):
-        request[f"{name}_ids"] = {"dir": exports[name]["dir"], "signature": serving.IDS_SIGNATURE,
+        request[f"{name}_ids"] = {"dir": exports[name]["dir"], "signature": saved_model.IDS_SIGNATURE,
                                   "ids": _padded(ids), "shape": [len(ids), len(_padded(ids)[0])]}
     folder = tmp_path_factory.mktemp("served")
     with open(folder / "request.json", "w", encoding="utf-8") as handle:
@@ -282,7 +286,7 @@ def test_the_subword_model_is_an_asset_of_the_saved_model(varied, exports):
     asset = os.path.join(exports["beam"]["dir"], "assets", filenames.SUBWORDS)
     with open(asset, "rb") as copy, open(varied["subwords"].path, "rb") as original:
         assert copy.read() == original.read()
-    serving.import_tensorflow_text()  # registers the SentencePiece ops the graph holds
+    saved_model.import_tensorflow_text()  # registers the SentencePiece ops the graph holds
     loaded = tf.saved_model.load(exports["beam"]["dir"])
     assert os.path.basename(loaded.subword_model.asset_path.numpy().decode()) == \
         filenames.SUBWORDS
@@ -313,7 +317,7 @@ def test_without_tensorflow_text_only_the_ids_signature_is_written(varied, tmp_p
     assert result.returncode == 0, result.stdout + result.stderr
     assert 'only the ids signature was written' in result.stdout
     assert 'pip install -e ".[serve]"' in result.stdout
-    assert list(tf.saved_model.load(str(out)).signatures) == [serving.IDS_SIGNATURE]
+    assert list(tf.saved_model.load(str(out)).signatures) == [saved_model.IDS_SIGNATURE]
 
 
 @pytest.mark.slow
@@ -418,13 +422,13 @@ def test_scores_are_length_normalized_log_probabilities(varied, served, name):
     model, maxlen1 = varied["model"], varied["model"].maxlen1
     sources, outputs = [], []
     for source, hypotheses in zip(served["source_ids"], served[f"{name}_ids"]["ids"]):
-        encoder_input = (source + [data.EOS_ID])[:maxlen1]
+        encoder_input = (source + [EOS_ID])[:maxlen1]
         limit = min(model.maxlen2, len(encoder_input) + 16)
         for row in hypotheses:
             output = _stripped(row)
             # A hypothesis shorter than its limit ended with EOS; one at its limit was cut.
             sources.append(encoder_input)
-            outputs.append(output + [data.EOS_ID] if len(output) < limit else output)
+            outputs.append(output + [EOS_ID] if len(output) < limit else output)
     log_probs = sequence_log_probs(model, np.array(_padded(sources), "int32"),
                                    np.array(_padded(outputs), "int32"))
     lengths = np.array([len(output) for output in outputs])
@@ -442,8 +446,8 @@ def test_empty_strings_give_empty_translations(varied, served):
     assert result["translations"][1] == served["beam_val"]["translations"][0]
     for row in (0, 2, 3):  # one empty hypothesis scored 0, as Translator; no others
         assert result["n_best"][row] == ["", "", ""]
-        assert result["scores"][row] == [0, decoding.NO_HYPOTHESIS_SCORE,
-                                         decoding.NO_HYPOTHESIS_SCORE]
+        assert result["scores"][row] == [0, search.NO_HYPOTHESIS_SCORE,
+                                         search.NO_HYPOTHESIS_SCORE]
     found = Translator(varied["model"], beam_size=4, alpha=ALPHA).translate_ids([[]], n_best=3)
     assert (found.hypotheses, found.scores) == ([[[]]], [[0.0]])
     assert served["beam_none"] == {"translations": [], "n_best": [], "scores": []}
@@ -512,7 +516,7 @@ def test_a_batch_of_one_and_one_of_over_a_thousand(served):
 
 @pytest.mark.slow
 def test_the_ids_signature_refuses_ids_outside_the_vocabulary(varied, exports):
-    translate = tf.saved_model.load(exports["greedy"]["dir"]).signatures[serving.IDS_SIGNATURE]
+    translate = tf.saved_model.load(exports["greedy"]["dir"]).signatures[saved_model.IDS_SIGNATURE]
     vocab = varied["model"].vocab_size
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=f"ids must be below the vocabulary size {vocab}"):

@@ -14,12 +14,15 @@ import time
 import pytest
 
 import hparams as hp
-from kyu_transformer.checkpoints import (
-    UnreadableCheckpoint, list_checkpoints, load_model, unreadable)
-from tests.test_data import MULTI30K
+from kyu_transformer.training.checkpoints import (
+    UnreadableCheckpoint,
+    list_checkpoints,
+    load_model,
+    unreadable,
+)
 from tests.programs import run
+from tests.test_data import MULTI30K
 from tests.test_training import ROOT, digest, run_train
-
 
 pytestmark = pytest.mark.slow  # every test here starts train.py or eval.py
 

@@ -9,12 +9,17 @@ import json
 import pytest
 import tensorflow as tf
 
-from kyu_transformer.files import (
-    OutOfSpace, as_out_of_space, drop_torn_last_line, is_out_of_space, replaced_atomically,
-    write_text)
 from kyu_transformer.filenames import LOCK
-from kyu_transformer.logdir_lock import LogdirBusy, LogdirLock
-from kyu_transformer.training_log import TrainingLog
+from kyu_transformer.safety.lock import LogdirBusy, LogdirLock
+from kyu_transformer.safety.writes import (
+    OutOfSpace,
+    as_out_of_space,
+    drop_torn_last_line,
+    is_out_of_space,
+    replaced_atomically,
+    write_text,
+)
+from kyu_transformer.training.log import TrainingLog
 
 
 def fill_dev_full():

@@ -17,14 +17,19 @@ import tensorflow as tf
 
 import hparams as hp
 import train
-from kyu_transformer import data, filenames
-from kyu_transformer.checkpoints import (CheckpointError, checkpoint_files, load_model,
-                                         model_weights)
-from kyu_transformer.corpus import Corpus
-from kyu_transformer.fine_tuning import ARCHITECTURE, Source
+from kyu_transformer import filenames
+from kyu_transformer.data.corpus import Corpus
+from kyu_transformer.data.text import load_split
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
-from kyu_transformer.training import Trainer
+from kyu_transformer.training.checkpoints import (
+    CheckpointError,
+    checkpoint_files,
+    load_model,
+    model_weights,
+)
+from kyu_transformer.training.fine_tuning import ARCHITECTURE, Source
+from kyu_transformer.training.trainer import Trainer
 from tests import programs
 from tests.test_data import MULTI30K
 from tests.test_training import refusals
@@ -46,8 +51,8 @@ def write_corpus(folder, pairs_by_split):
 @pytest.fixture(scope="module")
 def new_corpus(tmp_path_factory):
     """Another corpus than the source's: the sample's test split as training data, and UNSEEN."""
-    test = list(zip(*data.load_split(MULTI30K, "test_2016_flickr")[:2]))
-    val = list(zip(*data.load_split(MULTI30K, "val")[:2]))
+    test = list(zip(*load_split(MULTI30K, "test_2016_flickr")[:2]))
+    val = list(zip(*load_split(MULTI30K, "val")[:2]))
     return write_corpus(tmp_path_factory.mktemp("new-corpus") / "data",
                         {"train": test + UNSEEN, "val": val[:50]})
 

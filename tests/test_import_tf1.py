@@ -17,10 +17,12 @@ import tensorflow as tf
 
 import hparams as hp
 import import_tf1
-from kyu_transformer import data, filenames
-from kyu_transformer.checkpoints import load_model
-from kyu_transformer.ctranslate2_export import unsupported_settings
-from kyu_transformer.special_ids import BOS_ID, EOS_ID
+from kyu_transformer import filenames
+from kyu_transformer.conventions import BOS_ID, EOS_ID
+from kyu_transformer.data.subwords import Subwords
+from kyu_transformer.data.text import load_split
+from kyu_transformer.export.ctranslate2 import unsupported_settings
+from kyu_transformer.training.checkpoints import load_model
 from tests.programs import run
 from tests.test_data import MULTI30K
 
@@ -146,12 +148,12 @@ def train_bpe(folder):
     """That code's subword model, `folder`/bpe.model and bpe.vocab, on Multi30k's first lines."""
     import sentencepiece
 
-    sources, targets, _ = data.load_split(MULTI30K, "train")
+    sources, targets, _ = load_split(MULTI30K, "train")
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(sources[:1500] + targets[:1500]),
         model_prefix=os.path.join(folder, "bpe"), vocab_size=300, model_type="bpe",
         pad_id=0, unk_id=1, bos_id=2, eos_id=3, hard_vocab_limit=False, minloglevel=2)
-    return data.Subwords(os.path.join(folder, "bpe.model"))
+    return Subwords(os.path.join(folder, "bpe.model"))
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +174,7 @@ def made(tmp_path_factory):
 
 def pairs(subwords, count=7):
     """Val pairs of many lengths, short enough for maxlen (mixed in eval.py's batches)."""
-    sources, targets, _ = data.load_split(MULTI30K, "val")
+    sources, targets, _ = load_split(MULTI30K, "val")
     chosen = [(s, t) for s, t in zip(sources, targets)
               if len(subwords.encode([s])[0]) < 30 and len(subwords.encode([t])[0]) < 30]
     chosen.sort(key=lambda pair: len(pair[0]))

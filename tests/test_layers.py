@@ -9,8 +9,18 @@ from keras import ops
 
 from kyu_transformer import fast_paths as fast_paths_switch
 from kyu_transformer.layers import (
-    LAYER_NORM_EPSILON, DecoderBlock, Dropout, Embedding, EncoderBlock, FeedForward,
-    MultiHeadAttention, Normalize, PositionalEncoding, label_smoothing, project_heads)
+    LAYER_NORM_EPSILON,
+    DecoderBlock,
+    Dropout,
+    Embedding,
+    EncoderBlock,
+    FeedForward,
+    MultiHeadAttention,
+    Normalize,
+    PositionalEncoding,
+    label_smoothing,
+    project_heads,
+)
 from tests import reference
 
 

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-from kyu_transformer.metrics import masked_accuracy, masked_accuracy_counts
+from kyu_transformer.training.metrics import masked_accuracy, masked_accuracy_counts
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

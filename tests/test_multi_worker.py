@@ -11,11 +11,10 @@ import time
 
 import pytest
 
-from kyu_transformer.checkpoints import list_checkpoints
+from kyu_transformer.training.checkpoints import list_checkpoints
 from tests import programs
 from tests.test_data import MULTI30K
 from tests.test_training import run_train
-
 
 pytestmark = pytest.mark.slow  # two train.py processes per test
 

@@ -8,8 +8,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kyu_transformer.optimizers import Adam, make_adam
-from kyu_transformer.schedules import NoamSchedule
+from kyu_transformer.training.optimizer import Adam, make_adam
+from kyu_transformer.training.schedule import NoamSchedule
 
 
 def train(optimizer, strategy, steps=5):

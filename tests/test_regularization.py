@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 import hparams as hp
-from kyu_transformer import data
+from kyu_transformer.conventions import BOS_ID, EOS_ID
+from kyu_transformer.data.subwords import SegmentationSampler, Subwords
+from kyu_transformer.data.text import load_split
 from kyu_transformer.layers import EncoderBlock, FeedForward
 from kyu_transformer.model import Transformer
-from kyu_transformer.schedules import NoamSchedule
+from kyu_transformer.training.schedule import NoamSchedule
 from tests import programs
 from tests.test_data import MULTI30K
 
@@ -193,15 +195,15 @@ def test_decay_scales_the_noam_rate_down_to_zero_at_decay_steps():
 
 @pytest.fixture(scope="module")
 def subwords(tmp_path_factory):
-    sources, targets, _ = data.load_split(MULTI30K, "train")
-    return data.Subwords.train_or_load(str(tmp_path_factory.mktemp("subwords")),
+    sources, targets, _ = load_split(MULTI30K, "train")
+    return Subwords.train_or_load(str(tmp_path_factory.mktemp("subwords")),
                                        sources + targets, vocab_size=400)
 
 
 @pytest.mark.slow  # starts a program
 def test_sampled_segmentations_spell_the_sentence_and_follow_the_seed(subwords):
-    sentences = data.load_split(MULTI30K, "train")[0][:300]
-    sampler = data.SegmentationSampler(subwords, sentences, alpha=0.5)
+    sentences = load_split(MULTI30K, "train")[0][:300]
+    sampler = SegmentationSampler(subwords, sentences, alpha=0.5)
     first = sampler.draw([42, 0])
     assert [subwords.decode(ids) for ids in first] == sentences
     assert first == sampler.draw([42, 0])
@@ -212,9 +214,9 @@ def test_sampled_segmentations_spell_the_sentence_and_follow_the_seed(subwords):
     assert [sampler.candidates(i)[0] for i in range(len(sentences))] == best
     assert sum(a != b for a, b in zip(first, best)) > len(sentences) // 2
     # another process draws the same segmentations for the same seed
-    script = ("import sys; from kyu_transformer import data; s = data.Subwords(sys.argv[1]); "
+    script = ("import sys; from kyu_transformer import data; s = Subwords(sys.argv[1]); "
               "lines = sys.stdin.read().splitlines(); "
-              "print(data.SegmentationSampler(s, lines, 0.5).draw([42, 0]))")
+              "print(SegmentationSampler(s, lines, 0.5).draw([42, 0]))")
     other = programs.run("-c", script, subwords.path, stdin="\n".join(sentences), timeout=120)
     assert other.returncode == 0, other.stderr
     assert other.stdout.strip() == str(first)
@@ -222,7 +224,7 @@ def test_sampled_segmentations_spell_the_sentence_and_follow_the_seed(subwords):
 
 def test_each_segmentation_is_drawn_with_probability_proportional_to_p_to_the_alpha(subwords):
     sentence, alpha, draws = "Ein Mann mit einem orangefarbenen Hut.", 0.5, 4000
-    sampler = data.SegmentationSampler(subwords, [sentence], alpha=alpha)
+    sampler = SegmentationSampler(subwords, [sentence], alpha=alpha)
     candidates = [tuple(ids) for ids in sampler.candidates(0)]
     assert len(candidates) == 16 and len(set(candidates)) == 16
     assert np.all(np.diff(sampler.scores) <= 0)  # the n-best order, as `candidates` gives them
@@ -240,7 +242,7 @@ def test_candidate_scores_are_sentencepieces_but_for_unknown_characters(subwords
     no unknown character; where it has, the same penalty in every candidate of the sentence,
     which ours leave out: a constant, which a draw among them does not see."""
     sentences = ["Ein Mann mit einem orangefarbenen Hut.", "Zwei 漢字 Hunde ☃ spielen."]
-    sampler = data.SegmentationSampler(subwords, sentences, alpha=0.5)
+    sampler = SegmentationSampler(subwords, sentences, alpha=0.5)
     protos = subwords.processor.nbest_encode(sentences, nbest_size=16, return_type="proto")
     offsets = []
     for index, proto in enumerate(protos):
@@ -254,7 +256,7 @@ def test_candidate_scores_are_sentencepieces_but_for_unknown_characters(subwords
 
 @pytest.mark.tensorflow_only("the Corpus builds tf.data batches")
 def test_corpus_draws_each_epochs_segmentations_and_keeps_the_best_without_alpha(tmp_path):
-    from kyu_transformer.corpus import Corpus
+    from kyu_transformer.data.corpus import Corpus
 
     plain = Corpus(MULTI30K, str(tmp_path), hp.parse("tiny"), log=lambda line: None)
     assert plain.train_pairs(0) == plain.train_pairs(3) == plain.train[:3]
@@ -265,12 +267,12 @@ def test_corpus_draws_each_epochs_segmentations_and_keeps_the_best_without_alpha
     first, again, second = (sampled.train_pairs(e) for e in (0, 0, 1))
     assert first == again and first != second and first != plain.train[:3]
     # each pair is a source and its own target, marked as ever (EOS, BOS ... and ... EOS)
-    sources, targets, _ = data.load_split(MULTI30K, "train")
+    sources, targets, _ = load_split(MULTI30K, "train")
     pairs = {(source, target) for source, target in zip(sources, targets)}
     decode = sampled.subwords.decode
     for source, target_in, target_out in zip(*first):
-        assert source[-1] == data.EOS_ID and target_in[0] == data.BOS_ID
-        assert target_in[1:] == target_out[:-1] and target_out[-1] == data.EOS_ID
+        assert source[-1] == EOS_ID and target_in[0] == BOS_ID
+        assert target_in[1:] == target_out[:-1] and target_out[-1] == EOS_ID
         assert (decode(source[:-1]), decode(target_out[:-1])) in pairs
     # the length limit holds for the drawn segmentations, which are longer than the best
     short = Corpus(MULTI30K, str(tmp_path), hp.parse("tiny", {"subword_alpha": "0.1",

@@ -6,8 +6,16 @@ import pytest
 
 from kyu_transformer import fast_paths
 from kyu_transformer.layers import (
-    DecoderBlock, Dropout, Embedding, EncoderBlock, FeedForward, MultiHeadAttention, Normalize,
-    PositionalEncoding, ScaledDotProductAttention)
+    DecoderBlock,
+    Dropout,
+    Embedding,
+    EncoderBlock,
+    FeedForward,
+    MultiHeadAttention,
+    Normalize,
+    PositionalEncoding,
+    ScaledDotProductAttention,
+)
 
 LAYERS = [
     (Normalize(epsilon=1e-6), (2, 3, 8)),

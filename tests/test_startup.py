@@ -1,17 +1,17 @@
-"""How the programs import TensorFlow and Keras (`kyu_transformer.startup`)."""
+"""How the programs import TensorFlow and Keras (`kyu_transformer.cli.startup`)."""
 
 import gc
 
 import pytest
 
-from kyu_transformer.startup import import_frozen
+from kyu_transformer.cli.startup import import_frozen
 from tests import programs
 from tests.programs import ROOT
 
 FIRST_IMPORT = """
 import gc, sys
 sys.path.insert(0, sys.argv[1])
-from kyu_transformer.startup import import_frozen
+from kyu_transformer.cli.startup import import_frozen
 collections = []
 gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info))
 import_frozen()

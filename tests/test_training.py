@@ -13,18 +13,23 @@ import pytest
 import tensorflow as tf
 
 import hparams as hp
-from kyu_transformer import data
-from kyu_transformer.checkpoints import list_checkpoints, model_weights, unreadable
-from kyu_transformer.corpus import Corpus
-from kyu_transformer.logdir_lock import LogdirLock
+from kyu_transformer.data.corpus import Corpus
+from kyu_transformer.data.subwords import Subwords
+from kyu_transformer.data.text import load_split
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
-from kyu_transformer.metrics import masked_accuracy
-from kyu_transformer.resumption import random_states
-from kyu_transformer.schedules import NoamSchedule
-from kyu_transformer.time_budget import UpdatePlan
-from kyu_transformer.distribution import replica_slices
-from kyu_transformer.train_step import loss_terms_function
-from kyu_transformer.training import Trainer, TrainingError, seed_everything
+from kyu_transformer.safety.lock import LogdirLock
+from kyu_transformer.training.checkpoints import (
+    list_checkpoints,
+    model_weights,
+    random_states,
+    unreadable,
+)
+from kyu_transformer.training.clock import UpdatePlan
+from kyu_transformer.training.distribution import replica_slices
+from kyu_transformer.training.metrics import masked_accuracy
+from kyu_transformer.training.schedule import NoamSchedule
+from kyu_transformer.training.step import loss_terms_function
+from kyu_transformer.training.trainer import Trainer, TrainingError, seed_everything
 from tests import programs
 from tests.programs import ROOT
 from tests.test_data import MULTI30K
@@ -115,7 +120,7 @@ def test_a_64_pair_subset_is_learnt(tmp_path, multi30k_tiny):
     subset = [part[:64] for part in (sources, targets_in, targets_out)]
     hparams = tiny(tmp_path, d_model=64, d_ff=128, num_heads=4, lr=1.0, warmup_steps=30,
                    log_every=1000)
-    from kyu_transformer.pipeline import make_dataset
+    from kyu_transformer.data.pipeline import make_dataset
 
     def batches(epoch):  # 100 passes over the pairs (a batch per length bucket): 0.95 after 40
         return make_dataset(*subset, batch_size=64, batch_tokens=0, seed=epoch).repeat(100)
@@ -184,7 +189,7 @@ def test_trainer_fast_paths_switch_trains_the_same_steps(tmp_path):
     autodiff and no XLA (off): the same losses, step by step."""
     import keras
 
-    from kyu_transformer.optimizers import Adam
+    from kyu_transformer.training.optimizer import Adam
 
     losses = {}
     for fast_paths in (True, False):
@@ -345,7 +350,7 @@ def test_eval_and_export_do_not_import_the_trainer():
     assert output.returncode == 0, output.stderr[-3000:]
     modules = output.stdout.strip().splitlines()[-1]
     assert "'kyu_transformer.precision'" in modules
-    assert "'kyu_transformer.training'" not in modules, modules
+    assert "'kyu_transformer.training.trainer'" not in modules, modules
 
 
 REFUSALS_SCRIPT = r"""
@@ -385,8 +390,8 @@ def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
     for folder in (logdir, bare):  # `bare`: no subword model
         folder.mkdir()
         hp.save(trained, str(folder / "hparams.json"))
-    sources, targets, _ = data.load_split(MULTI30K, "val")
-    data.Subwords.train_or_load(str(logdir), sources + targets, 200, trained["subword_model_type"])
+    sources, targets, _ = load_split(MULTI30K, "val")
+    Subwords.train_or_load(str(logdir), sources + targets, 200, trained["subword_model_type"])
     texts = {name: tmp_path / name for name in ("empty.de", "one.en", "two.de")}
     for name, lines in (("empty.de", ""), ("one.en", "A dog.\n"), ("two.de", "Ein Hund.\nJa.\n")):
         texts[name].write_text(lines, encoding="utf-8")
@@ -434,7 +439,7 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 sys.path.insert(0, sys.argv[1])
 import hparams as hp
-from kyu_transformer.training import Trainer
+from kyu_transformer.training.trainer import Trainer
 
 rng = np.random.default_rng(0)
 def batch(rows):

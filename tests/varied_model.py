@@ -31,9 +31,11 @@ import numpy as np
 import tensorflow as tf
 
 import hparams as hp
-from kyu_transformer import data
-from kyu_transformer.checkpoints import checkpoint_dir, model_weights
+from kyu_transformer.conventions import EOS_ID, PAD_ID
+from kyu_transformer.data.subwords import Subwords
+from kyu_transformer.data.text import load_split
 from kyu_transformer.model import Transformer
+from kyu_transformer.training.checkpoints import checkpoint_dir, model_weights
 
 EMBEDDING_SCALE = 0.1  # half-width / sqrt(3) of the table's uniform values
 SUBLAYER_GAIN = 3.0  # of every projection, against a unit-variance (fan-in) start
@@ -61,8 +63,8 @@ def set_varied_weights(model, seed, jitter=0.0):
             value = np.zeros(shape)
         elif path.endswith("embeddings"):
             value = rng.uniform(-1, 1, shape) * EMBEDDING_SCALE * np.sqrt(3.0)
-            value[data.PAD_ID] = 0.0
-            value[data.EOS_ID] *= EOS_SCALE
+            value[PAD_ID] = 0.0
+            value[EOS_ID] *= EOS_SCALE
         elif path.endswith("bias"):
             value = rng.uniform(-0.1, 0.1, shape)
         else:  # a kernel (fan_in, fan_out)
@@ -85,8 +87,8 @@ def write_varied_logdir(logdir, data_dir, architecture, seed=0):
     """
     logdir = str(logdir)
     hparams = hp.parse("tiny", {**architecture, "data_dir": data_dir, "logdir": logdir})
-    sources, targets, _ = data.load_split(data_dir, "train")
-    subwords = data.Subwords.train_or_load(logdir, sources + targets, hparams["vocab_size"],
+    sources, targets, _ = load_split(data_dir, "train")
+    subwords = Subwords.train_or_load(logdir, sources + targets, hparams["vocab_size"],
                                            hparams["subword_model_type"])
     assert subwords.vocab_size == hparams["vocab_size"], subwords.vocab_size
     hp.save(hparams, os.path.join(logdir, "hparams.json"))
@@ -106,7 +108,7 @@ def varied_figures(model, sources):
     """``(distinct, cut)``: how many greedy outputs of `sources` (id lists), with the
     `Translator`'s default length margin, differ from one another, and how many reach their
     limit."""
-    from kyu_transformer.translation import Translator
+    from kyu_transformer.decoding.translator import Translator
 
     translations = Translator(model, beam_size=1).translate_ids(sources)
     return len({tuple(output) for output in translations.outputs}), translations.truncated_outputs
@@ -138,8 +140,8 @@ def clear_greedy_choices(model, source_ids, greedy, margin):
     """
     import numpy as np
 
-    from kyu_transformer.special_ids import BOS_ID, EOS_ID
-    from kyu_transformer.translation import padded
+    from kyu_transformer.conventions import BOS_ID, EOS_ID
+    from kyu_transformer.decoding.translator import padded
 
     decoded = [i for i, ids in enumerate(source_ids) if ids]
     clear = []
@@ -165,7 +167,7 @@ if __name__ == "__main__":  # python -m tests.varied_model SEED ...: each seed's
     from tests.conftest import TINY_ARCHITECTURE, load_logdir
     from tests.test_data import MULTI30K
 
-    val_sources, _, _ = data.load_split(MULTI30K, "val")
+    val_sources, _, _ = load_split(MULTI30K, "val")
     with tempfile.TemporaryDirectory() as folder:
         for seed in map(int, sys.argv[1:]):
             logdir = write_varied_logdir(pathlib.Path(folder, str(seed)), MULTI30K,

@@ -8,10 +8,10 @@ hold an empty one scored `decoding.NO_HYPOTHESIS_SCORE`.
 
 import tensorflow as tf
 
-from kyu_transformer.decoding import NO_HYPOTHESIS_SCORE, output_limit
-from kyu_transformer.search_settings import SEED_LIMIT
-from kyu_transformer.special_ids import BOS_ID, PAD_ID
-from kyu_transformer.translation import Translator, decoding_order, encoder_inputs, strip
+from kyu_transformer.decoding.search import NO_HYPOTHESIS_SCORE, output_limit
+from kyu_transformer.decoding.settings import SEED_LIMIT
+from kyu_transformer.conventions import BOS_ID, PAD_ID
+from kyu_transformer.decoding.translator import Translator, decoding_order, encoder_inputs, strip
 
 TEXT_SIGNATURE = "serving_default"
 IDS_SIGNATURE = "ids"

@@ -6,8 +6,8 @@ the *global* batch's count; with ``accumulate_steps`` N, one update on N batches
 import keras
 import tensorflow as tf
 
-from kyu_transformer.metrics import masked_accuracy_counts
-from kyu_transformer.special_ids import PAD_ID
+from kyu_transformer.conventions import PAD_ID
+from kyu_transformer.training.metrics import masked_accuracy_counts
 
 
 def loss_terms_function(loss_fn, xla=True):

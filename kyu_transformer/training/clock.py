@@ -3,7 +3,7 @@
 import math
 import time
 
-from kyu_transformer.distribution import gather, is_multi_worker
+from kyu_transformer.training.distribution import gather, is_multi_worker
 
 
 class TimeBudget:

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from kyu_transformer.flags import STRATEGIES
+from kyu_transformer.cli.flags import STRATEGIES
 
 
 class WorkerDisagreement(RuntimeError):

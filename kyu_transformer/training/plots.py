@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from kyu_transformer import filenames  # noqa: E402
-from kyu_transformer.files import replaced_atomically  # noqa: E402
+from kyu_transformer.safety.writes import replaced_atomically  # noqa: E402
 
 
 def read_history(path):

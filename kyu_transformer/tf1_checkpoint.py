@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 HPARAMS_FILE = "hparams"  # that code's hyperparameters, JSON, beside its checkpoints
 EMBEDDINGS = "shared_weight_matrix/weight_mat"  # input embeddings of both sides and the logits
@@ -227,8 +227,8 @@ def save_weights(hparams, weights, directory, step):
     import tensorflow as tf
 
     from kyu_transformer import filenames
-    from kyu_transformer.checkpoints import model_weights
     from kyu_transformer.model import Transformer
+    from kyu_transformer.training.checkpoints import model_weights
 
     model = Transformer.from_hparams(hparams, name="transformer")
     model.build()

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from kyu_transformer.special_ids import PAD_ID
+from kyu_transformer.conventions import PAD_ID
 
 
 def _padded(sequences):

@@ -11,8 +11,8 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from kyu_transformer.search_settings import SearchSettings
-from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID
+from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID
+from kyu_transformer.decoding.settings import SearchSettings
 
 _NEG_INF = -1.0e9  # score of impossible hypotheses (finite: no NaN in sums)
 # Of a missing hypothesis where a fixed number is given (the SavedModel's `n_best` columns).

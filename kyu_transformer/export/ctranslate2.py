@@ -14,14 +14,14 @@ import keras
 import numpy as np
 
 from kyu_transformer import filenames
-from kyu_transformer.files import staging_beside, write_text
-from kyu_transformer.decoding import NO_HYPOTHESIS_SCORE
+from kyu_transformer.safety.writes import staging_beside, write_text
+from kyu_transformer.decoding.search import NO_HYPOTHESIS_SCORE
 # Named apart: `length_penalty` is also CTranslate2's own option in this module.
-from kyu_transformer.decoding import length_penalty as gnmt_penalty
-from kyu_transformer.flags import QUANTIZATIONS
+from kyu_transformer.decoding.search import length_penalty as gnmt_penalty
+from kyu_transformer.cli.flags import QUANTIZATIONS
 from kyu_transformer.layers import ScaledDotProductAttention, sinusoid_table
-from kyu_transformer.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from kyu_transformer.translation import Engine
+from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from kyu_transformer.decoding.translator import Engine
 
 # Feed-forward activations by Keras name, and CTranslate2's name of each
 # (`ctranslate2.specs.Activation`; Keras' gelu is the exact, erf one).
@@ -291,7 +291,7 @@ class CTranslate2Translator(Engine):
         path = os.path.join(model_dir, filenames.CTRANSLATE2_SETTINGS)  # what `convert` adds
         if not os.path.isfile(path):
             raise ExportError(f"{model_dir}: no {filenames.CTRANSLATE2_SETTINGS}; was it written "
-                              "by kyu_transformer.ctranslate2_export.convert?")
+                              "by kyu_transformer.export.ctranslate2.convert?")
         with open(path, encoding="utf-8") as handle:
             ours = json.load(handle)
         super().__init__(ours["maxlen1"], ours["maxlen2"], settings, **fields)

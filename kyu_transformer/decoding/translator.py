@@ -11,10 +11,16 @@ import functools
 import numpy as np
 import tensorflow as tf
 
-from kyu_transformer.decoding import (
-    _NEG_INF, length_penalty, output_limit, search, sequence_log_probs, strategy_for)
-from kyu_transformer.search_settings import SearchSettings
-from kyu_transformer.special_ids import EOS_ID, PAD_ID
+from kyu_transformer.conventions import EOS_ID, PAD_ID
+from kyu_transformer.decoding.search import (
+    _NEG_INF,
+    length_penalty,
+    output_limit,
+    search,
+    sequence_log_probs,
+    strategy_for,
+)
+from kyu_transformer.decoding.settings import SearchSettings
 
 
 def encoder_inputs(ids, maxlen1):

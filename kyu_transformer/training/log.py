@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from kyu_transformer import filenames
-from kyu_transformer.files import as_out_of_space, drop_torn_last_line, is_out_of_space
+from kyu_transformer.safety.writes import as_out_of_space, drop_torn_last_line, is_out_of_space
 
 
 class TrainingLog:

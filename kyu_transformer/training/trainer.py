@@ -6,28 +6,31 @@ the fused Adam, the loss's stated gradient and the loss compiled alone with XLA 
 import hashlib
 import math
 import os
-import signal
-import threading
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from kyu_transformer import filenames
-from kyu_transformer.checkpoints import CheckpointError, checkpoint_dir
-from kyu_transformer.distribution import (
-    barrier, check_agreement, distribute_batches, is_chief, is_multi_worker)
-from kyu_transformer.files import replaced_atomically
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
-from kyu_transformer.optimizers import make_adam
-from kyu_transformer.plots import plot_training
 from kyu_transformer.precision import resolve_precision, set_precision
-from kyu_transformer.resumption import RunCheckpoints
-from kyu_transformer.schedules import NoamSchedule
-from kyu_transformer.time_budget import TimeBudget, UpdatePlan
-from kyu_transformer.train_step import TrainStep, loss_terms_function
-from kyu_transformer.training_log import Progress, TrainingLog, Window
+from kyu_transformer.safety.signals import StopRequests
+from kyu_transformer.safety.writes import replaced_atomically
+from kyu_transformer.training.checkpoints import CheckpointError, RunCheckpoints, checkpoint_dir
+from kyu_transformer.training.clock import TimeBudget, UpdatePlan
+from kyu_transformer.training.distribution import (
+    barrier,
+    check_agreement,
+    distribute_batches,
+    is_chief,
+    is_multi_worker,
+)
+from kyu_transformer.training.log import Progress, TrainingLog, Window
+from kyu_transformer.training.optimizer import make_adam
+from kyu_transformer.training.plots import plot_training
+from kyu_transformer.training.schedule import NoamSchedule
+from kyu_transformer.training.step import TrainStep, loss_terms_function
 
 
 def seed_everything(seed, deterministic=False):
@@ -44,35 +47,6 @@ def weights_digest(model):
     for weight in model.weights:
         digest.update(np.ascontiguousarray(weight.numpy()).tobytes())
     return digest.hexdigest()
-
-
-class StopRequests:
-    """A context in which SIGTERM and SIGINT only note a request to stop after an update, with a
-    checkpoint: `received` names the first (``"SIGTERM"``) or is None. A second one interrupts
-    nothing; a third raises `KeyboardInterrupt` (a hung run). Notes nothing outside the main
-    thread (where Python cannot install handlers)."""
-
-    def __init__(self):
-        self.received, self.count, self._previous = None, 0, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {number: signal.signal(number, self._note)
-                              for number in (signal.SIGTERM, signal.SIGINT)}
-        return self
-
-    def __exit__(self, *exception):
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-        self._previous = {}
-
-    def _note(self, number, frame):  # pylint: disable=unused-argument
-        # Only flags: printing from a handler can re-enter a stream being written.
-        self.count += 1
-        if self.received is None:
-            self.received = signal.Signals(number).name
-        if self.count >= 3:
-            raise KeyboardInterrupt
 
 
 class TrainingError(RuntimeError):

@@ -9,7 +9,7 @@ import os
 import shutil
 
 from kyu_transformer import filenames
-from kyu_transformer.files import replaced_atomically, sha256, write_text
+from kyu_transformer.safety.writes import replaced_atomically, sha256, write_text
 
 # What the weights and the subword model depend on: the source's, never the command line's.
 ARCHITECTURE = ("vocab_size", "subword_model_type", "d_model", "d_ff", "num_blocks", "num_heads",
@@ -86,8 +86,13 @@ class Source:
 
     def __init__(self, logdir, hparams, ckpt=None, average_last=0, optimizer=False,
                  run_precision=None):
-        from kyu_transformer.checkpoints import (
-            CheckpointError, checkpoint_files, load_model, model_weights, resolve)
+        from kyu_transformer.training.checkpoints import (
+            CheckpointError,
+            checkpoint_files,
+            load_model,
+            model_weights,
+            resolve,
+        )
 
         self.logdir, self.optimizer = logdir, optimizer
         # A source still training replaces its best.weights.h5 whole at each better model:
@@ -114,7 +119,7 @@ class Source:
     def _digests(self, checkpoint_files):
         """The sha256 of each file of the checkpoints read; a `CheckpointError` for one gone
         since it was read (a source still training removes its oldest as it saves)."""
-        from kyu_transformer.checkpoints import CheckpointError
+        from kyu_transformer.training.checkpoints import CheckpointError
 
         digests = {}
         for path in self.paths:
@@ -135,8 +140,8 @@ class Source:
     def _check_optimizer_state(self, hparams, run_precision):
         import tensorflow as tf
 
-        from kyu_transformer.checkpoints import CheckpointError, held_objects
         from kyu_transformer.precision import scales_the_loss
+        from kyu_transformer.training.checkpoints import CheckpointError, held_objects
 
         path = self.paths[0]
         try:
@@ -159,7 +164,7 @@ class Source:
         source's; the chief records where they came from (`filenames.INIT_FROM`)."""
         import tensorflow as tf
 
-        from kyu_transformer.checkpoints import CheckpointError, model_weights
+        from kyu_transformer.training.checkpoints import CheckpointError, model_weights
 
         for key, variable in model_weights(trainer.model).items():
             variable.assign(self.weights[key])

@@ -3,7 +3,7 @@ a wrong flag before TensorFlow loads (seconds)."""
 
 import re
 
-from kyu_transformer.search_settings import SearchSettings
+from kyu_transformer.decoding.settings import SearchSettings
 
 STRATEGIES = ("auto", "default", "mirrored", "multi_worker")
 # The weight types of CTranslate2's CPU wheel.

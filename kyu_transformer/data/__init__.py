@@ -1,0 +1,2 @@
+"""The corpus: parallel text read from disk (`text`), SentencePiece subwords (`subwords`), a
+corpus made ready for training (`corpus`) and the tf.data pipeline that batches it (`pipeline`)."""

@@ -1,0 +1,116 @@
+"""SentencePiece subwords: the joint model trained on a corpus, sentences encoded to ids and
+back, segmentations sampled (subword regularization), and the BOS/EOS markers around ids."""
+
+import itertools
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import sentencepiece
+
+from kyu_transformer import filenames
+from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from kyu_transformer.data.text import DataError
+
+
+class Subwords:
+    """A joint SentencePiece model: ids 0 pad, 1 unk, 2 BOS, 3 EOS (see `train_or_load`)."""
+
+    def __init__(self, model_path):
+        if not os.path.isfile(model_path):
+            raise DataError(f"{model_path}: no subword model")
+        self.path = model_path
+        self.processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
+
+    @property
+    def vocab_size(self):
+        return self.processor.get_piece_size()
+
+    @classmethod
+    def train_or_load(cls, directory, sentences, vocab_size, model_type="unigram"):
+        """The model in `directory`, trained on `sentences` only when there is none."""
+        path = os.path.join(directory, filenames.SUBWORDS)
+        if os.path.isfile(path):
+            return cls(path)
+        os.makedirs(directory, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".subwords-", dir=directory)
+        try:
+            prefix = os.path.join(staging, filenames.SUBWORDS_PREFIX)
+            sentencepiece.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences), model_prefix=prefix, vocab_size=vocab_size,
+                model_type=model_type, character_coverage=1.0, hard_vocab_limit=False,
+                pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                num_threads=2, minloglevel=2)
+            # The .vocab first, the .model last: a model file only ever stands complete.
+            os.replace(prefix + ".vocab", os.path.join(directory, filenames.SUBWORDS_VOCABULARY))
+            os.replace(prefix + ".model", path)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return cls(path)
+
+    def encode(self, sentences):
+        return self.processor.encode(list(sentences), out_type=int)
+
+    def decode(self, ids):
+        """Ids (stopping at EOS, skipping pad/BOS) back to detokenized text."""
+        ids = [int(i) for i in ids]
+        if EOS_ID in ids:
+            ids = ids[:ids.index(EOS_ID)]
+        return self.processor.decode([i for i in ids if i not in (PAD_ID, BOS_ID)])
+
+
+class SegmentationSampler:
+    """Subword regularization (Kudo 2018, l-best sampling): `draw(seed)` picks one of each
+    sentence's `nbest` best segmentations, `x` with probability ~ ``p(x)^alpha``, from NumPy's
+    generator of `seed`: unlike SentencePiece's own sampling, the same in a resumed run."""
+
+    def __init__(self, subwords, sentences, alpha, nbest=16):
+        self.alpha, pieces, lengths, counts = float(alpha), [], [], []
+        processor, sentences = subwords.processor, list(sentences)
+        for begin in range(0, len(sentences), 512):  # in chunks: n-best lists are large
+            nbests = processor.nbest_encode(sentences[begin:begin + 512], nbest_size=nbest,
+                                            out_type=int)
+            candidates = [ids for nbest_ids in nbests for ids in nbest_ids]
+            pieces.append(np.fromiter(itertools.chain.from_iterable(candidates), np.int32))
+            lengths.extend(map(len, candidates))
+            counts.extend(map(len, nbests))
+        self.pieces = np.concatenate(pieces)  # every candidate's ids, one after another
+        self.starts = np.concatenate([[0], np.cumsum(lengths)])  # (candidates + 1,)
+        self.first = np.concatenate([[0], np.cumsum(counts)])  # (sentences + 1,)
+        self.scores = self._log_probabilities(processor, np.array(lengths))  # (candidates,)
+
+    def _log_probabilities(self, processor, lengths):
+        """Each candidate's log p(x), the unigram model's: the sum of its pieces' scores, as
+        SentencePiece's n-best search sums them for a model of `Subwords.train_or_load` (no
+        user-defined symbols, which it scores otherwise). It scores an unknown character apart;
+        every candidate of a sentence holds the same ones, so a draw among them does not see it."""
+        piece_scores = np.array([processor.get_score(i) for i in range(len(processor))])
+        candidate_of_piece = np.repeat(np.arange(len(lengths)), lengths)  # (pieces,)
+        return np.bincount(candidate_of_piece, weights=piece_scores[self.pieces],
+                           minlength=len(lengths))
+
+    def candidates(self, sentence):
+        """The segmentations (lists of ids) of sentence number `sentence`, the best first."""
+        return [self._ids(index) for index in range(*self.first[sentence:sentence + 2])]
+
+    def draw(self, seed):
+        """One segmentation (a list of ids) per sentence, drawn with `seed` (an int or ints)."""
+        gumbel = np.random.default_rng(seed).gumbel(size=len(self.scores))
+        keys = self.alpha * self.scores + gumbel  # argmax of a segment: a draw of its softmax
+        sentence_of = np.repeat(np.arange(len(self.first) - 1), np.diff(self.first))
+        best = np.maximum.reduceat(keys, self.first[:-1])  # (sentences,)
+        winners = np.flatnonzero(keys == best[sentence_of])
+        _, first_winner = np.unique(sentence_of[winners], return_index=True)
+        return [self._ids(index) for index in winners[first_winner]]
+
+    def _ids(self, index):
+        return self.pieces[self.starts[index]:self.starts[index + 1]].tolist()
+
+
+def add_markers(source_ids, target_ids, maxlen1, maxlen2):
+    """``(sources + EOS, BOS + targets, targets + EOS, num_dropped)``, too long pairs dropped."""
+    kept = [(s, t) for s, t in zip(source_ids, target_ids)
+            if len(s) + 1 <= maxlen1 and len(t) + 1 <= maxlen2]
+    return ([[*s, EOS_ID] for s, _ in kept], [[BOS_ID, *t] for _, t in kept],
+            [[*t, EOS_ID] for _, t in kept], len(source_ids) - len(kept))

@@ -1,0 +1,2 @@
+"""Decoding with a trained `Transformer`: the one `search` loop and its strategies (greedy, beam,
+sampling), their `settings`, the `translator` front end every engine shares, and `scoring`."""
