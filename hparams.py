@@ -1,4 +1,6 @@
-"""Every hyperparameter in one place: defaults, presets, parsing and validation.
+"""The hyperparameters as the programs take them: presets, parsing and validation.
+
+Every key (its default, its role and its help) is defined once, in `kyu_transformer.hparam_keys`.
 
 ``--hparams`` joins presets, JSON files and ``key=value`` parts by commas, later ones winning
 (``--hparams small,lr=2.0``); single flags (``--batch_size 64``) override them all.
@@ -10,65 +12,12 @@ import difflib
 import json
 import os
 
+from kyu_transformer.conventions import NORM_POSITIONS, check_decay, check_heads
+from kyu_transformer.hparam_keys import DEFAULTS, HELP, SPEC  # noqa: F401  (the programs' names)
+from kyu_transformer.precision import AUTO, PRECISION_POLICIES
 from kyu_transformer.safety.writes import write_text
 
-# name: (default, help). Kyubyong's names where they exist.
-SPEC = {
-    # data
-    "data_dir": ("data/multi30k", "folder with train/val/test files <split>.<lang>[.gz]"),
-    "src_lang": ("de", "source language suffix"),
-    "tgt_lang": ("en", "target language suffix"),
-    "vocab_size": (8000, "size of the joint SentencePiece vocabulary"),
-    "subword_model_type": ("unigram", "SentencePiece model type: unigram or bpe"),
-    "subword_alpha": (0.0, "subword regularization (unigram only): each epoch draws a training "
-                           "sentence's segmentation among its 16 best, ~ p^alpha; 0: the best"),
-    "maxlen1": (100, "longest source, in subwords with EOS; longer pairs are dropped"),
-    "maxlen2": (100, "longest target, in subwords with BOS/EOS; longer pairs are dropped"),
-    "batch_size": (128, "most sentence pairs in a batch"),
-    "batch_tokens": (4096, "most (padded) tokens on either side of a batch; 0: no limit"),
-    # model
-    "d_model": (512, "model width"),
-    "d_ff": (2048, "inner width of the feed-forward nets"),
-    "num_blocks": (6, "encoder blocks, and as many decoder blocks"),
-    "num_heads": (8, "attention heads"),
-    "dropout_rate": (0.1, "dropout on the embeddings and before each residual sum"),
-    "attention_dropout": (-1.0, "dropout on the attention weights; -1: dropout_rate"),
-    "relu_dropout": (0.0, "dropout on the feed-forward nets' inner (ReLU) activations"),
-    "word_dropout": (0.0, "dropout of whole token embeddings, source and target"),
-    "norm_position": ("post", "layer norm after (post) or before (pre) each sub-layer"),
-    "sinusoid": (True, "sinusoid (true) or learned (false) positions"),
-    "share_embeddings": (True, "one embedding table for source, target and output"),
-    "epsilon": (1e-6, "layer-norm epsilon"),  # why 1e-6: kyu_transformer.layers
-    "fast_paths": (True, "CPU fast paths (fast_paths.py, the loss's stated gradient, fused Adam, "
-                         "XLA loss); false: Keras' own, the same function on any device"),
-    # training
-    "lr": (1.0, "scale of the Noam learning-rate schedule"),
-    "warmup_steps": (4000, "warm-up steps of the Noam schedule"),
-    "decay_steps": (0, "from the warm-up's end, scale the Noam rate down linearly to 0 at this "
-                       "step; 0: no such decay"),
-    "smoothing": (0.1, "label smoothing"),
-    "num_epochs": (20, "epochs to train"),
-    "steps_per_epoch": (0, "cap on the steps (updates) of an epoch; 0: the whole training set"),
-    "accumulate_steps": (1, "batches per update (gradient accumulation), as one batch that many "
-                            "times as large: the loss normalized by all their tokens"),
-    "max_minutes": (0.0, "stop cleanly after this many minutes of training; 0: no limit"),
-    "seed": (42, "seed of initialization, shuffling and dropout"),
-    "mixed_precision": ("no", "no, bf16 (CPU/TPU), fp16 (GPU, with loss scaling), or auto: "
-                              "chosen for this machine (README) and saved as chosen"),
-    "jit_compile": (False, "compile the training step with XLA"),
-    "xla_loss": (True, "compile the loss alone with XLA (a fast path: off without fast_paths)"),
-    "logdir": ("log/default", "where checkpoints, summaries, plots and the subword model go"),
-    "keep_checkpoints": (5, "how many recent checkpoints to keep"),
-    "checkpoint_every": (500, "also checkpoint every this many steps; 0: only per epoch"),
-    "log_every": (50, "write summaries every this many steps"),
-    # evaluation during training
-    "eval_sentences": (200, "validation sentences scored with BLEU after each epoch; 0: none"),
-    "eval_batch_size": (128, "sentences per decoding batch"),
-}
-
-DEFAULTS = {name: default for name, (default, _) in SPEC.items()}
-
-CHOICES = {"norm_position": ("post", "pre"), "mixed_precision": ("no", "bf16", "fp16", "auto"),
+CHOICES = {"norm_position": NORM_POSITIONS, "mixed_precision": (*PRECISION_POLICIES, AUTO),
            "subword_model_type": ("unigram", "bpe")}
 POSITIVE = ("vocab_size", "maxlen1", "maxlen2", "batch_size", "d_model", "d_ff", "num_blocks",
             "num_heads", "lr", "warmup_steps", "num_epochs", "keep_checkpoints", "log_every",
@@ -194,20 +143,26 @@ def check(hparams):
                 for names, valid, text in ranges for name in names if not valid(hparams[name])]
     problems += [f"`{name}` must be one of {', '.join(choices)}, got {hparams[name]!r}"
                  for name, choices in CHOICES.items() if hparams[name] not in choices]
-    if hparams["num_heads"] > 0 and hparams["d_model"] % hparams["num_heads"]:
-        problems.append(f"`d_model` ({hparams['d_model']}) must be divisible by `num_heads` "
-                        f"({hparams['num_heads']})")
+    if hparams["num_heads"] > 0:
+        problems += _broken(check_heads, hparams["d_model"], hparams["num_heads"])
     if hparams["subword_alpha"] > 0 and hparams["subword_model_type"] != "unigram":
         problems.append("`subword_alpha` samples segmentations of a unigram model; "
                         f"`subword_model_type` is {hparams['subword_model_type']!r}")
-    if hparams["decay_steps"] and hparams["decay_steps"] <= hparams["warmup_steps"]:
-        problems.append(f"`decay_steps` ({hparams['decay_steps']}) must be 0 or more than "
-                        f"`warmup_steps` ({hparams['warmup_steps']})")
+    problems += _broken(check_decay, hparams["decay_steps"], hparams["warmup_steps"])
     longest = max(hparams["maxlen1"], hparams["maxlen2"])
     if hparams["batch_tokens"] and hparams["batch_tokens"] < longest:
         problems.append(f"`batch_tokens` ({hparams['batch_tokens']}) must be 0 or at least the "
                         f"longest sequence ({longest})")
     return problems
+
+
+def _broken(rule, *args):
+    """The message of the ValueError `rule(*args)` raises (without its full stop), as a list."""
+    try:
+        rule(*args)
+    except ValueError as error:
+        return [str(error).rstrip(".")]
+    return []
 
 
 def _overrides(args):
@@ -266,7 +221,7 @@ def argument_parser(description):
     parser.add_argument("--hparams", default="",
                         help="preset (" + ", ".join(PRESETS) + "), JSON file, or key=value,...")
     group = parser.add_argument_group("hyperparameters (override --hparams)")
-    for name, (default, text) in SPEC.items():
+    for name, default in DEFAULTS.items():
         group.add_argument(f"--{name}", default=None, metavar=type(default).__name__.upper(),
-                           help=f"{text} (default {default!r})")
+                           help=f"{HELP[name]} (default {default!r})")
     return parser

@@ -27,6 +27,7 @@ from kyu_transformer.cli.flags import (  # noqa: E402
 )
 from kyu_transformer.cli.startup import import_frozen  # noqa: E402
 from kyu_transformer.data.text import DataError, check_data_dir, ensure_multi30k, fingerprint  # noqa: E402
+from kyu_transformer.hparam_keys import RESUMABLE, keys_of  # noqa: E402
 from kyu_transformer.precision import AUTO, resolve_precision  # noqa: E402
 from kyu_transformer.safety.lock import LogdirBusy, LogdirLock  # noqa: E402
 from kyu_transformer.safety.writes import as_out_of_space, copy_aside, is_out_of_space  # noqa: E402
@@ -38,10 +39,7 @@ from kyu_transformer.training.fine_tuning import (  # noqa: E402
     with_architecture,
 )
 
-# Hyperparameters that may change when a run is resumed: none changes the model or the data.
-RESUMABLE = ("num_epochs", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints",
-             "eval_sentences", "eval_batch_size", "jit_compile", "xla_loss", "steps_per_epoch",
-             "fast_paths")
+RESUMABLE_KEYS = keys_of(RESUMABLE)  # what a resumed run may change (the logdir too)
 STOPPED_BY_SIGNAL = 75  # after SIGTERM or SIGINT and a checkpoint (EX_TEMPFAIL: run it again)
 _HELD = []  # what this process keeps for its whole life: the logdir's lock
 
@@ -133,7 +131,7 @@ def settle_logdir(hparams, overwrite):
     saved = hp.load(saved_path) if os.path.isfile(saved_path) else None
     if saved is not None:
         changed = sorted(key for key in hp.SPEC
-                         if key not in RESUMABLE and key != "logdir" and saved[key] != hparams[key]
+                         if key not in RESUMABLE_KEYS and saved[key] != hparams[key]
                          # `auto` was resolved when the run began: it matches what it chose
                          and not (key == "mixed_precision" and hparams[key] == AUTO))
         if changed:
@@ -145,7 +143,7 @@ def settle_logdir(hparams, overwrite):
                 problems.append(f"another corpus (its training files differ from those in "
                                 f"{hparams['data_dir']})")
     if not problems:
-        return {**(saved or hparams), **{key: hparams[key] for key in RESUMABLE}, "logdir": logdir}
+        return {**(saved or hparams), **{key: hparams[key] for key in RESUMABLE_KEYS}}
     if not os.path.isfile(corpus_path) and has_own_checkpoint(logdir):  # weights, no run
         raise SystemExit(
             f"error: {logdir} holds checkpoints but no {filenames.CORPUS} (weights written "

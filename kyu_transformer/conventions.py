@@ -37,3 +37,11 @@ def check_heads(width, num_heads, width_name="d_model"):
     if width % num_heads:
         raise ValueError(f"`{width_name}` ({width}) must be divisible by `num_heads` "
                          f"({num_heads}).")
+
+
+def check_decay(decay_steps, warmup_steps):
+    """Raises ValueError unless `decay_steps` is 0 (no decay) or past the warm-up's end, where
+    the learning rate's linear decay to 0 starts."""
+    if decay_steps and decay_steps <= warmup_steps:
+        raise ValueError(f"`decay_steps` ({decay_steps}) must be 0 or more than `warmup_steps` "
+                         f"({warmup_steps}).")

@@ -28,7 +28,7 @@ from kyu_transformer.training.checkpoints import (
     load_model,
     model_weights,
 )
-from kyu_transformer.training.fine_tuning import ARCHITECTURE, Source
+from kyu_transformer.training.fine_tuning import ARCHITECTURE_KEYS, Source
 from kyu_transformer.training.trainer import Trainer
 from tests import programs
 from tests.test_data import MULTI30K
@@ -103,7 +103,7 @@ def starts_exactly_at(origin, logdir, corpus_dir, optimizer=False):
     exactly the outputs of `origin`'s model on the new corpus."""
     theirs = hp.load(str(origin / filenames.HPARAMS))
     hparams = {**fine_tune_hparams(logdir, corpus_dir),
-               **{key: theirs[key] for key in ARCHITECTURE}}
+               **{key: theirs[key] for key in ARCHITECTURE_KEYS}}
     trainer = Trainer(hparams, verbose=False,
                       initialize=Source(str(origin), theirs, optimizer=optimizer).initialize)
     assert trainer.restore() is None and trainer.global_step() == 0
@@ -213,7 +213,7 @@ def test_a_source_checkpoint_removed_after_it_was_read_is_named_in_one_line(
     with pytest.raises(CheckpointError, match=re.escape(expected)):
         taken._digests(checkpoint_files)
     hparams = {**fine_tune_hparams(tmp_path / "log", new_corpus),
-               **{key: theirs[key] for key in ARCHITECTURE}}
+               **{key: theirs[key] for key in ARCHITECTURE_KEYS}}
     trainer = Trainer(hparams, verbose=False, initialize=taken.initialize)
     with pytest.raises(CheckpointError, match=re.escape(expected)):
         trainer.restore()

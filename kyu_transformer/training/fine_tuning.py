@@ -9,11 +9,11 @@ import os
 import shutil
 
 from kyu_transformer import filenames
+from kyu_transformer.hparam_keys import ARCHITECTURE, keys_of
 from kyu_transformer.safety.writes import replaced_atomically, sha256, write_text
 
 # What the weights and the subword model depend on: the source's, never the command line's.
-ARCHITECTURE = ("vocab_size", "subword_model_type", "d_model", "d_ff", "num_blocks", "num_heads",
-                "maxlen1", "maxlen2", "norm_position", "sinusoid", "share_embeddings", "epsilon")
+ARCHITECTURE_KEYS = keys_of(ARCHITECTURE)
 
 
 class FineTuningError(ValueError):
@@ -50,13 +50,13 @@ def with_architecture(hparams, given, source, source_logdir):
     """`hparams` with the `source` hparams' architecture; a FineTuningError naming every
     architecture value in `given` (the names set on the command line) that contradicts it."""
     conflicts = [f"{key}: {hparams[key]!r} given, {source[key]!r} in the source"
-                 for key in ARCHITECTURE if key in given and hparams[key] != source[key]]
+                 for key in ARCHITECTURE_KEYS if key in given and hparams[key] != source[key]]
     if conflicts:
         raise FineTuningError(
             f"--init_from {source_logdir}: a fine-tuning run keeps the source run's "
             f"architecture, which the command line contradicts ({'; '.join(conflicts)}). Leave "
             "these out, or give the source's values")
-    return {**hparams, **{key: source[key] for key in ARCHITECTURE}}
+    return {**hparams, **{key: source[key] for key in ARCHITECTURE_KEYS}}
 
 
 def copy_subwords(source_logdir, directory):

@@ -3,6 +3,8 @@
 import keras
 from keras import ops
 
+from kyu_transformer.conventions import check_decay
+
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class NoamSchedule(keras.optimizers.schedules.LearningRateSchedule):
@@ -20,9 +22,7 @@ class NoamSchedule(keras.optimizers.schedules.LearningRateSchedule):
     def __init__(self, d_model, warmup_steps=4000, lr=1.0, decay_steps=0):
         self.d_model, self.warmup_steps, self.lr = int(d_model), int(warmup_steps), float(lr)
         self.decay_steps = int(decay_steps)
-        if self.decay_steps and self.decay_steps <= self.warmup_steps:
-            raise ValueError(f"`decay_steps` ({decay_steps}) must be 0 or more than "
-                             f"`warmup_steps` ({warmup_steps}).")
+        check_decay(self.decay_steps, self.warmup_steps)
 
     def __call__(self, step):
         step = ops.cast(step, "float32") + 1.0
