@@ -24,9 +24,12 @@ from kyu_transformer import filenames  # noqa: E402
 from kyu_transformer.cli.flags import (  # noqa: E402
     SAMPLING_FLAGS,
     add_checkpoint_arguments,
+    add_precision_argument,
     add_search_arguments,
     check_checkpoint_arguments,
+    excluding,
     given_search_flags,
+    refuse_clashes,
     search_settings,
 )
 from kyu_transformer.cli.startup import import_frozen  # noqa: E402
@@ -38,7 +41,7 @@ from kyu_transformer.data.text import (  # noqa: E402
     read_lines,
     split_files,
 )
-from kyu_transformer.precision import AUTO, resolve_precision, set_precision  # noqa: E402
+from kyu_transformer.precision import AUTO  # noqa: E402
 from kyu_transformer.safety.writes import stops_cleanly_when_full, write_text  # noqa: E402
 
 
@@ -54,9 +57,8 @@ def parse_args(argv):
     add_search_arguments(parser, helps={
         "n_best": "also write the K best hypotheses of each sentence (with sampling, K "
                   "samples) and their scores to <name>.nbest.jsonl (K at most --beam_size)"})
-    parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
-                        help="precision of decoding (default auto: chosen for this machine; "
-                             "the weights stay float32)")
+    add_precision_argument(parser, "default auto: chosen for this machine; the weights stay "
+                                   "float32")
     parser.add_argument("--plot_attention", type=int, default=0, metavar="K",
                         help="save cross-attention heatmaps of the first K sentences, "
                              "decoded greedily whatever --beam_size")
@@ -79,32 +81,31 @@ def check_args(parser, args):
         parser.error("--ref goes with --src")
     args.settings = search_settings(parser, **given_search_flags(args))
     check_checkpoint_arguments(parser, args)
-    for first, seconds, why in EXCLUSIVE_FLAGS:
-        for second in seconds:
-            if _given(args, first) and _given(args, second):
-                parser.error(f"--{first} and --{second} exclude each other: {why}")
-    if args.src == "-" and (args.score or args.n_best):
-        parser.error(f"--src - translates standard input line by line; --"
-                     f"{'score' if args.score else 'n_best'} needs a file (--src FILE) or --split")
-
-
-# (flag, flags, why): a flag that cannot be given with any of the flags.
-EXCLUSIVE_FLAGS = (
-    ("score", ("ref",), "--score rates FILE by the model, not by references"),
-    ("score", ("n_best", "plot_attention", "sampling_topk"), "--score translates nothing"),
-    ("score", ("ctranslate2",), "--score scores with the logdir's Keras model"),
-    ("ctranslate2", ("ckpt", "average_last"),
-     "the CTranslate2 model holds the weights it was converted from"),
-    ("ctranslate2", ("mixed_precision",),
-     "the CTranslate2 model computes in the weight type it was converted to"),
-    ("ctranslate2", ("plot_attention",), "attention heatmaps come from the Keras model"),
-)
+    refuse_clashes(parser, args, CLASHES)
 
 
 def _given(args, flag):
     if flag == "sampling_topk":
         return args.settings.sampling
     return getattr(args, flag) not in (None, 0, False, "")
+
+
+# The flags that cannot be given together, and why (`refuse_clashes`).
+CLASHES = (
+    *excluding("score", ("ref",), "--score rates FILE by the model, not by references", _given),
+    *excluding("score", ("n_best", "plot_attention", "sampling_topk"),
+               "--score translates nothing", _given),
+    *excluding("score", ("ctranslate2",), "--score scores with the logdir's Keras model", _given),
+    *excluding("ctranslate2", ("ckpt", "average_last"),
+               "the CTranslate2 model holds the weights it was converted from", _given),
+    *excluding("ctranslate2", ("mixed_precision",),
+               "the CTranslate2 model computes in the weight type it was converted to", _given),
+    *excluding("ctranslate2", ("plot_attention",),
+               "attention heatmaps come from the Keras model", _given),
+    (lambda args: args.src == "-" and (args.score or args.n_best),
+     lambda args: f"--src - translates standard input line by line; --"
+                  f"{'score' if args.score else 'n_best'} needs a file (--src FILE) or --split"),
+)
 
 
 def load_inputs(args, hparams):
@@ -192,16 +193,17 @@ def load_translator(args, hparams):
         return load_ctranslate2(args)
     import_frozen()
     from kyu_transformer.decoding.translator import Translator
-    from kyu_transformer.training.checkpoints import CheckpointError, describe, load_model
+    from kyu_transformer.training.checkpoints import CheckpointError, describe, load_trained
 
     choice = {}
-    # On standard error: with `--src -`, standard output holds the translations only.
-    precision = resolve_precision(args.mixed_precision or AUTO, hparams,
-                                  log=lambda line: choice.update(precision_choice=line) or
-                                  print(line, file=sys.stderr))
-    set_precision(precision)
+
+    def log(line):  # on standard error: with `--src -`, standard output holds translations only
+        choice.update(precision_choice=line)
+        print(line, file=sys.stderr)
+
     try:
-        model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
+        model, checkpoints, precision = load_trained(
+            hparams, args.logdir, args.ckpt, args.average_last, args.mixed_precision or AUTO, log)
     except CheckpointError as error:
         raise DataError(str(error)) from None
     return Translator(model, args.settings), {

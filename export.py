@@ -23,15 +23,17 @@ from kyu_transformer.cli.flags import (  # noqa: E402
     SAMPLING_FLAGS,
     SEARCH_FLAGS,
     add_checkpoint_arguments,
+    add_precision_argument,
     add_search_arguments,
     check_checkpoint_arguments,
     given_search_flags,
+    refuse_clashes,
     search_settings,
 )
 from kyu_transformer.cli.startup import import_frozen  # noqa: E402
 from kyu_transformer.data.subwords import Subwords  # noqa: E402
 from kyu_transformer.data.text import DataError  # noqa: E402
-from kyu_transformer.precision import PRECISION_POLICIES, resolve_precision, set_precision  # noqa: E402
+from kyu_transformer.precision import PRECISION_POLICIES  # noqa: E402
 from kyu_transformer.safety.writes import staging_beside, stops_cleanly_when_full, write_text  # noqa: E402
 
 FORMATS = ("saved_model", "ctranslate2")
@@ -52,9 +54,8 @@ def parse_args(argv):
                   "--beam_size; of the sample signature, samples)",
         "sampling_topk": "add the sample signature (text and seed in), which draws each token "
                          "from the K most likely (0: from all)"})
-    parser.add_argument("--mixed_precision", default=None, choices=hp.CHOICES["mixed_precision"],
-                        help="precision of decoding (default no: float32, since the serving "
-                             "machine is not known; auto chooses for this machine)")
+    add_precision_argument(parser, "default no: float32, since the serving machine is not "
+                                   "known; auto chooses for this machine")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                         help="weight type of --format ctranslate2 (default float32)")
     parser.add_argument("--overwrite", action="store_true",
@@ -83,12 +84,18 @@ def check_args(parser, args):
     args.sampling = (search_settings(parser, **{**searching, "beam_size": 1, **sampling})
                      if sampling else None)
     check_checkpoint_arguments(parser, args)
-    if args.mixed_precision and args.format == "ctranslate2":
-        parser.error(f"--mixed_precision ({args.mixed_precision}) applies to --format saved_model "
-                     "only: a CTranslate2 model computes in its --quantization weight type")
-    if args.quantization and args.format != "ctranslate2":
-        parser.error(f"--quantization ({args.quantization}) applies to --format ctranslate2 "
-                     "only: a SavedModel keeps the model's float32 weights")
+    refuse_clashes(parser, args, CLASHES)
+
+
+# The flags that cannot be given together, and why (`refuse_clashes`).
+CLASHES = (
+    (lambda args: args.mixed_precision and args.format == "ctranslate2",
+     lambda args: f"--mixed_precision ({args.mixed_precision}) applies to --format saved_model "
+                  "only: a CTranslate2 model computes in its --quantization weight type"),
+    (lambda args: args.quantization and args.format != "ctranslate2",
+     lambda args: f"--quantization ({args.quantization}) applies to --format ctranslate2 "
+                  "only: a SavedModel keeps the model's float32 weights"),
+)
 
 
 # Files that only an earlier export holds: --overwrite replaces nothing else.
@@ -144,12 +151,11 @@ def load(args):
     except (hp.HParamsError, DataError) as error:
         raise SystemExit(f"error: {error}") from None
     import_frozen()
-    from kyu_transformer.training.checkpoints import CheckpointError, load_model
+    from kyu_transformer.training.checkpoints import CheckpointError, load_trained
 
-    precision = resolve_precision(args.mixed_precision or "no", hparams)
-    set_precision(precision)
     try:
-        model, checkpoints = load_model(hparams, args.logdir, args.ckpt, args.average_last)
+        model, checkpoints, precision = load_trained(
+            hparams, args.logdir, args.ckpt, args.average_last, args.mixed_precision or "no")
     except CheckpointError as error:
         raise SystemExit(f"error: {error}") from None
     return hparams, subwords, model, checkpoints, precision

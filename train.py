@@ -24,6 +24,7 @@ from kyu_transformer.cli.flags import (  # noqa: E402
     STRATEGIES,
     add_checkpoint_arguments,
     check_checkpoint_arguments,
+    refuse_clashes,
 )
 from kyu_transformer.cli.startup import import_frozen  # noqa: E402
 from kyu_transformer.data.text import DataError, check_data_dir, ensure_multi30k, fingerprint  # noqa: E402
@@ -58,15 +59,22 @@ def parse_args(argv):
                              "checkpoint's optimizer moments (its step counter still starts at 0)")
     args = parser.parse_args(argv)
     check_checkpoint_arguments(parser, args, prefix="init_")
-    if args.init_optimizer and not args.init_from:
-        parser.error("--init_optimizer takes the optimizer of --init_from LOGDIR, which is not "
-                     "given")
-    if args.init_optimizer and (args.init_ckpt == "best" or args.init_average_last > 1):
-        given = ("--init_ckpt best" if args.init_ckpt == "best"
-                 else f"--init_average_last {args.init_average_last}")
-        parser.error(f"--init_optimizer needs one checkpoint of train.py's; {given} has no "
-                     "optimizer state (best.weights.h5 holds weights only; an average has none)")
+    refuse_clashes(parser, args, CLASHES)
     return args
+
+
+# The flags that cannot be given together, and why (`refuse_clashes`).
+CLASHES = (
+    (lambda args: args.init_optimizer and not args.init_from,
+     "--init_optimizer takes the optimizer of --init_from LOGDIR, which is not given"),
+    (lambda args: args.init_optimizer and (args.init_ckpt == filenames.BEST
+                                           or args.init_average_last > 1),
+     lambda args: "--init_optimizer needs one checkpoint of train.py's; "
+                  + (f"--init_ckpt {filenames.BEST}" if args.init_ckpt == filenames.BEST
+                     else f"--init_average_last {args.init_average_last}")
+                  + " has no optimizer state (best.weights.h5 holds weights only; an average "
+                  "has none)"),
+)
 
 
 def run_hparams(args):

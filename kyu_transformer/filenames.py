@@ -17,6 +17,7 @@ CHECKPOINT_PREFIX = "ckpt"  # TensorFlow's CheckpointManager names them ckpt-<st
 CHECKPOINT_INDEX = "checkpoint"  # ... and lists them in this file
 CORRUPT = "corrupt"  # inside CHECKPOINTS: unreadable checkpoints moved aside as <name>.<time>
 BEST_WEIGHTS = "best.weights.h5"  # the weights of the best validation BLEU
+BEST = "best"  # the name --ckpt gives them
 BEST_RECORD = "best.json"  # which step and BLEU they are
 HISTORY = "history.jsonl"  # one record per logged step and evaluation
 TENSORBOARD = "train"  # TensorBoard's event files

@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,6 @@ from kyu_transformer.safety.lock import LogdirLock
 from kyu_transformer.training.checkpoints import (
     list_checkpoints,
     model_weights,
-    random_states,
     unreadable,
 )
 from kyu_transformer.training.clock import UpdatePlan
@@ -29,7 +27,7 @@ from kyu_transformer.training.distribution import replica_slices
 from kyu_transformer.training.metrics import masked_accuracy
 from kyu_transformer.training.schedule import NoamSchedule
 from kyu_transformer.training.step import loss_terms_function
-from kyu_transformer.training.trainer import Trainer, TrainingError, seed_everything
+from kyu_transformer.training.trainer import Trainer, TrainingError
 from tests import programs
 from tests.programs import ROOT
 from tests.test_data import MULTI30K
@@ -150,22 +148,6 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, multi30k_
     fresh.checkpoint.restore(saved).assert_existing_objects_matched()
     assert np.all(np.isfinite(fresh.model.target_embedding.embeddings.numpy()))
     assert int(fresh.epoch) == 1 and int(fresh.optimizer.iterations) == 3
-
-
-def test_a_checkpoint_without_random_states_or_training_time_still_restores(tmp_path, capsys):
-    """Checkpoints written before the random states and the clock were saved resume too."""
-    hparams = tiny(tmp_path, dropout_rate=0.1)
-    trainer = Trainer(hparams, verbose=False)
-    trainer.epoch.assign(1)
-    older = tf.train.Checkpoint(weights=model_weights(trainer.model), optimizer=trainer.optimizer,
-                                epoch=trainer.epoch, step_in_epoch=trainer.step_in_epoch)
-    path = older.save(os.path.join(hparams["logdir"], "checkpoints", "ckpt"))
-    fresh = Trainer(hparams, verbose=False)
-    assert fresh.restore() == path
-    assert "holds no dropout random state or training time" in capsys.readouterr().out
-    assert int(fresh.epoch) == 1 and float(fresh.train_seconds) == 0.0
-    for restored, saved in zip(fresh.model.weights, trainer.model.weights):
-        np.testing.assert_array_equal(restored.numpy(), saved.numpy())
 
 
 def fixed_batches(epoch):
@@ -644,24 +626,7 @@ def test_the_plan_counts_an_epochs_updates_and_its_estimate_keeps_to_the_budget(
         f"about 0.0 min for the {90 - step} updates to go (the time budget's)")
 
 
-def test_a_run_checkpoint_written_before_the_regularizers_restores_object_for_object(tmp_path):
-    """`tests/data/before_regularizers`: a tiny run (dropout 0.1) checkpointed at step 5 of
-    its first epoch by the code before the regularizer hparams. Today's run state of its
-    hparams.json matches it object for object, random states included: the new dropouts at
-    their default rates hold none, so a resumed run draws the masks the old one would have
-    (bit for bit by hand: benchmarks/RESULTS.md)."""
-    source = os.path.join(os.path.dirname(MULTI30K), "before_regularizers")
-    shutil.copytree(source, tmp_path / "log")
-    hparams = hp.load(str(tmp_path / "log" / "hparams.json"))
-    assert "relu_dropout" not in json.loads((tmp_path / "log" / "hparams.json").read_text())
-    seed_everything(hparams["seed"])  # as train.py does before it builds the model
-    trainer = Trainer(hparams, logdir=str(tmp_path / "log"), verbose=False)
-    fresh = [state.numpy().tolist() for state in random_states(trainer.model)]
-    path = str(tmp_path / "log" / "checkpoints" / "ckpt-5")
-    trainer.checkpoints.checkpoint.restore(path).assert_consumed()
-    assert int(trainer.checkpoints.step_in_epoch.numpy()) == 5
-    # in the same order: each generator's seed is the one the old run drew for that layer,
-    # and each has drawn once an update since
-    restored = [state.numpy().tolist() for state in random_states(trainer.model)]
-    assert len(fresh) == 10 and len({seed for seed, _ in fresh}) == 10
-    assert restored == [[seed, 5] for seed, _ in fresh]
+def test_the_trainer_takes_a_precision_already_chosen(tmp_path):
+    """A run resolves `auto` once, before its trainer (train.py); the trainer refuses it."""
+    with pytest.raises(ValueError, match="`mixed_precision` is auto: resolve it first"):
+        Trainer(tiny(tmp_path, mixed_precision="auto"), verbose=False)

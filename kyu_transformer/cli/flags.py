@@ -3,7 +3,9 @@ a wrong flag before TensorFlow loads (seconds)."""
 
 import re
 
+from kyu_transformer import filenames
 from kyu_transformer.decoding.settings import SearchSettings
+from kyu_transformer.precision import AUTO, PRECISION_POLICIES
 
 STRATEGIES = ("auto", "default", "mirrored", "multi_worker")
 # The weight types of CTranslate2's CPU wheel.
@@ -19,8 +21,8 @@ def add_checkpoint_arguments(parser, prefix=""):
                                  "model and weights, with a fresh optimizer and schedule")
     else:
         parser.add_argument("--logdir", required=True, help="a logdir written by train.py")
-    parser.add_argument(f"--{prefix}ckpt", default=None, help="checkpoint path, or 'best' (best "
-                        "validation BLEU); default: the latest")
+    parser.add_argument(f"--{prefix}ckpt", default=None, help=f"checkpoint path, or "
+                        f"'{filenames.BEST}' (best validation BLEU); default: the latest")
     parser.add_argument(f"--{prefix}average_last", type=int, default=0, metavar="N",
                         help="average the weights of the last N checkpoints (all N must exist; not "
                              f"with --{prefix}ckpt)")
@@ -38,6 +40,29 @@ def check_checkpoint_arguments(parser, args, prefix=""):
     if prefix and not getattr(args, f"{prefix}from") and (ckpt or average_last):
         given = f"--{prefix}ckpt" if ckpt else f"--{prefix}average_last"
         parser.error(f"{given} chooses a checkpoint of --{prefix}from LOGDIR, which is not given")
+
+
+def add_precision_argument(parser, default_help):
+    """``--mixed_precision``: the precision a program decodes in (`default_help` says its
+    default; the weights stay float32)."""
+    parser.add_argument("--mixed_precision", default=None, choices=(*PRECISION_POLICIES, AUTO),
+                        help=f"precision of decoding ({default_help})")
+
+
+def refuse_clashes(parser, args, rules):
+    """Stops with the parser's error at the first of `rules` that `args` break. A rule is
+    ``(broken, message)``: `broken(args)` tells whether the flags clash, `message` says why (a
+    string, or a function of `args`). Each program lists its rules in one table."""
+    for broken, message in rules:
+        if broken(args):
+            parser.error(message(args) if callable(message) else message)
+
+
+def excluding(first, seconds, why, given):
+    """Rules that `first` cannot be given with any of `seconds` (`given(args, flag)` says
+    whether a flag is given), each saying ``--first and --second exclude each other: why``."""
+    return tuple((lambda args, second=second: given(args, first) and given(args, second),
+                  f"--{first} and --{second} exclude each other: {why}") for second in seconds)
 
 
 # Each search flag's value letter and help (the default is added from the field).

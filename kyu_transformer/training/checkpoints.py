@@ -20,9 +20,8 @@ import tensorflow as tf
 
 from kyu_transformer import filenames
 from kyu_transformer.model import Transformer
+from kyu_transformer.precision import resolve_precision, set_precision
 from kyu_transformer.safety.writes import as_out_of_space, is_out_of_space, write_text
-
-BEST = "best"
 
 
 class CheckpointError(ValueError):
@@ -91,7 +90,7 @@ def listed_checkpoints(directory):
 
 def resolve(logdir, ckpt):
     """The checkpoint named by `ckpt`: a path, or "best" (the logdir's best weights)."""
-    if ckpt == BEST:
+    if ckpt == filenames.BEST:
         path = os.path.join(logdir, filenames.BEST_WEIGHTS)
         if not os.path.isfile(path):
             raise CheckpointError(f"{logdir}: no best checkpoint (best.weights.h5); it is "
@@ -121,20 +120,32 @@ def _restore_into(model, path):
                               f"hparams.json ({first_line})") from None
 
 
+def newest_readable(paths):
+    """``(path, bad)``: the newest of `paths` (oldest first) whose every tensor reads, or None,
+    and ``{path: reason}`` of the newer ones that cannot be read."""
+    bad = {}
+    for path in reversed(paths):
+        reason = unreadable(path)
+        if reason is None:
+            return path, bad
+        bad[path] = reason
+    return None, bad
+
+
 def _restore_latest_readable(model, logdir):
     """Restores the newest checkpoint that reads, noting those skipped; returns its path."""
     available = list_checkpoints(logdir)
     if not available:
         raise CheckpointError(f"{logdir}: no checkpoint in {checkpoint_dir(logdir)} "
                               "(has training saved one yet?)")
-    for path in reversed(available):
-        try:
-            _restore_into(model, path)
-            return path
-        except UnreadableCheckpoint as error:
-            print(f"note: skipped {error}", flush=True)
-    tried = ", ".join(os.path.basename(path) for path in reversed(available))
-    raise CheckpointError(f"{checkpoint_dir(logdir)}: no checkpoint can be read (tried {tried})")
+    path, bad = newest_readable(available)
+    for bad_path, reason in bad.items():
+        print(f"note: skipped {bad_path}: cannot be read ({reason})", flush=True)
+    if path is None:
+        tried = ", ".join(os.path.basename(path) for path in reversed(available))
+        raise CheckpointError(f"{checkpoint_dir(logdir)}: no checkpoint can be read (tried {tried})")
+    _restore_into(model, path)
+    return path
 
 
 def _average_into(model, paths):
@@ -188,7 +199,17 @@ def load_model(hparams, logdir, ckpt=None, average_last=0):
     return model, [path]
 
 
-# The objects every run checkpoint holds beside the weights (older ones lack the others).
+def load_trained(hparams, logdir, ckpt=None, average_last=0, mixed_precision="no", log=print):
+    """``(model, paths, precision)`` for decoding: the Keras dtype policy set to
+    `mixed_precision` (``auto``: chosen for this machine, the choice said through `log`), then
+    the model and checkpoints of `load_model`. The weights stay float32 whatever the policy."""
+    precision = resolve_precision(mixed_precision, hparams, log=log)
+    set_precision(precision)
+    model, paths = load_model(hparams, logdir, ckpt, average_last)
+    return model, paths, precision
+
+
+# The objects every run checkpoint holds beside the weights.
 RUN_STATE = ("optimizer", "epoch", "step_in_epoch")
 
 
@@ -206,11 +227,9 @@ class RunCheckpoints:
             self.train_seconds = tf.Variable(0.0, dtype=tf.float64, trainable=False,
                                              name="train_seconds")
         self.directory, self.chief, self.max_to_keep = directory, chief, max_to_keep
-        # What checkpoints written before random states and training time were saved hold.
-        self._older = dict(weights=model_weights(model), optimizer=optimizer, epoch=self.epoch,
-                           step_in_epoch=self.step_in_epoch)
         self.checkpoint = tf.train.Checkpoint(
-            **self._older,
+            weights=model_weights(model), optimizer=optimizer, epoch=self.epoch,
+            step_in_epoch=self.step_in_epoch,
             # Not in `model.weights`; without them a resumed run redraws step 1's dropout masks.
             random_states=random_states(model), train_seconds=self.train_seconds)
         if chief:
@@ -226,13 +245,8 @@ class RunCheckpoints:
         """Restores the latest readable checkpoint (of the chief's), if any; returns its path.
         Each is read in full first (a damaged one never leaves half its values in the model);
         one that cannot be read is skipped, named, and moved aside by the chief."""
-        bad = {}
-        for path in reversed(listed_checkpoints(self.directory)):
-            bad[path] = unreadable(path)
-            if bad[path] is None:
-                del bad[path]
-                break
-        else:
+        path, bad = newest_readable(listed_checkpoints(self.directory))
+        if path is None:
             # None reads: refuse to start afresh (other workers' step 0 fails the step check).
             if bad and self.chief:
                 raise UnreadableCheckpoint(
@@ -246,17 +260,8 @@ class RunCheckpoints:
                 print(f"note: {bad_path} cannot be read ({reason}); moved to "
                       f"{set_aside(bad_path)}; resuming from {path}", flush=True)
             self.manager = self._manager(self.directory)  # its list still held what was moved
-        self._restore(path)
+        self.checkpoint.restore(path).assert_existing_objects_matched()
         return path
-
-    def _restore(self, path):
-        try:
-            self.checkpoint.restore(path).assert_existing_objects_matched()
-        except AssertionError:  # an older checkpoint (`_older`)
-            tf.train.Checkpoint(**self._older).restore(path).assert_existing_objects_matched()
-            if self.chief:
-                print(f"note: {path} holds no dropout random state or training time (an older "
-                      "checkpoint): dropout masks and the time budget start afresh", flush=True)
 
     def save(self, step, train_seconds):
         """Saves checkpoint number `step`; returns its path on the chief, else None. A full disk

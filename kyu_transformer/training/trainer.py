@@ -14,7 +14,7 @@ import tensorflow as tf
 from kyu_transformer import filenames
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
-from kyu_transformer.precision import resolve_precision, set_precision
+from kyu_transformer.precision import AUTO, set_precision
 from kyu_transformer.safety.signals import StopRequests
 from kyu_transformer.safety.writes import replaced_atomically
 from kyu_transformer.training.checkpoints import CheckpointError, RunCheckpoints, checkpoint_dir
@@ -56,7 +56,8 @@ class TrainingError(RuntimeError):
 class Trainer:
     """Trains a `Transformer` under `strategy`, with checkpoints and summaries in `logdir`.
 
-    ``auto`` precision is resolved per process (on several workers, pass the chief's choice).
+    ``mixed_precision`` must be a choice already made (``no``, ``bf16``, ``fp16``): a run resolves
+    ``auto`` once, with `precision.resolve_precision` (train.py; other workers take the chief's).
     `hooks`: ``hook(trainer, epoch, logs)``, run on the chief after each epoch (may add to
     `logs`). `initialize(trainer)` sets the starting weights when there is no checkpoint to
     resume from (fine-tuning's `fine_tuning.Source.initialize`).
@@ -70,7 +71,9 @@ class Trainer:
         self.hooks, self.verbose, self.initialize = list(hooks), verbose, initialize
         self.chief = is_chief(self.strategy)
         fast_paths = hparams.get("fast_paths", True)
-        hparams["mixed_precision"] = resolve_precision(hparams["mixed_precision"], hparams)
+        if hparams["mixed_precision"] == AUTO:
+            raise ValueError("`mixed_precision` is auto: resolve it first "
+                             "(kyu_transformer.precision.resolve_precision)")
         set_precision(hparams["mixed_precision"])
         with self.strategy.scope():
             self.model = Transformer.from_hparams(hparams, name="transformer")
