@@ -9,6 +9,7 @@ fine-tunes (docs/fine_tuning.md). Mistakes are refused before TensorFlow loads (
 it are imported in the functions that use them).
 """
 
+import contextlib
 import json
 import os
 import shlex
@@ -42,7 +43,6 @@ from kyu_transformer.training.fine_tuning import (  # noqa: E402
 
 RESUMABLE_KEYS = keys_of(RESUMABLE)  # what a resumed run may change (the logdir too)
 STOPPED_BY_SIGNAL = 75  # after SIGTERM or SIGINT and a checkpoint (EX_TEMPFAIL: run it again)
-_HELD = []  # what this process keeps for its whole life: the logdir's lock
 
 
 def parse_args(argv):
@@ -116,10 +116,10 @@ def read_source(args, hparams, chief):
                   run_precision=hparams["mixed_precision"])
 
 
-def hold_logdir(logdir):
-    """Takes the logdir's lock for the rest of the process (before anything is written)."""
+def hold_logdir(logdir, held):
+    """Takes the logdir's lock (before anything is written) until `held` (an ExitStack) closes."""
     try:
-        return LogdirLock(logdir).acquire()
+        held.enter_context(LogdirLock(logdir))
     except LogdirBusy as error:
         raise SystemExit(f"error: {error}") from None
     except OSError as error:
@@ -167,73 +167,69 @@ def corpus_fingerprint(hparams):
     return fingerprint(hparams["data_dir"], "train", hparams["src_lang"], hparams["tgt_lang"])
 
 
-def prepare_run(args, strategy, chief):
+def prepare_run(args, strategy, chief, held):
     """``(hparams, corpus, source)``: the logdir settled, the subword model ready, and a
     fine-tuning run's `fine_tuning.Source` (or None). The chief goes first (it alone locks and
-    writes the logdir), then the others; all check that they agree. A worker that fails says so
-    at the next barrier."""
-    from kyu_transformer.training.distribution import (
-        barrier,
-        check_agreement,
-        chief_choice,
-        is_multi_worker,
-        short_digest,
-    )
-
-    state = {}
-
-    def chief_part():
-        state["hparams"] = hparams = run_hparams(args)
-        state["source"] = read_source(args, hparams, chief)  # also checks it: before any write
-        if chief:
-            if not _HELD:  # not taken yet by `check_before_tensorflow`
-                _HELD.append(hold_logdir(hparams["logdir"]))
-            state["hparams"], state["corpus"] = prepare_logdir(
-                hparams, args.overwrite, True, state["source"])
-
-    def worker_part():
-        if not chief:
-            state["hparams"], state["corpus"] = prepare_logdir(
-                state["hparams"], False, False, state["source"])
-
-    barrier(strategy, failure_of(chief_part, strategy))  # the chief has written what it had to
-    barrier(strategy, failure_of(worker_part, strategy))  # every worker has hparams and subwords
-    hparams, corpus = state["hparams"], state["corpus"]
-    if is_multi_worker(strategy):
-        # A worker without the chief's hparams.json still has `auto`: it takes the chief's choice.
-        chosen = chief_choice(strategy, hparams["mixed_precision"], hp.CHOICES["mixed_precision"])
-        if hparams["mixed_precision"] == AUTO:
-            hparams["mixed_precision"] = chosen
-        facts = {f"hyperparameter {key}": value
-                 for key, value in sorted(hparams.items()) if key not in ("logdir", "data_dir")}
-        facts["corpus"] = corpus_fingerprint(hparams)
-        # Pieces and scores: the model file also holds the path it was trained in, which differs.
-        processor = corpus.subwords.processor
-        facts["subword vocabulary"] = [(processor.id_to_piece(i), processor.get_score(i))
-                                       for i in range(processor.get_piece_size())]
-        # A source still training may save between reads (null: a worker that read none).
-        facts["fine-tuning source"] = state["source"] and state["source"].record["sha256"]
-        check_agreement(strategy, digests={key: short_digest(fact) for key, fact in facts.items()})
-    return hparams, corpus, state["source"]
-
-
-def failure_of(step, strategy):
-    """Runs `step()`; returns None, or the message of the error that stopped it."""
-    from kyu_transformer.training.checkpoints import CheckpointError
+    writes the logdir; in a run of one process `check_before_tensorflow` has locked it), then the
+    others; all check that they agree. A worker that fails says so at the next barrier."""
     from kyu_transformer.training.distribution import is_multi_worker
 
+    corpus = None
+    with all_workers_past(strategy):  # the chief has written what it had to
+        hparams = run_hparams(args)
+        source = read_source(args, hparams, chief)  # also checks it: before any write
+        if chief:
+            if args.strategy == "multi_worker":  # else locked before TensorFlow loaded
+                hold_logdir(hparams["logdir"], held)
+            hparams, corpus = prepare_logdir(hparams, args.overwrite, True, source)
+    with all_workers_past(strategy):  # every worker has hparams and subwords
+        if not chief:
+            hparams, corpus = prepare_logdir(hparams, False, False, source)
+    if is_multi_worker(strategy):
+        agree_with_chief(strategy, hparams, corpus, source)
+    return hparams, corpus, source
+
+
+def agree_with_chief(strategy, hparams, corpus, source):
+    """Stops every worker of a multi-worker run unless all have the chief's hparams, corpus,
+    subword model and fine-tuning source; a worker still at ``auto`` takes the chief's choice."""
+    from kyu_transformer.training.distribution import check_agreement, chief_choice, short_digest
+
+    chosen = chief_choice(strategy, hparams["mixed_precision"], hp.CHOICES["mixed_precision"])
+    if hparams["mixed_precision"] == AUTO:  # a worker without the chief's hparams.json
+        hparams["mixed_precision"] = chosen
+    facts = {f"hyperparameter {key}": value
+             for key, value in sorted(hparams.items()) if key not in ("logdir", "data_dir")}
+    facts["corpus"] = corpus_fingerprint(hparams)
+    # Pieces and scores: the model file also holds the path it was trained in, which differs.
+    processor = corpus.subwords.processor
+    facts["subword vocabulary"] = [(processor.id_to_piece(i), processor.get_score(i))
+                                   for i in range(processor.get_piece_size())]
+    # A source still training may save between reads (null: a worker that read none).
+    facts["fine-tuning source"] = source and source.record["sha256"]
+    check_agreement(strategy, digests={key: short_digest(fact) for key, fact in facts.items()})
+
+
+@contextlib.contextmanager
+def all_workers_past(strategy):
+    """Runs the block, then waits at a barrier for every worker: an error of the block stops
+    this worker with its message and every other one naming it, so that none waits for ever."""
+    from kyu_transformer.training.checkpoints import CheckpointError
+    from kyu_transformer.training.distribution import barrier, is_multi_worker
+
+    failure = None
     try:
-        step()
+        yield
     except SystemExit as error:
-        return str(error).removeprefix("error: ")
+        failure = str(error).removeprefix("error: ")
     except (hp.HParamsError, DataError, CheckpointError, FineTuningError) as error:
-        return str(error)
+        failure = str(error)
     except Exception as error:  # pylint: disable=broad-except
         if not is_multi_worker(strategy):
             raise
         # Unforeseen, but it must still reach the barrier: the others would wait for ever.
-        return f"{type(error).__name__}: {error}"
-    return None
+        failure = f"{type(error).__name__}: {error}"
+    barrier(strategy, failure)
 
 
 def prepare_logdir(hparams, overwrite, chief, source=None):
@@ -317,17 +313,15 @@ def main(argv=None):
         return STOPPED_BY_SIGNAL
     finally:
         signal.signal(signal.SIGTERM, previous)
-        while _HELD:  # the logdir is free again (for a later run in this process)
-            _HELD.pop().release()
 
 
-def check_before_tensorflow(args):
+def check_before_tensorflow(args, held):
     """Refuses at once, in a run of one process, its hparams, a busy or unwritable logdir (the
-    lock is taken here, for the whole process), its data folder, a logdir trained otherwise.
+    lock is taken here, until `held` closes), its data folder, a logdir trained otherwise.
     (In a cluster each worker reports its own at a barrier instead.)"""
     try:
         hparams = run_hparams(args)
-        _HELD.append(hold_logdir(hparams["logdir"]))  # the lock lives as long as the process
+        hold_logdir(hparams["logdir"], held)
         if to_download(hparams["data_dir"]):
             return  # the corpus comes first: `prepare_logdir` downloads it, then checks the rest
         check_data_dir(hparams["data_dir"])
@@ -344,9 +338,17 @@ def to_download(data_dir):
 
 
 def train(argv):
+    """Parses, checks, prepares the logdir and corpus, trains and reports; the logdir stays
+    locked until it returns."""
     args = parse_args(argv)
+    with contextlib.ExitStack() as held:
+        return train_locked(args, held, argv)
+
+
+def train_locked(args, held, argv):
+    """`train` with `held`, the ExitStack that holds the logdir's lock."""
     if args.strategy != "multi_worker":
-        check_before_tensorflow(args)
+        check_before_tensorflow(args, held)
     import_frozen()
     from kyu_transformer.training.checkpoints import CheckpointError
     from kyu_transformer.training.distribution import WorkerDisagreement, is_chief, make_strategy
@@ -356,7 +358,7 @@ def train(argv):
     strategy = make_strategy(args.strategy)
     chief, hparams = is_chief(strategy), {}
     try:
-        hparams, corpus, source = prepare_run(args, strategy, chief)
+        hparams, corpus, source = prepare_run(args, strategy, chief, held)
         trainer = make_trainer(hparams, corpus, strategy, args.deterministic, source)
         started = time.time()
         result = trainer.fit(corpus.train_batches, hparams["steps_per_epoch"] or None)

@@ -18,7 +18,8 @@ class LogdirBusy(RuntimeError):
 
 
 class LogdirLock:
-    """The lock on `logdir` (made if missing), in file `path`; `acquire()` takes it."""
+    """The lock on `logdir` (made if missing), in file `path`: `acquire()` takes it, `release()`
+    gives it back; as a context, held for the block."""
 
     def __init__(self, logdir):
         self.logdir, self.path = logdir, os.path.join(logdir, LOCK)
@@ -55,3 +56,9 @@ class LogdirLock:
                 os.rmdir(self.logdir)
         self._handle.close()  # closing the descriptor releases the flock
         self._handle = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exception):
+        self.release()
