@@ -20,7 +20,10 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import filenames  # noqa: E402
+from kyu_transformer import (
+    config,  # noqa: E402
+    filenames,  # noqa: E402
+)
 from kyu_transformer.cli.flags import (  # noqa: E402
     SAMPLING_FLAGS,
     add_checkpoint_arguments,
@@ -240,7 +243,7 @@ def main(argv=None):
     started = time.time()
     args = parse_args(argv)
     try:
-        hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
+        hparams = config.load(os.path.join(args.logdir, filenames.HPARAMS))
         subwords = Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
         if args.src != "-":
             name, sources, references, source_file = load_inputs(args, hparams)
@@ -250,7 +253,7 @@ def main(argv=None):
                                      f"has {len(sources)}: --score needs one translation per "
                                      "source line")
         translator, facts = load_translator(args, hparams)
-    except (hp.HParamsError, DataError) as error:
+    except (config.HParamsError, DataError) as error:
         raise SystemExit(f"error: {error}")
     if args.src == "-":  # line by line, as it comes
         for line in sys.stdin:

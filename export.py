@@ -17,7 +17,10 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import filenames  # noqa: E402
+from kyu_transformer import (
+    config,  # noqa: E402
+    filenames,  # noqa: E402
+)
 from kyu_transformer.cli.flags import (  # noqa: E402
     QUANTIZATIONS,
     SAMPLING_FLAGS,
@@ -146,9 +149,9 @@ def load(args):
     """``(hparams, subwords, model, checkpoints, precision)`` read from --logdir as eval.py
     does; the Keras dtype policy is set to `precision` (--mixed_precision, by default float32)."""
     try:
-        hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
+        hparams = config.load(os.path.join(args.logdir, filenames.HPARAMS))
         subwords = Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
-    except (hp.HParamsError, DataError) as error:
+    except (config.HParamsError, DataError) as error:
         raise SystemExit(f"error: {error}") from None
     import_frozen()
     from kyu_transformer.training.checkpoints import CheckpointError, load_trained

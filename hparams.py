@@ -1,30 +1,17 @@
-"""The hyperparameters as the programs take them: presets, parsing and validation.
+"""The hyperparameters as the programs take them: the presets and the command line.
 
-Every key (its default, its role and its help) is defined once, in `kyu_transformer.hparam_keys`.
+Every key (its default, its role and its help), its checks and the `hparams.json` of a logdir are
+defined once, in `kyu_transformer.config`.
 
 ``--hparams`` joins presets, JSON files and ``key=value`` parts by commas, later ones winning
 (``--hparams small,lr=2.0``); single flags (``--batch_size 64``) override them all.
 """
 
 import argparse
-import contextlib
 import difflib
-import json
 import os
 
-from kyu_transformer.conventions import NORM_POSITIONS, check_decay, check_heads
-from kyu_transformer.hparam_keys import DEFAULTS, HELP, SPEC  # noqa: F401  (the programs' names)
-from kyu_transformer.precision import AUTO, PRECISION_POLICIES
-from kyu_transformer.safety.writes import write_text
-
-CHOICES = {"norm_position": NORM_POSITIONS, "mixed_precision": (*PRECISION_POLICIES, AUTO),
-           "subword_model_type": ("unigram", "bpe")}
-POSITIVE = ("vocab_size", "maxlen1", "maxlen2", "batch_size", "d_model", "d_ff", "num_blocks",
-            "num_heads", "lr", "warmup_steps", "num_epochs", "keep_checkpoints", "log_every",
-            "epsilon", "eval_batch_size", "accumulate_steps")
-NON_NEGATIVE = ("batch_tokens", "steps_per_epoch", "max_minutes", "checkpoint_every",
-                "eval_sentences", "seed", "subword_alpha", "decay_steps")
-RATES = ("dropout_rate", "smoothing", "relu_dropout", "word_dropout")
+from kyu_transformer.config import DEFAULTS, HELP, SPEC, HParamsError, closest, read_json, resolve
 
 PRESETS = {
     # For tests and smoke runs. No `xla_loss`: in a few dozen updates, compiling the loss
@@ -45,44 +32,6 @@ PRESETS = {
 }
 
 
-class HParamsError(ValueError):
-    """A hyperparameter problem; the message lists every problem found."""
-
-
-def _closest(name, names=SPEC):
-    match = difflib.get_close_matches(name, list(names), n=1)
-    return f" (did you mean `{match[0]}`?)" if match else ""
-
-
-def _convert(name, value):
-    """`value` (a string from the command line, or a JSON value) as the type of `name`."""
-    kind = type(DEFAULTS[name])
-    if isinstance(value, str) and kind is not str:
-        text = value.strip()
-        if kind is bool:
-            if text.lower() not in ("true", "1", "yes", "false", "0", "no"):
-                raise HParamsError(f"`{name}` must be true or false, got {value!r}")
-            return text.lower() in ("true", "1", "yes")
-        with contextlib.suppress(ValueError):  # the error below
-            return kind(float(text)) if kind is int and float(text).is_integer() else kind(text)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
-        return value
-    raise HParamsError(f"`{name}` must be {kind.__name__}, got {value!r}")
-
-
-def _read_json(path):
-    try:
-        with open(path, encoding="utf-8") as handle:
-            values = json.load(handle)
-    except json.JSONDecodeError as error:
-        raise HParamsError(f"{path}, line {error.lineno}: not valid JSON ({error.msg})") from None
-    if not isinstance(values, dict):
-        raise HParamsError(f"{path}: expected a JSON object of hyperparameters")
-    return values
-
-
 def _parse_part(part):
     """One comma-separated part of `--hparams`: a preset, a JSON file or key=value."""
     if "=" in part:
@@ -93,9 +42,9 @@ def _parse_part(part):
     if part.endswith(".json") or os.path.sep in part:
         if not os.path.isfile(part):
             raise HParamsError(f"--hparams: no such JSON file: {part}")
-        return _read_json(part)
+        return read_json(part)
     raise HParamsError(f"--hparams: {part!r} is neither a preset ({', '.join(PRESETS)})"
-                       f"{_closest(part, PRESETS)}, a JSON file nor key=value")
+                       f"{closest(part, PRESETS)}, a JSON file nor key=value")
 
 
 def _given(spec="", overrides=None):
@@ -112,59 +61,6 @@ def parse(spec="", overrides=None):
     return resolve(_given(spec, overrides))
 
 
-def resolve(values):
-    """DEFAULTS updated with `values`, converted and validated; raises HParamsError."""
-    problems = []
-    hparams = dict(DEFAULTS)
-    for name, value in values.items():
-        if name not in SPEC:
-            problems.append(f"unknown hyperparameter `{name}`{_closest(name)}; "
-                            f"valid ones: {', '.join(sorted(SPEC))}")
-            continue
-        try:
-            hparams[name] = _convert(name, value)
-        except HParamsError as error:
-            problems.append(str(error))
-    if not problems:
-        problems = check(hparams)
-    if problems:
-        raise HParamsError("bad hyperparameters:\n  - " + "\n  - ".join(problems))
-    return hparams
-
-
-def check(hparams):
-    """The list of problems of a fully typed hparams dict (empty when valid)."""
-    ranges = ((POSITIVE, lambda value: value > 0, "positive"),
-              (NON_NEGATIVE, lambda value: value >= 0, ">= 0"),
-              (RATES, lambda value: 0.0 <= value < 1.0, "in [0, 1)"),
-              (("attention_dropout",), lambda value: value == -1.0 or 0.0 <= value < 1.0,
-               "in [0, 1) or -1 (as dropout_rate)"))
-    problems = [f"`{name}` must be {text}, got {hparams[name]}"
-                for names, valid, text in ranges for name in names if not valid(hparams[name])]
-    problems += [f"`{name}` must be one of {', '.join(choices)}, got {hparams[name]!r}"
-                 for name, choices in CHOICES.items() if hparams[name] not in choices]
-    if hparams["num_heads"] > 0:
-        problems += _broken(check_heads, hparams["d_model"], hparams["num_heads"])
-    if hparams["subword_alpha"] > 0 and hparams["subword_model_type"] != "unigram":
-        problems.append("`subword_alpha` samples segmentations of a unigram model; "
-                        f"`subword_model_type` is {hparams['subword_model_type']!r}")
-    problems += _broken(check_decay, hparams["decay_steps"], hparams["warmup_steps"])
-    longest = max(hparams["maxlen1"], hparams["maxlen2"])
-    if hparams["batch_tokens"] and hparams["batch_tokens"] < longest:
-        problems.append(f"`batch_tokens` ({hparams['batch_tokens']}) must be 0 or at least the "
-                        f"longest sequence ({longest})")
-    return problems
-
-
-def _broken(rule, *args):
-    """The message of the ValueError `rule(*args)` raises (without its full stop), as a list."""
-    try:
-        rule(*args)
-    except ValueError as error:
-        return [str(error).rstrip(".")]
-    return []
-
-
 def _overrides(args):
     return {name: getattr(args, name) for name in SPEC if getattr(args, name) is not None}
 
@@ -177,18 +73,6 @@ def from_args(args):
 def given_keys(args):
     """The names the flags set (by a preset, a JSON file, key=value or a flag), not defaulted."""
     return set(_given(args.hparams, _overrides(args)))
-
-
-def save(hparams, path):
-    """Writes `hparams` to `path` as JSON, atomically."""
-    write_text(path, json.dumps(hparams, indent=2, sort_keys=True) + "\n")
-
-
-def load(path):
-    """The hparams saved at `path`, validated against today's SPEC."""
-    if not os.path.isfile(path):
-        raise HParamsError(f"{path}: no such file (has this logdir been trained?)")
-    return resolve(_read_json(path))
 
 
 class ArgumentParser(argparse.ArgumentParser):

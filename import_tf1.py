@@ -19,6 +19,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
 from kyu_transformer import (
+    config,  # noqa: E402
     filenames,  # noqa: E402
     tf1_checkpoint,
 )
@@ -99,7 +100,7 @@ def write_logdir(hparams, subword_model, weights, step):
     new = os.path.join(staging, "new")  # made with the umask's mode (mkdtemp's is 0o700)
     try:
         os.mkdir(new)
-        hp.save(hparams, os.path.join(new, filenames.HPARAMS))
+        config.save(hparams, os.path.join(new, filenames.HPARAMS))
         shutil.copyfile(subword_model, os.path.join(new, filenames.SUBWORDS))
         processor = tf1_checkpoint.check_subword_model(subword_model, hparams["vocab_size"])
         with open(os.path.join(new, filenames.SUBWORDS_VOCABULARY), "w",
@@ -123,7 +124,7 @@ def main(argv=None):
         hparams, subword_model = check_before_tensorflow(args)
         import_frozen()
         weights, step, prefix, biases, skipped = read_weights(args, hparams)
-    except (TF1ImportError, hp.HParamsError) as error:
+    except (TF1ImportError, config.HParamsError) as error:
         raise SystemExit(f"error: {error}") from None
     path = write_logdir(hparams, subword_model, weights, step)
     read = len(tf1_checkpoint.layout(hparams, biases))

@@ -10,7 +10,6 @@ it are imported in the functions that use them).
 """
 
 import contextlib
-import json
 import os
 import shlex
 import signal
@@ -22,26 +21,18 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import hparams as hp  # noqa: E402
 from kyu_transformer import filenames  # noqa: E402
 from kyu_transformer.cli.flags import (  # noqa: E402
-    STRATEGIES,
-    add_checkpoint_arguments,
-    check_checkpoint_arguments,
-    refuse_clashes,
-)
+    STRATEGIES, add_checkpoint_arguments, check_checkpoint_arguments, refuse_clashes)
 from kyu_transformer.cli.startup import import_frozen  # noqa: E402
-from kyu_transformer.data.text import DataError, check_data_dir, ensure_multi30k, fingerprint  # noqa: E402
-from kyu_transformer.hparam_keys import RESUMABLE, keys_of  # noqa: E402
-from kyu_transformer.precision import AUTO, resolve_precision  # noqa: E402
+from kyu_transformer.config import HParamsError, load  # noqa: E402
+from kyu_transformer.data.text import DataError, check_data_dir  # noqa: E402
 from kyu_transformer.safety.lock import LogdirBusy, LogdirLock  # noqa: E402
-from kyu_transformer.safety.writes import as_out_of_space, copy_aside, is_out_of_space  # noqa: E402
+from kyu_transformer.safety.writes import as_out_of_space, is_out_of_space  # noqa: E402
 from kyu_transformer.training.fine_tuning import (  # noqa: E402
-    FineTuningError,
-    check_source,
-    copy_subwords,
-    has_own_checkpoint,
-    with_architecture,
-)
+    FineTuningError, check_source, has_own_checkpoint, with_architecture)
+from kyu_transformer.training.logdir import (  # noqa: E402
+    LogdirError, agree_with_chief, all_workers_past, default_corpus_missing, prepare_logdir,
+    settle_logdir)
 
-RESUMABLE_KEYS = keys_of(RESUMABLE)  # what a resumed run may change (the logdir too)
 STOPPED_BY_SIGNAL = 75  # after SIGTERM or SIGINT and a checkpoint (EX_TEMPFAIL: run it again)
 
 
@@ -77,6 +68,22 @@ CLASHES = (
 )
 
 
+def check_before_tensorflow(args, held):
+    """Refuses at once, in a run of one process, its hparams, a busy or unwritable logdir (the
+    lock is taken here, until `held` closes), its data folder, a logdir trained otherwise.
+    (In a cluster each worker reports its own at a barrier instead.)"""
+    try:
+        hparams = run_hparams(args)
+        hold_logdir(hparams["logdir"], held)
+        if default_corpus_missing(hparams["data_dir"]):
+            return  # the corpus comes first: `prepare_logdir` downloads it, then checks the rest
+        check_data_dir(hparams["data_dir"])
+        if not args.overwrite:
+            settle_logdir(hparams, overwrite=False)
+    except (HParamsError, DataError, LogdirError) as error:
+        raise SystemExit(f"error: {error}") from None
+
+
 def run_hparams(args):
     """The run's hparams: its flags', and for a fine-tuning run (--init_from) the source's
     architecture, which values given again must equal. A run resuming from checkpoints of its own
@@ -92,10 +99,20 @@ def run_hparams(args):
         origin = os.path.join(own, filenames.HPARAMS)
         if args.overwrite or not (has_own_checkpoint(own) and os.path.isfile(origin)):
             origin = check_source(args.init_from, args.init_ckpt)
-        return hp.resolve(with_architecture(hparams, hp.given_keys(args), hp.load(origin),
+        return hp.resolve(with_architecture(hparams, hp.given_keys(args), load(origin),
                                             args.init_from))
     except FineTuningError as error:
         raise SystemExit(f"error: {error}") from None
+
+
+def hold_logdir(logdir, held):
+    """Takes the logdir's lock (before anything is written) until `held` (an ExitStack) closes."""
+    try:
+        held.enter_context(LogdirLock(logdir))
+    except LogdirBusy as error:
+        raise SystemExit(f"error: {error}") from None
+    except OSError as error:
+        raise SystemExit(f"error: the logdir {logdir} is not writable ({error.strerror})")
 
 
 def read_source(args, hparams, chief):
@@ -111,60 +128,9 @@ def read_source(args, hparams, chief):
             print(f"note: {hparams['logdir']} has checkpoints of its own: it resumes from them, "
                   f"and --init_from {args.init_from} is not read", flush=True)
         return None
-    return Source(args.init_from, hp.load(os.path.join(args.init_from, filenames.HPARAMS)),
+    return Source(args.init_from, load(os.path.join(args.init_from, filenames.HPARAMS)),
                   args.init_ckpt, args.init_average_last, args.init_optimizer,
                   run_precision=hparams["mixed_precision"])
-
-
-def hold_logdir(logdir, held):
-    """Takes the logdir's lock (before anything is written) until `held` (an ExitStack) closes."""
-    try:
-        held.enter_context(LogdirLock(logdir))
-    except LogdirBusy as error:
-        raise SystemExit(f"error: {error}") from None
-    except OSError as error:
-        raise SystemExit(f"error: the logdir {logdir} is not writable ({error.strerror})")
-
-
-def settle_logdir(hparams, overwrite):
-    """The hparams to train with: the logdir's own when resuming, else the given ones. A logdir
-    of other hyperparameters or another corpus is refused, or with `overwrite` moved aside."""
-    logdir = hparams["logdir"]
-    if overwrite and set(os.listdir(logdir)) - {filenames.LOCK}:
-        print(f"--overwrite: moved the old logdir to {copy_aside(logdir, keep=(filenames.LOCK,))}")
-        return hparams
-    saved_path = os.path.join(logdir, filenames.HPARAMS)
-    corpus_path = os.path.join(logdir, filenames.CORPUS)
-    problems = []
-    saved = hp.load(saved_path) if os.path.isfile(saved_path) else None
-    if saved is not None:
-        changed = sorted(key for key in hp.SPEC
-                         if key not in RESUMABLE_KEYS and saved[key] != hparams[key]
-                         # `auto` was resolved when the run began: it matches what it chose
-                         and not (key == "mixed_precision" and hparams[key] == AUTO))
-        if changed:
-            problems.append("other hyperparameters (" + ", ".join(
-                f"{key}: {saved[key]!r} -> {hparams[key]!r}" for key in changed) + ")")
-    if os.path.isfile(corpus_path):
-        with open(corpus_path, encoding="utf-8") as handle:
-            if json.load(handle) != corpus_fingerprint(hparams):
-                problems.append(f"another corpus (its training files differ from those in "
-                                f"{hparams['data_dir']})")
-    if not problems:
-        return {**(saved or hparams), **{key: hparams[key] for key in RESUMABLE_KEYS}}
-    if not os.path.isfile(corpus_path) and has_own_checkpoint(logdir):  # weights, no run
-        raise SystemExit(
-            f"error: {logdir} holds checkpoints but no {filenames.CORPUS} (weights written "
-            f"without a run of train.py, as import_tf1.py writes them) and differs in "
-            f"{' and '.join(problems)}. To train from its weights, start a new run: --init_from "
-            f"{logdir} with a new --logdir")
-    raise SystemExit(f"error: {logdir} was trained with {' and '.join(problems)}. Use another "
-                     "--logdir, the same settings to resume, or --overwrite to move the old logdir "
-                     "aside and start afresh.")
-
-
-def corpus_fingerprint(hparams):
-    return fingerprint(hparams["data_dir"], "train", hparams["src_lang"], hparams["tgt_lang"])
 
 
 def prepare_run(args, strategy, chief, held):
@@ -190,91 +156,9 @@ def prepare_run(args, strategy, chief, held):
     return hparams, corpus, source
 
 
-def agree_with_chief(strategy, hparams, corpus, source):
-    """Stops every worker of a multi-worker run unless all have the chief's hparams, corpus,
-    subword model and fine-tuning source; a worker still at ``auto`` takes the chief's choice."""
-    from kyu_transformer.training.distribution import check_agreement, chief_choice, short_digest
-
-    chosen = chief_choice(strategy, hparams["mixed_precision"], hp.CHOICES["mixed_precision"])
-    if hparams["mixed_precision"] == AUTO:  # a worker without the chief's hparams.json
-        hparams["mixed_precision"] = chosen
-    facts = {f"hyperparameter {key}": value
-             for key, value in sorted(hparams.items()) if key not in ("logdir", "data_dir")}
-    facts["corpus"] = corpus_fingerprint(hparams)
-    # Pieces and scores: the model file also holds the path it was trained in, which differs.
-    processor = corpus.subwords.processor
-    facts["subword vocabulary"] = [(processor.id_to_piece(i), processor.get_score(i))
-                                   for i in range(processor.get_piece_size())]
-    # A source still training may save between reads (null: a worker that read none).
-    facts["fine-tuning source"] = source and source.record["sha256"]
-    check_agreement(strategy, digests={key: short_digest(fact) for key, fact in facts.items()})
-
-
-@contextlib.contextmanager
-def all_workers_past(strategy):
-    """Runs the block, then waits at a barrier for every worker: an error of the block stops
-    this worker with its message and every other one naming it, so that none waits for ever."""
-    from kyu_transformer.training.checkpoints import CheckpointError
-    from kyu_transformer.training.distribution import barrier, is_multi_worker
-
-    failure = None
-    try:
-        yield
-    except SystemExit as error:
-        failure = str(error).removeprefix("error: ")
-    except (hp.HParamsError, DataError, CheckpointError, FineTuningError) as error:
-        failure = str(error)
-    except Exception as error:  # pylint: disable=broad-except
-        if not is_multi_worker(strategy):
-            raise
-        # Unforeseen, but it must still reach the barrier: the others would wait for ever.
-        failure = f"{type(error).__name__}: {error}"
-    barrier(strategy, failure)
-
-
-def prepare_logdir(hparams, overwrite, chief, source=None):
-    """``(hparams, corpus)``: the data folder checked (the default one downloaded if missing),
-    the logdir settled; the chief also writes `hparams.json` and `corpus.json` the first time.
-    A fine-tuning run's corpus is encoded with its `source`'s subword model, copied first."""
-    from kyu_transformer.data.corpus import Corpus
-    from kyu_transformer.training.checkpoints import (
-        list_checkpoints,
-        private_dir,
-        refuse_weights_only,
-        unreadable,
-    )
-
-    data_dir = hparams["data_dir"]
-    if to_download(data_dir):
-        print(f"{data_dir} is missing: downloading Multi30k")
-        ensure_multi30k(data_dir)
-    check_data_dir(data_dir)
-    hparams = settle_logdir(hparams, overwrite)
-    if chief:  # the others take the chief's choice (`prepare_run`)
-        hparams["mixed_precision"] = resolve_precision(hparams["mixed_precision"], hparams)
-    if chief and not os.path.isfile(os.path.join(hparams["logdir"], filenames.CORPUS)):
-        # An imported logdir, refused before anything is written (the restore would refuse it
-        # after; it also sets an unreadable checkpoint aside).
-        for path in list_checkpoints(hparams["logdir"])[-1:]:
-            if unreadable(path) is None:
-                refuse_weights_only(path)
-    model_dir = hparams["logdir"]
-    if not chief and not os.path.isfile(os.path.join(model_dir, filenames.SUBWORDS)):
-        # A worker that cannot see the chief's trains the same model, deterministically, apart.
-        model_dir = private_dir("worker-subwords-")
-    if source is not None:
-        copy_subwords(source.logdir, model_dir)
-    corpus = Corpus(hparams["data_dir"], model_dir, hparams)
-    if chief:
-        for name, value in ((filenames.HPARAMS, hparams),
-                            (filenames.CORPUS, corpus_fingerprint(hparams))):
-            path = os.path.join(hparams["logdir"], name)
-            if not os.path.isfile(path):
-                hp.save(value, path)
-    return hparams, corpus
-
-
 def make_trainer(hparams, corpus, strategy, deterministic, source=None):
+    """The run's `Trainer` (validation BLEU after each epoch when `eval_sentences`), everything
+    seeded first; a fine-tuning `source` sets the starting weights."""
     from kyu_transformer.training.trainer import Trainer, seed_everything
     from kyu_transformer.training.validation import ValidationBleu
 
@@ -288,20 +172,8 @@ def make_trainer(hparams, corpus, strategy, deterministic, source=None):
     return trainer
 
 
-def out_of_space_line(error, logdir):
-    """The one line a run stopped by a full disk ends with."""
-    from kyu_transformer.training.checkpoints import list_checkpoints
-
-    try:
-        newest = list_checkpoints(logdir) if logdir and os.path.isdir(logdir) else []
-    except ValueError:  # an index cut short
-        newest = []
-    return (f"error: {as_out_of_space(error)}; the newest complete checkpoint is "
-            f"{newest[-1] if newest else 'none yet'}. Free some space and run the same "
-            "command again to resume.")
-
-
 def main(argv=None):
+    """Runs train.py; returns its exit status (0, or 75 after a stop by a signal)."""
     # Outside training SIGTERM acts as Ctrl-C; in it, both ask the trainer to stop after an update.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
@@ -313,28 +185,6 @@ def main(argv=None):
         return STOPPED_BY_SIGNAL
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def check_before_tensorflow(args, held):
-    """Refuses at once, in a run of one process, its hparams, a busy or unwritable logdir (the
-    lock is taken here, until `held` closes), its data folder, a logdir trained otherwise.
-    (In a cluster each worker reports its own at a barrier instead.)"""
-    try:
-        hparams = run_hparams(args)
-        hold_logdir(hparams["logdir"], held)
-        if to_download(hparams["data_dir"]):
-            return  # the corpus comes first: `prepare_logdir` downloads it, then checks the rest
-        check_data_dir(hparams["data_dir"])
-        if not args.overwrite:
-            settle_logdir(hparams, overwrite=False)
-    except (hp.HParamsError, DataError) as error:
-        raise SystemExit(f"error: {error}") from None
-
-
-def to_download(data_dir):
-    """Whether `data_dir` is the default one and missing: Multi30k is downloaded there."""
-    return not os.path.exists(data_dir) and (
-        os.path.normpath(data_dir) == os.path.normpath(hp.DEFAULTS["data_dir"]))
 
 
 def train(argv):
@@ -390,6 +240,19 @@ def report(result, trainer, logdir, minutes, argv):
           f"{minutes:.1f} min; last loss {result['last_loss']}; logdir {logdir}")
     print(f"weights sha256: {weights_digest(trainer.model)}")
     return 0
+
+
+def out_of_space_line(error, logdir):
+    """The one line a run stopped by a full disk ends with."""
+    from kyu_transformer.training.checkpoints import list_checkpoints
+
+    try:
+        newest = list_checkpoints(logdir) if logdir and os.path.isdir(logdir) else []
+    except ValueError:  # an index cut short
+        newest = []
+    return (f"error: {as_out_of_space(error)}; the newest complete checkpoint is "
+            f"{newest[-1] if newest else 'none yet'}. Free some space and run the same "
+            "command again to resume.")
 
 
 if __name__ == "__main__":

@@ -106,10 +106,9 @@ def main():
     require("ctranslate2", "serve", hint="")
     require_data(args.data_dir)
 
-    import hparams as hp
-    from kyu_transformer import filenames
+    from kyu_transformer import config, filenames
 
-    hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
+    hparams = config.load(os.path.join(args.logdir, filenames.HPARAMS))
     sources = load_split(args)[0]
     exports = tempfile.mkdtemp(prefix="export-speed-")
     try:
@@ -148,13 +147,12 @@ def measure(args):
     """One run of one path in this fresh process; prints its figures as a JSON line."""
     import sacrebleu
 
-    import hparams as hp
-    from kyu_transformer import filenames
+    from kyu_transformer import config, filenames
     from kyu_transformer.data.subwords import Subwords
     from kyu_transformer.data.text import load_split
 
     name, exports = args.measure.split(":", 1)
-    hparams = hp.load(os.path.join(args.logdir, filenames.HPARAMS))
+    hparams = config.load(os.path.join(args.logdir, filenames.HPARAMS))
     subwords = Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
     sources, references = load_split(args)
     if name == "ours (Translator)":

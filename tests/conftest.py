@@ -161,12 +161,11 @@ def varied_tiny_logdir(tmp_path_factory):
 
 def load_logdir(logdir):
     """``(hparams, model, subwords)`` of a logdir, as eval.py loads them."""
-    import hparams as hp
-    from kyu_transformer import filenames
+    from kyu_transformer import config, filenames
     from kyu_transformer.data.subwords import Subwords
     from kyu_transformer.training.checkpoints import load_model
 
-    hparams = hp.load(str(logdir / "hparams.json"))
+    hparams = config.load(str(logdir / "hparams.json"))
     model, _ = load_model(hparams, str(logdir))
     return hparams, model, Subwords(str(logdir / filenames.SUBWORDS))
 

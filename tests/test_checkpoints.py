@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import hparams as hp
+from kyu_transformer import config
 from kyu_transformer.training.checkpoints import (
     CheckpointError,
     describe,
@@ -35,7 +35,7 @@ def _checkpoint_tensor(reader, name):
 
 
 def test_averaged_weights_are_the_mean_of_the_checkpoints(trained_logdir):
-    hparams = hp.load(str(trained_logdir / "hparams.json"))
+    hparams = config.load(str(trained_logdir / "hparams.json"))
     available = list_checkpoints(str(trained_logdir))
     assert [os.path.basename(path) for path in available] == ["ckpt-4", "ckpt-8", "ckpt-12"]
     model, paths = load_model(hparams, str(trained_logdir), average_last=2)
@@ -52,7 +52,7 @@ def test_averaged_weights_are_the_mean_of_the_checkpoints(trained_logdir):
 
 
 def test_one_checkpoint_is_loaded_as_saved(trained_logdir):
-    hparams = hp.load(str(trained_logdir / "hparams.json"))
+    hparams = config.load(str(trained_logdir / "hparams.json"))
     first = list_checkpoints(str(trained_logdir))[0]
     model, paths = load_model(hparams, str(trained_logdir), ckpt=first)
     assert paths == [first]
@@ -62,14 +62,14 @@ def test_one_checkpoint_is_loaded_as_saved(trained_logdir):
 
 
 def test_averaging_more_checkpoints_than_exist_is_an_error(trained_logdir):
-    hparams = hp.load(str(trained_logdir / "hparams.json"))
+    hparams = config.load(str(trained_logdir / "hparams.json"))
     with pytest.raises(CheckpointError, match=r"last 5 checkpoints \(average_last=5\), but 3 "
                                               r"exist: ckpt-4, ckpt-8, ckpt-12"):
         load_model(hparams, str(trained_logdir), average_last=5)
 
 
 def test_a_checkpoint_and_averaging_together_are_refused(trained_logdir):
-    hparams = hp.load(str(trained_logdir / "hparams.json"))
+    hparams = config.load(str(trained_logdir / "hparams.json"))
     first = list_checkpoints(str(trained_logdir))[0]
     with pytest.raises(ValueError, match=r"`ckpt` \(.*ckpt-4\) and `average_last` \(2\) "
                                          r"exclude each other"):

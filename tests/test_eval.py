@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 import eval as eval_program
-import hparams as hp
-from kyu_transformer import filenames
+from kyu_transformer import config, filenames
 from kyu_transformer.conventions import BOS_ID, EOS_ID
 from kyu_transformer.data.subwords import Subwords
 from kyu_transformer.data.text import load_split
@@ -34,7 +33,7 @@ def read_json_lines(path):
 def varied(varied_tiny_logdir, tmp_path_factory):
     """The session's model with set weights, in a logdir copy, and val text around it."""
     logdir = copy_of_logdir(varied_tiny_logdir, tmp_path_factory, "eval")
-    hparams = hp.load(str(logdir / "hparams.json"))
+    hparams = config.load(str(logdir / "hparams.json"))
     model, _ = load_model(hparams, str(logdir))
     sources, references, _ = load_split(MULTI30K, "val")
     return {"logdir": logdir, "model": model, "hparams": hparams,

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-import hparams as hp
+from kyu_transformer import config
 from kyu_transformer.training.checkpoints import (
     UnreadableCheckpoint,
     list_checkpoints,
@@ -123,7 +123,7 @@ def test_kills_signals_and_a_second_run_lose_nothing(tmp_path):
         process.wait()
         # whatever the moment, the newest checkpoint loads cleanly
         if list_checkpoints(str(logdir)):
-            load_model(hp.load(str(logdir / "hparams.json")), str(logdir))
+            load_model(config.load(str(logdir / "hparams.json")), str(logdir))
     assert kills >= 3
     newest = list_checkpoints(str(logdir))[-1]
     finished = run_train(logdir, *flags)
@@ -278,7 +278,7 @@ def test_unreadable_checkpoints_are_skipped_named_and_set_aside(tmp_path):
     with open(data_file, "r+b") as handle:  # a copy cut short
         handle.truncate(data_file.stat().st_size // 2)
     damaged = data_file.read_bytes()
-    hparams = hp.load(str(logdir / "hparams.json"))
+    hparams = config.load(str(logdir / "hparams.json"))
 
     # eval.py (and export.py, through the same loader) take the newest readable one
     result = run("eval.py", "--logdir", logdir, "--split", "val", "--beam_size", 1)

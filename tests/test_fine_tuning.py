@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import hparams as hp
 import train
-from kyu_transformer import filenames
+from kyu_transformer import config, filenames
 from kyu_transformer.data.corpus import Corpus
 from kyu_transformer.data.text import load_split
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
@@ -63,7 +63,7 @@ def source(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("source") / "log"
     hparams = hp.parse("tiny", {"logdir": str(logdir), "data_dir": MULTI30K})
     corpus = Corpus(MULTI30K, str(logdir), hparams, log=lambda line: None)
-    hp.save(hparams, str(logdir / filenames.HPARAMS))
+    config.save(hparams, str(logdir / filenames.HPARAMS))
     Trainer(hparams, verbose=False).fit(corpus.train_batches, steps_per_epoch=20)
     return logdir
 
@@ -73,7 +73,7 @@ def weights_only_logdir(logdir, hparams, model, subwords_of):
     `subwords_of`) and a checkpoint of `model`'s weights alone (no optimizer, epoch or data
     position). Returns the checkpoint's path."""
     os.makedirs(logdir / filenames.CHECKPOINTS)
-    hp.save({**hparams, "logdir": str(logdir)}, str(logdir / filenames.HPARAMS))
+    config.save({**hparams, "logdir": str(logdir)}, str(logdir / filenames.HPARAMS))
     for name in (filenames.SUBWORDS, filenames.SUBWORDS_VOCABULARY):
         (logdir / name).write_bytes((subwords_of / name).read_bytes())
     manager = tf.train.CheckpointManager(
@@ -101,7 +101,7 @@ def call_train(*arguments):
 def starts_exactly_at(origin, logdir, corpus_dir, optimizer=False):
     """A trainer fine-tuning from logdir `origin`, checked to give, before its first update,
     exactly the outputs of `origin`'s model on the new corpus."""
-    theirs = hp.load(str(origin / filenames.HPARAMS))
+    theirs = config.load(str(origin / filenames.HPARAMS))
     hparams = {**fine_tune_hparams(logdir, corpus_dir),
                **{key: theirs[key] for key in ARCHITECTURE_KEYS}}
     trainer = Trainer(hparams, verbose=False,
@@ -138,7 +138,7 @@ def test_fine_tuning_takes_the_source_and_learns_the_new_corpus(tmp_path, source
     for name in (filenames.SUBWORDS, filenames.SUBWORDS_VOCABULARY):
         assert filecmp.cmp(source / name, logdir / name, shallow=False), name
     # the source's architecture (and subword settings); training values from the command line
-    hparams, theirs = (hp.load(str(folder / filenames.HPARAMS)) for folder in (logdir, source))
+    hparams, theirs = (config.load(str(folder / filenames.HPARAMS)) for folder in (logdir, source))
     assert hparams == {**theirs, "logdir": str(logdir), "data_dir": str(new_corpus),
                        "lr": 0.05, "warmup_steps": 2, "steps_per_epoch": 6}
     record = json.loads((logdir / filenames.INIT_FROM).read_text())
@@ -165,7 +165,7 @@ def test_fine_tuning_takes_the_source_and_learns_the_new_corpus(tmp_path, source
     assert f"--init_from {source} is not read" in output and "resumed from" in output, output
     assert "fine-tuning: the weights" not in output
     assert json.loads((logdir / filenames.INIT_FROM).read_text()) == record
-    assert hp.load(str(logdir / filenames.HPARAMS)) == hparams
+    assert config.load(str(logdir / filenames.HPARAMS)) == hparams
 
     # Before its first update a fine-tuning run's model is its source's, exactly: from a run
     # of train.py and from a fine-tuned run.
@@ -177,7 +177,7 @@ def test_fine_tuning_takes_the_source_and_learns_the_new_corpus(tmp_path, source
 def test_init_optimizer_takes_the_moments_with_a_fresh_step_counter(tmp_path, source,
                                                                      new_corpus):
     trainer = starts_exactly_at(source, tmp_path / "log", new_corpus, optimizer=True)
-    theirs = Trainer(hp.load(str(source / filenames.HPARAMS)), logdir=str(tmp_path / "theirs"),
+    theirs = Trainer(config.load(str(source / filenames.HPARAMS)), logdir=str(tmp_path / "theirs"),
                      verbose=False)
     theirs.checkpoint.restore(str(source / filenames.CHECKPOINTS / "ckpt-20"))
     assert theirs.global_step() == 20 and trainer.global_step() == 0
@@ -201,7 +201,7 @@ def test_a_source_checkpoint_removed_after_it_was_read_is_named_in_one_line(
     optimizer state) stops the run with a CheckpointError naming it, not a traceback."""
     origin = tmp_path / "source"
     shutil.copytree(source, origin)
-    theirs = hp.load(str(origin / filenames.HPARAMS))
+    theirs = config.load(str(origin / filenames.HPARAMS))
     taken = Source(str(origin), theirs, optimizer=True)
     for name in os.listdir(origin / filenames.CHECKPOINTS):
         if name.startswith("ckpt-20."):
@@ -225,7 +225,7 @@ def test_a_best_checkpoint_replaced_while_it_is_read_is_refused_or_recorded_as_r
     replaced while it is read is refused in one line, never recorded with another's digest."""
     origin = tmp_path / "source"
     shutil.copytree(source, origin)
-    theirs = hp.load(str(origin / filenames.HPARAMS))
+    theirs = config.load(str(origin / filenames.HPARAMS))
     model, _ = load_model(theirs, str(origin))
     versions, paths = {}, []
     for _ in range(12):  # better and better models, each new: its weights moved by 0.001
@@ -282,7 +282,7 @@ def test_a_weights_only_logdir_is_a_source_but_no_run_of_its_own(tmp_path, sourc
     """A logdir with a checkpoint of weights alone (the TF1 importer's) can be fine-tuned from;
     train.py on it is refused in one line; a checkpoint that does not fit its hparams.json, or
     --init_optimizer from weights alone, is refused before the new logdir gets any file."""
-    theirs = hp.load(str(source / filenames.HPARAMS))
+    theirs = config.load(str(source / filenames.HPARAMS))
     imported = tmp_path / "imported"
     checkpoint = weights_only_logdir(imported, theirs, load_model(theirs, str(source))[0],
                                      subwords_of=source)
@@ -347,7 +347,7 @@ def test_fine_tuning_mistakes_are_refused_before_tensorflow_loads(tmp_path):
     wrong init flags: refused in one line naming them, without TensorFlow, writing nothing."""
     trained = tmp_path / "trained"  # what these checks read of a logdir, without TensorFlow
     (trained / filenames.CHECKPOINTS).mkdir(parents=True)
-    hp.save(hp.parse("tiny", {"logdir": str(trained)}), str(trained / filenames.HPARAMS))
+    config.save(hp.parse("tiny", {"logdir": str(trained)}), str(trained / filenames.HPARAMS))
     for name in (filenames.SUBWORDS, os.path.join(filenames.CHECKPOINTS,
                                                   filenames.CHECKPOINT_INDEX)):
         (trained / name).write_text("")

@@ -5,6 +5,7 @@ import json
 import pytest
 
 import hparams as hp
+from kyu_transformer import config
 
 
 def test_presets_and_overrides_in_order():
@@ -12,7 +13,7 @@ def test_presets_and_overrides_in_order():
     assert (resolved["d_model"], resolved["num_blocks"]) == (256, 3)
     assert resolved["lr"] == 3.0 and isinstance(resolved["lr"], float)
     assert resolved["batch_size"] == 64 and resolved["warmup_steps"] == 200
-    assert hp.parse("")["d_model"] == hp.DEFAULTS["d_model"]
+    assert hp.parse("")["d_model"] == config.DEFAULTS["d_model"]
     for preset in hp.PRESETS:
         assert hp.parse(preset)  # every preset is valid
 
@@ -56,7 +57,7 @@ def test_flags_override_hparams():
     ("missing.json", None, "no such JSON file: missing.json"),
 ])
 def test_validation_errors(spec, overrides, message):
-    with pytest.raises(hp.HParamsError) as error:
+    with pytest.raises(config.HParamsError) as error:
         hp.parse(spec, overrides)
     assert message in str(error.value)
 
@@ -71,20 +72,20 @@ def test_hparams_written_before_the_switch_load_with_fast_paths_on(tmp_path):
     resolved = hp.parse("tiny")
     del resolved["fast_paths"]
     path = tmp_path / "hparams.json"
-    hp.save(resolved, str(path))
-    assert hp.load(str(path))["fast_paths"] is True
+    config.save(resolved, str(path))
+    assert config.load(str(path))["fast_paths"] is True
 
 
 def test_hparams_written_before_accumulation_load_with_one_batch_an_update(tmp_path):
     resolved = hp.parse("tiny")
     del resolved["accumulate_steps"]
     path = tmp_path / "hparams.json"
-    hp.save(resolved, str(path))
-    assert hp.load(str(path))["accumulate_steps"] == 1
+    config.save(resolved, str(path))
+    assert config.load(str(path))["accumulate_steps"] == 1
 
 
 def test_every_problem_is_reported_at_once():
-    with pytest.raises(hp.HParamsError) as error:
+    with pytest.raises(config.HParamsError) as error:
         hp.parse("", {"num_blocks": 0, "dropout_rate": 2.0})
     assert "num_blocks" in str(error.value) and "dropout_rate" in str(error.value)
 
@@ -92,14 +93,14 @@ def test_every_problem_is_reported_at_once():
 def test_broken_json_names_file_and_line(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('{\n  "d_model": 64,\n  oops\n}')
-    with pytest.raises(hp.HParamsError, match=r"broken.json, line 3: not valid JSON"):
+    with pytest.raises(config.HParamsError, match=r"broken.json, line 3: not valid JSON"):
         hp.parse(str(path))
 
 
 def test_save_and_load_round_trip(tmp_path):
     resolved = hp.parse("tiny,seed=7")
     path = tmp_path / "hparams.json"
-    hp.save(resolved, str(path))
-    assert hp.load(str(path)) == resolved
-    with pytest.raises(hp.HParamsError, match="no such file"):
-        hp.load(str(tmp_path / "nothing.json"))
+    config.save(resolved, str(path))
+    assert config.load(str(path)) == resolved
+    with pytest.raises(config.HParamsError, match="no such file"):
+        config.load(str(tmp_path / "nothing.json"))

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import hparams as hp
 import import_tf1
-from kyu_transformer import filenames
+from kyu_transformer import config, filenames
 from kyu_transformer.conventions import BOS_ID, EOS_ID
 from kyu_transformer.data.subwords import Subwords
 from kyu_transformer.data.text import load_split
@@ -196,7 +195,7 @@ def test_the_imported_model_scores_as_the_tf1_graph(made, biases, tmp_path):
     assert sorted(os.listdir(logdir)) == sorted([filenames.HPARAMS, filenames.SUBWORDS,
                                                  filenames.SUBWORDS_VOCABULARY,
                                                  filenames.CHECKPOINTS])
-    hparams = hp.load(str(logdir / filenames.HPARAMS))
+    hparams = config.load(str(logdir / filenames.HPARAMS))
     assert {key: hparams[key] for key in made["hparams"]} == made["hparams"]
     assert (hparams["epsilon"], hparams["dropout_rate"], hparams["smoothing"]) == (1e-8, 0.3, 0.1)
     model, paths = load_model(hparams, str(logdir))

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import hparams as hp
+from kyu_transformer import config
 from kyu_transformer.conventions import BOS_ID, EOS_ID
 from kyu_transformer.data.subwords import SegmentationSampler, Subwords
 from kyu_transformer.data.text import load_split
@@ -147,8 +148,8 @@ def test_hparams_reach_the_model_and_files_without_them_keep_todays_rates(tmp_pa
                 "decay_steps"):
         del older[key]
     path = tmp_path / "hparams.json"
-    hp.save(older, str(path))
-    loaded = hp.load(str(path))
+    config.save(older, str(path))
+    loaded = config.load(str(path))
     assert (loaded["attention_dropout"], loaded["relu_dropout"], loaded["word_dropout"],
             loaded["subword_alpha"], loaded["decay_steps"]) == (-1.0, 0.0, 0.0, 0.0, 0)
     model = Transformer.from_hparams(loaded)
@@ -169,7 +170,7 @@ def test_hparams_reach_the_model_and_files_without_them_keep_todays_rates(tmp_pa
     ({"decay_steps": "-5"}, "`decay_steps` must be >= 0, got -5"),
 ])
 def test_bad_settings_are_refused(overrides, message):
-    with pytest.raises(hp.HParamsError) as error:
+    with pytest.raises(config.HParamsError) as error:
         hp.parse("tiny", overrides)
     assert message in str(error.value)
 

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import hparams as hp
+from kyu_transformer import config
 from kyu_transformer.data.corpus import Corpus
 from kyu_transformer.data.subwords import Subwords
 from kyu_transformer.data.text import load_split
@@ -19,7 +20,6 @@ from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.safety.lock import LogdirLock
 from kyu_transformer.training.checkpoints import (
     list_checkpoints,
-    model_weights,
     unreadable,
 )
 from kyu_transformer.training.clock import UpdatePlan
@@ -371,7 +371,7 @@ def test_programs_refuse_mistakes_before_tensorflow_loads(tmp_path):
     trained = hp.parse("tiny", {"data_dir": MULTI30K, "logdir": str(logdir), "d_model": 64})
     for folder in (logdir, bare):  # `bare`: no subword model
         folder.mkdir()
-        hp.save(trained, str(folder / "hparams.json"))
+        config.save(trained, str(folder / "hparams.json"))
     sources, targets, _ = load_split(MULTI30K, "val")
     Subwords.train_or_load(str(logdir), sources + targets, 200, trained["subword_model_type"])
     texts = {name: tmp_path / name for name in ("empty.de", "one.en", "two.de")}

@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import hparams as hp
+from kyu_transformer import config
 from kyu_transformer.conventions import EOS_ID, PAD_ID
 from kyu_transformer.data.subwords import Subwords
 from kyu_transformer.data.text import load_split
@@ -91,7 +92,7 @@ def write_varied_logdir(logdir, data_dir, architecture, seed=0):
     subwords = Subwords.train_or_load(logdir, sources + targets, hparams["vocab_size"],
                                            hparams["subword_model_type"])
     assert subwords.vocab_size == hparams["vocab_size"], subwords.vocab_size
-    hp.save(hparams, os.path.join(logdir, "hparams.json"))
+    config.save(hparams, os.path.join(logdir, "hparams.json"))
     model = Transformer.from_hparams(hparams, name="transformer")
     model.build()
     manager = tf.train.CheckpointManager(tf.train.Checkpoint(weights=model_weights(model)),

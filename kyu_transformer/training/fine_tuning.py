@@ -9,7 +9,7 @@ import os
 import shutil
 
 from kyu_transformer import filenames
-from kyu_transformer.hparam_keys import ARCHITECTURE, keys_of
+from kyu_transformer.config import ARCHITECTURE, keys_of
 from kyu_transformer.safety.writes import replaced_atomically, sha256, write_text
 
 # What the weights and the subword model depend on: the source's, never the command line's.
