@@ -30,10 +30,13 @@ SPEC = {
     "tgt_lang": ("en", RUN, "target language suffix"),
     "vocab_size": (8000, ARCHITECTURE, "size of the joint SentencePiece vocabulary"),
     "subword_model_type": ("unigram", ARCHITECTURE, "SentencePiece model type: unigram or bpe"),
-    "subword_alpha": (0.0, RUN, "subword regularization (unigram only): each epoch draws a training "
-                           "sentence's segmentation among its 16 best, ~ p^alpha; 0: the best"),
-    "maxlen1": (100, ARCHITECTURE, "longest source, in subwords with EOS; longer pairs are dropped"),
-    "maxlen2": (100, ARCHITECTURE, "longest target, in subwords with BOS/EOS; longer pairs are dropped"),
+    "subword_alpha": (0.0, RUN,
+                      "subword regularization (unigram only): each epoch draws a training "
+                      "sentence's segmentation among its 16 best, ~ p^alpha; 0: the best"),
+    "maxlen1": (100, ARCHITECTURE,
+                "longest source, in subwords with EOS; longer pairs are dropped"),
+    "maxlen2": (100, ARCHITECTURE,
+                "longest target, in subwords with BOS/EOS; longer pairs are dropped"),
     "batch_size": (128, RUN, "most sentence pairs in a batch"),
     "batch_tokens": (4096, RUN, "most (padded) tokens on either side of a batch; 0: no limit"),
     # model
@@ -45,34 +48,45 @@ SPEC = {
     "attention_dropout": (-1.0, RUN, "dropout on the attention weights; -1: dropout_rate"),
     "relu_dropout": (0.0, RUN, "dropout on the feed-forward nets' inner (ReLU) activations"),
     "word_dropout": (0.0, RUN, "dropout of whole token embeddings, source and target"),
-    "norm_position": (NORM_POSITIONS[0], ARCHITECTURE, "layer norm after (post) or before (pre) each sub-layer"),
+    "norm_position": (NORM_POSITIONS[0], ARCHITECTURE,
+                      "layer norm after (post) or before (pre) each sub-layer"),
     "sinusoid": (True, ARCHITECTURE, "sinusoid (true) or learned (false) positions"),
     "share_embeddings": (True, ARCHITECTURE, "one embedding table for source, target and output"),
     "epsilon": (LAYER_NORM_EPSILON, ARCHITECTURE, "layer-norm epsilon"),
-    "fast_paths": (True, RESUMABLE, "CPU fast paths (fast_paths.py, the loss's stated gradient, fused Adam, "
-                         "XLA loss); false: Keras' own, the same function on any device"),
+    "fast_paths": (True, RESUMABLE,
+                   "CPU fast paths (fast_paths.py, the loss's stated gradient, fused Adam, XLA "
+                   "loss); false: Keras' own, the same function on any device"),
     # training
     "lr": (1.0, RUN, "scale of the Noam learning-rate schedule"),
     "warmup_steps": (4000, RUN, "warm-up steps of the Noam schedule"),
-    "decay_steps": (0, RUN, "from the warm-up's end, scale the Noam rate down linearly to 0 at this "
-                       "step; 0: no such decay"),
+    "decay_steps": (0, RUN,
+                    "from the warm-up's end, scale the Noam rate down linearly to 0 at this step; "
+                    "0: no such decay"),
     "smoothing": (0.1, RUN, "label smoothing"),
     "num_epochs": (20, RESUMABLE, "epochs to train"),
-    "steps_per_epoch": (0, RESUMABLE, "cap on the steps (updates) of an epoch; 0: the whole training set"),
-    "accumulate_steps": (1, RUN, "batches per update (gradient accumulation), as one batch that many "
-                            "times as large: the loss normalized by all their tokens"),
-    "max_minutes": (0.0, RESUMABLE, "stop cleanly after this many minutes of training; 0: no limit"),
+    "steps_per_epoch": (0, RESUMABLE,
+                        "cap on the steps (updates) of an epoch; 0: the whole training set"),
+    "accumulate_steps": (1, RUN,
+                         "batches per update (gradient accumulation), as one batch that many "
+                         "times as large: the loss normalized by all their tokens"),
+    "max_minutes": (0.0, RESUMABLE,
+                    "stop cleanly after this many minutes of training; 0: no limit"),
     "seed": (42, RUN, "seed of initialization, shuffling and dropout"),
-    "mixed_precision": ("no", RUN, "no, bf16 (CPU/TPU), fp16 (GPU, with loss scaling), or auto: "
-                              "chosen for this machine (README) and saved as chosen"),
+    "mixed_precision": ("no", RUN,
+                        "no, bf16 (CPU/TPU), fp16 (GPU, with loss scaling), or auto: chosen for "
+                        "this machine (README) and saved as chosen"),
     "jit_compile": (False, RESUMABLE, "compile the training step with XLA"),
-    "xla_loss": (True, RESUMABLE, "compile the loss alone with XLA (a fast path: off without fast_paths)"),
-    "logdir": ("log/default", RESUMABLE, "where checkpoints, summaries, plots and the subword model go"),
+    "xla_loss": (True, RESUMABLE,
+                 "compile the loss alone with XLA (a fast path: off without fast_paths)"),
+    "logdir": ("log/default", RESUMABLE,
+               "where checkpoints, summaries, plots and the subword model go"),
     "keep_checkpoints": (5, RESUMABLE, "how many recent checkpoints to keep"),
-    "checkpoint_every": (500, RESUMABLE, "also checkpoint every this many steps; 0: only per epoch"),
+    "checkpoint_every": (500, RESUMABLE,
+                         "also checkpoint every this many steps; 0: only per epoch"),
     "log_every": (50, RESUMABLE, "write summaries every this many steps"),
     # evaluation during training
-    "eval_sentences": (200, RESUMABLE, "validation sentences scored with BLEU after each epoch; 0: none"),
+    "eval_sentences": (200, RESUMABLE,
+                       "validation sentences scored with BLEU after each epoch; 0: none"),
     "eval_batch_size": (128, RESUMABLE, "sentences per decoding batch"),
 }
 

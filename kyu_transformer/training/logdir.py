@@ -56,8 +56,8 @@ def settle_logdir(hparams, overwrite):
             f"{' and '.join(problems)}. To train from its weights, start a new run: --init_from "
             f"{logdir} with a new --logdir")
     raise LogdirError(f"{logdir} was trained with {' and '.join(problems)}. Use another "
-                     "--logdir, the same settings to resume, or --overwrite to move the old logdir "
-                     "aside and start afresh.")
+                      "--logdir, the same settings to resume, or --overwrite to move the old "
+                      "logdir aside and start afresh.")
 
 
 def corpus_fingerprint(hparams):
