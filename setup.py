@@ -1,10 +1,12 @@
+import re
+
 from setuptools import find_packages, setup
 
 SERVE = ["tensorflow-text>=2.21,<2.22", "ctranslate2>=4"]
 
 setup(
     name="kyu_transformer",
-    version="0.1.0",
+    version=re.search(r'__version__ = "(.+)"', open("kyu_transformer/__init__.py").read())[1],
     description=("A readable Transformer for Keras 3 / TensorFlow 2, ported from Kyubyong Park's "
                  "modules.py."),
     long_description=open("README.md", encoding="utf-8").read(),
