@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from kyu_transformer.layers import _check_rates
+from kyu_transformer.conventions import PAD_ID, check_rates
 
 # `Loss.__call__` reads `call`'s output mask with `get_keras_mask`; a JAX tracer refuses a
 # plain attribute, so Keras' setter is used (public only in newer Keras versions).
@@ -36,11 +36,11 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
       The reduced loss (by default the mean per non-padding token, 0 if none).
     """
 
-    def __init__(self, epsilon=0.1, pad_id=0, from_logits=True,
+    def __init__(self, epsilon=0.1, pad_id=PAD_ID, from_logits=True,
                  reduction="sum_over_batch_size", name="label_smoothed_cross_entropy",
                  fast_paths=True, **kwargs):
         super().__init__(name=name, reduction=reduction, **kwargs)
-        _check_rates(epsilon=epsilon)
+        check_rates(epsilon=epsilon)
         self.epsilon, self.pad_id = float(epsilon), int(pad_id)
         self.from_logits, self.fast_paths = bool(from_logits), bool(fast_paths)
 

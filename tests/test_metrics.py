@@ -1,10 +1,10 @@
-"""Token accuracy against numpy, with padding and ties."""
+"""Token accuracy counts against numpy, with padding and ties."""
 
 import keras
 import numpy as np
 import pytest
 
-from kyu_transformer.training.metrics import masked_accuracy, masked_accuracy_counts
+from kyu_transformer.training.metrics import masked_accuracy_counts
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -23,8 +23,6 @@ def test_hits_are_numpy_argmax_hits_on_non_padding_tokens(dtype):
     correct, count = masked_accuracy_counts(labels, keras.ops.cast(logits, dtype))
     assert float(count) == keep.sum() == 5 * 9 - 4
     assert float(correct) == expected_hits > 10
-    assert float(masked_accuracy(labels, keras.ops.cast(logits, dtype))) == pytest.approx(
-        expected_hits / keep.sum())
 
 
 def test_a_label_tied_for_the_largest_logit_is_a_hit():

@@ -2,8 +2,10 @@
 
 from keras import ops
 
+from kyu_transformer.conventions import PAD_ID
 
-def masked_accuracy_counts(labels, logits, pad_id=0):
+
+def masked_accuracy_counts(labels, logits, pad_id=PAD_ID):
     """``(correct, count)``: top-1 hits and number of non-padding tokens, float32.
 
     A hit: the label's logit is the row's largest, ties included (as ``tf.math.in_top_k``).
@@ -16,8 +18,3 @@ def masked_accuracy_counts(labels, logits, pad_id=0):
     hits = ops.logical_and(keep, ops.greater_equal(label_logits, ops.max(full, axis=-1)))
     return ops.sum(ops.cast(hits, "float32")), ops.sum(ops.cast(keep, "float32"))
 
-
-def masked_accuracy(labels, logits, pad_id=0):
-    """Share of non-padding tokens whose label has the largest logit (see above)."""
-    correct, count = masked_accuracy_counts(labels, logits, pad_id)
-    return correct / ops.maximum(count, 1.0)
