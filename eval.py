@@ -112,7 +112,7 @@ CLASHES = (
 
 
 def load_inputs(args, hparams):
-    """``(name, sources, references or None, source file)``."""
+    """``(name, sources, references or None, targets of --score or None)``."""
     split = args.split or "test_2016_flickr"
     if args.src:
         (source_path, target_path), reader = (args.src, args.ref), read_lines
@@ -125,11 +125,15 @@ def load_inputs(args, hparams):
     references = reader(target_path) if target_path else None
     if references is not None and len(references) != len(sources):
         raise DataError(f"{source_path} has {len(sources)} lines but {target_path} has "
-                             f"{len(references)}")
+                        f"{len(references)}")
     if args.src and not sources:
         raise DataError(f"{args.src}: no sentence to translate (the file is empty)")
+    targets = read_lines(args.score) if args.score else None
+    if targets is not None and len(targets) != len(sources):
+        raise DataError(f"{args.score} has {len(targets)} lines but {source_path} has "
+                        f"{len(sources)}: --score needs one translation per source line")
     name = args.name or (os.path.basename(args.src).split(".")[0] if args.src else split)
-    return name, sources, references, source_path
+    return name, sources, references, targets
 
 
 def write_lines(path, lines):
@@ -172,7 +176,7 @@ def load_ctranslate2(args):
     ours = os.path.join(args.logdir, filenames.SUBWORDS)
     if os.path.isfile(copied) and not filecmp.cmp(copied, ours, shallow=False):
         raise DataError(f"{model_dir} was converted with another subword model than {ours}: "
-                             "convert this logdir's model, or give the logdir it came from")
+                        "convert this logdir's model, or give the logdir it came from")
     import_frozen()
     from kyu_transformer.export.ctranslate2 import CTranslate2Translator, ExportError
 
@@ -181,7 +185,7 @@ def load_ctranslate2(args):
         translator.load()
     except ImportError:
         raise DataError('--ctranslate2 needs the ctranslate2 package: pip install -e '
-                             '".[serve]" (or pip install ctranslate2)') from None
+                        '".[serve]" (or pip install ctranslate2)') from None
     except ExportError as error:  # not a directory the converter wrote
         raise DataError(str(error)) from None
     except RuntimeError as error:  # CTranslate2's own: a missing or broken model.bin
@@ -240,28 +244,25 @@ def write_scores(translator, subwords, sources, targets, out_dir, name):
 
 @stops_cleanly_when_full
 def main(argv=None):
+    """Runs eval.py: checks the flags and inputs, loads the model, translates (or scores) and
+    writes the results; returns the exit status."""
     started = time.time()
     args = parse_args(argv)
     try:
         hparams = config.load(os.path.join(args.logdir, filenames.HPARAMS))
         subwords = Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
-        if args.src != "-":
-            name, sources, references, source_file = load_inputs(args, hparams)
-            targets = read_lines(args.score) if args.score else None
-            if args.score and len(targets) != len(sources):
-                raise DataError(f"{args.score} has {len(targets)} lines but {source_file} "
-                                     f"has {len(sources)}: --score needs one translation per "
-                                     "source line")
+        inputs = None if args.src == "-" else load_inputs(args, hparams)
         translator, facts = load_translator(args, hparams)
     except (config.HParamsError, DataError) as error:
         raise SystemExit(f"error: {error}")
-    if args.src == "-":  # line by line, as it comes
+    if inputs is None:  # --src -: line by line, as it comes
         for line in sys.stdin:
             print(translator.translate([normalize_line(line)], subwords)[0], flush=True)
         return 0
+    name, sources, references, targets = inputs
     out_dir = os.path.join(args.logdir, filenames.EVAL)
     os.makedirs(out_dir, exist_ok=True)
-    if args.score:
+    if targets is not None:
         write_scores(translator, subwords, sources, targets, out_dir, name)
         return 0
     translations, hypotheses, decode_seconds = write_translations(
@@ -270,22 +271,29 @@ def main(argv=None):
         plot_attention(translator.model, args.settings, subwords, sources, args.plot_attention,
                        out_dir, name)
     if references is not None:
-        from kyu_transformer.decoding.scoring import score
-
-        searched = ("beam_size", "alpha", "length_margin") + (
-            SAMPLING_FLAGS if args.settings.sampling else ())
-        result = score(hypotheses, references)
-        result.update(**facts, **{key: getattr(args.settings, key) for key in searched},
-                      n_best=args.n_best, truncated_sources=translations.truncated_sources,
-                      truncated_outputs=translations.truncated_outputs,
-                      num_sentences=len(sources), seconds=round(time.time() - started, 2),
-                      decode_seconds=round(decode_seconds, 2))
-        path = filenames.evaluation_file(out_dir, name, filenames.RESULT)
-        write_lines(path, [json.dumps(result, indent=2)])
-        print(result["score_line"])
-        print(f"chrF2 = {result['chrf']:.2f}")
-        print(f"scores: {path}")
+        write_result(hypotheses, references, translations, facts, args, out_dir, name,
+                     seconds=(time.time() - started, decode_seconds))
     return 0
+
+
+def write_result(hypotheses, references, translations, facts, args, out_dir, name, seconds):
+    """Scores the translations, writes <name>.json (the scores and the run's settings) and
+    prints the scores; `seconds`: the whole run's and the decoding's."""
+    from kyu_transformer.decoding.scoring import score
+
+    searched = ("beam_size", "alpha", "length_margin") + (
+        SAMPLING_FLAGS if args.settings.sampling else ())
+    result = score(hypotheses, references)
+    result.update(**facts, **{key: getattr(args.settings, key) for key in searched},
+                  n_best=args.n_best, truncated_sources=translations.truncated_sources,
+                  truncated_outputs=translations.truncated_outputs,
+                  num_sentences=len(hypotheses), seconds=round(seconds[0], 2),
+                  decode_seconds=round(seconds[1], 2))
+    path = filenames.evaluation_file(out_dir, name, filenames.RESULT)
+    write_lines(path, [json.dumps(result, indent=2)])
+    print(result["score_line"])
+    print(f"chrF2 = {result['chrf']:.2f}")
+    print(f"scores: {path}")
 
 
 def write_translations(translator, facts, subwords, sources, args, out_dir, name):
