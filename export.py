@@ -170,7 +170,8 @@ def write_saved_model(args, model, subwords, checkpoints, precision, target):
     from kyu_transformer.export import saved_model
     from kyu_transformer.training.checkpoints import describe
 
-    signatures = saved_model.save(model, subwords.path, args.settings, target, sampling=args.sampling)
+    signatures = saved_model.save(model, subwords.path, args.settings, target,
+                                  sampling=args.sampling)
     record = {"format": "saved_model", "signatures": signatures, "logdir": args.logdir,
               "checkpoint": describe(checkpoints), "checkpoints": checkpoints,
               "mixed_precision": precision, "compute_dtype": PRECISION_POLICIES[precision],
@@ -238,6 +239,8 @@ def print_ctranslate2_usage(out, args, checkpoint):
 
 @stops_cleanly_when_full
 def main(argv=None):
+    """Runs export.py: checks the flags and --out, loads the model, writes the export beside --out
+    and puts it in place whole, then says how to use it; returns the exit status."""
     args = parse_args(argv)
     check_out(args.out, args.overwrite, args.logdir)
     hparams, subwords, model, checkpoints, precision = load(args)
@@ -253,7 +256,7 @@ def main(argv=None):
         if args.format == "ctranslate2":
             try:
                 ctranslate2.convert(model, hparams, subwords, target,
-                                           quantization=args.quantization or "float32")
+                                    quantization=args.quantization or "float32")
             except (ctranslate2.ExportError, ImportError) as error:  # or no ctranslate2
                 raise SystemExit(f"error: --format ctranslate2: {error}") from None
         else:

@@ -108,7 +108,7 @@ def write_logdir(hparams, subword_model, weights, step):
             handle.writelines(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n"
                               for i in range(processor.get_piece_size()))
         path = tf1_checkpoint.save_weights(hparams, weights,
-                                       os.path.join(new, filenames.CHECKPOINTS), step)
+                                           os.path.join(new, filenames.CHECKPOINTS), step)
         if os.path.isdir(logdir):
             os.rmdir(logdir)  # empty (checked before)
         os.replace(new, logdir)

@@ -193,7 +193,7 @@ def main():
 
     train_sources, train_targets, _ = load_split(args.data_dir, "train")
     subwords = Subwords.train_or_load(tempfile.mkdtemp(), train_sources + train_targets,
-                                           SHAPE["vocab_size"])
+                                      SHAPE["vocab_size"])
     sources, _, _ = load_split(args.data_dir, "test_2016_flickr")
     encoded = [ids + [EOS_ID] for ids in subwords.encode(sources[:args.sentences])]
     batches = batches_of(encoded, args.batch_size)

@@ -175,7 +175,7 @@ def test_fine_tuning_takes_the_source_and_learns_the_new_corpus(tmp_path, source
 
 @pytest.mark.slow
 def test_init_optimizer_takes_the_moments_with_a_fresh_step_counter(tmp_path, source,
-                                                                     new_corpus):
+                                                                    new_corpus):
     trainer = starts_exactly_at(source, tmp_path / "log", new_corpus, optimizer=True)
     theirs = Trainer(config.load(str(source / filenames.HPARAMS)), logdir=str(tmp_path / "theirs"),
                      verbose=False)
@@ -185,7 +185,7 @@ def test_init_optimizer_takes_the_moments_with_a_fresh_step_counter(tmp_path, so
     names = [variable.path.split("/", 1)[1] for variable in trainer.optimizer.variables]
     assert names == [variable.path.split("/", 1)[1] for variable in theirs.optimizer.variables]
     moments = [(mine, their) for mine, their in zip(trainer.optimizer.variables,
-                                                   theirs.optimizer.variables)
+                                                    theirs.optimizer.variables)
                if "iteration" not in mine.path]
     assert moments and any(np.any(their.numpy()) for _, their in moments)
     for mine, their in moments:

@@ -31,7 +31,7 @@ class Corpus:
         self.sampler = None
         if hparams.get("subword_alpha", 0.0) > 0:
             self.sampler = SegmentationSampler(self.subwords, sources + targets,
-                                                    hparams["subword_alpha"])
+                                               hparams["subword_alpha"])
             log(f"subword regularization: alpha {hparams['subword_alpha']}, among the "
                 f"{len(self.sampler.scores) / len(self.sampler.first[1:]):.1f} best "
                 "segmentations of each sentence on average, drawn anew each epoch")

@@ -143,7 +143,8 @@ def _restore_latest_readable(model, logdir):
         print(f"note: skipped {bad_path}: cannot be read ({reason})", flush=True)
     if path is None:
         tried = ", ".join(os.path.basename(path) for path in reversed(available))
-        raise CheckpointError(f"{checkpoint_dir(logdir)}: no checkpoint can be read (tried {tried})")
+        raise CheckpointError(
+            f"{checkpoint_dir(logdir)}: no checkpoint can be read (tried {tried})")
     _restore_into(model, path)
     return path
 
