@@ -1,10 +1,10 @@
-"""CPU fast paths: what a Keras operation computes, by a faster mechanism.
+"""CPU fast paths: each computes what a Keras operation computes, by a faster mechanism.
 
-`Normalize` and `Dropout` (`layers.py`) use them if the global switch (on by default;
-`set_enabled`, `enabled_as`) was on as they were made, else Keras' own layers (any device).
+`Normalize` and `Dropout` (`layers.py`) use them if the global switch (on by default,
+`set_enabled`) was on as they were made, else Keras' own layers (any device);
+`layers.set_fast_paths` sets the choice of layers already made.
 """
 
-import contextlib
 import math
 
 import keras
@@ -14,7 +14,7 @@ _SETTING = {"enabled": True}
 
 
 def enabled():
-    """Whether layers made now take the fast paths (True unless switched off)."""
+    """Returns whether layers made now take the fast paths (True unless switched off)."""
     return _SETTING["enabled"]
 
 
@@ -23,20 +23,10 @@ def set_enabled(on):
     _SETTING["enabled"] = bool(on)
 
 
-@contextlib.contextmanager
-def enabled_as(on):
-    """The switch set to `on` for the layers made inside the block, then restored."""
-    previous = enabled()
-    set_enabled(on)
-    try:
-        yield
-    finally:
-        set_enabled(previous)
-
-
 def layer_norm(inputs, gamma, beta, epsilon):
-    """``gamma * (x - mean) / sqrt(var + epsilon) + beta`` over the last axis of `inputs`
-    `(..., C)`, with `gamma`, `beta` `(C,)`; computed in float32, in the inputs' dtype.
+    """Normalizes `inputs` `(..., C)` over the last axis: returns
+    ``gamma * (x - mean) / sqrt(var + epsilon) + beta`` (`gamma`, `beta` `(C,)`), computed in
+    float32 and returned in the inputs' dtype.
 
     Its gradient is stated, not autodiff through each reduction of the mean and variance:
     ``dx = (g - mean(g) - x_hat * mean(g * x_hat)) / sqrt(var + epsilon)``, ``g = dy * gamma``.
@@ -74,7 +64,8 @@ DRAW_LEVELS = 2 ** 16  # values a 16-bit draw takes
 
 
 def dropout(inputs, rate, seed_generator):
-    """Inverted dropout of a `rate` in (0, 1) of `inputs`, drawn from `seed_generator`.
+    """Drops a `rate` in (0, 1) of `inputs` and scales the rest (inverted dropout), drawing
+    from `seed_generator`.
 
     Drawing is most of dropout's work on CPU, so each random 32-bit word gives two 16-bit
     draws. An element is kept when its draw is at least ``round(rate * 65536)`` (the rate is
@@ -89,7 +80,7 @@ def dropout(inputs, rate, seed_generator):
 
 
 def _draws(shape, seed_generator):
-    """Uniform int16 draws of `shape` (two from each random 32-bit word)."""
+    """Returns uniform int16 draws of `shape`, two from each random 32-bit word."""
     static = all(isinstance(dim, int) for dim in shape)  # else some known only at run time
     count = math.prod(shape) if static else ops.prod(ops.convert_to_tensor(shape))
     # A static last axis keeps `ops.view` working when the batch shape is dynamic.

@@ -1,9 +1,12 @@
 """The Transformer building blocks as Keras 3 layers, in the order of the 2017 TF1 ``modules.py``.
 
 Where the original was wrong the default is corrected (see each layer): the sinusoid exponent,
-padding told by id 0, linear Q/K/V projections, a masking score that fits float16. Shapes in
-comments: ``N`` batch, ``T_q``/``T_k`` query/key steps, ``C`` width, ``h`` heads, ``d_k`` head
-width, ``V`` vocabulary. Masks are boolean (``True`` = keep), given or read from the Keras mask.
+padding told by `PAD_ID`, linear Q/K/V projections, a masking score that fits float16. A sub-layer
+`F` (attention, feed-forward) sits in a residual connection as the paper's section 3.1 says:
+``"post"`` (the original) computes ``LN(x + Dropout(F(x)))``, ``"pre"`` ``x + Dropout(F(LN(x)))``.
+Shapes in comments: ``N`` batch, ``T_q``/``T_k`` query/key steps, ``C`` width, ``h`` heads,
+``d_k`` head width, ``V`` vocabulary. Masks are boolean (``True`` = keep), given or read from the
+Keras mask.
 """
 
 import math
@@ -13,38 +16,26 @@ import numpy as np
 from keras import ops
 
 from kyu_transformer import fast_paths as fast
+from kyu_transformer.conventions import (
+    LAYER_NORM_EPSILON,
+    NORM_POSITIONS,
+    PAD_ID,
+    check_choice,
+    check_heads,
+    check_rates,
+)
 
-NORM_POSITIONS = ("post", "pre")
 ENCODING_STYLES = ("interleaved", "concat")
-
-# 1e-6 as OpenNMT-tf and tensor2tensor (the original: 1e-8); trained models keep theirs.
-LAYER_NORM_EPSILON = 1e-6
 
 # Keras' mask reader, also of JAX tracers and numpy arrays (Keras 3.15: in `keras.src` only).
 _keras_mask = getattr(keras.backend, "get_keras_mask", None) or keras.src.backend.get_keras_mask
 
 
-def _without_saved_switch(kwargs):
-    """`kwargs` less ``fast_paths``, an argument in old saved configs, now a global setting."""
-    kwargs.pop("fast_paths", None)
-    return kwargs
-
-
-def _check_choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
-
-
-def _check_rates(**rates):
-    for name, value in rates.items():
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
-
-
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class Normalize(keras.layers.LayerNormalization):
-    """The original ``normalize``: Keras' ``LayerNormalization`` over the last axis, by
-    `fast_paths.layer_norm` (a stated gradient) when the fast-paths switch was on at creation.
+    """Normalizes over the last axis (the original ``normalize``): Keras' ``LayerNormalization``,
+    computed by `fast_paths.layer_norm` (a stated gradient) when the fast-paths switch was on as
+    the layer was made.
 
     Args:
       epsilon: Small number added to the variance.
@@ -57,7 +48,7 @@ class Normalize(keras.layers.LayerNormalization):
     """
 
     def __init__(self, epsilon=LAYER_NORM_EPSILON, **kwargs):
-        super().__init__(epsilon=epsilon, **_without_saved_switch(kwargs))
+        super().__init__(epsilon=epsilon, **kwargs)
         self.fast_paths = fast.enabled()
 
     def call(self, inputs):
@@ -71,67 +62,66 @@ class Normalize(keras.layers.LayerNormalization):
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class Embedding(keras.layers.Layer):
-    """Token embedding with a zero padding row and sqrt(C) scaling (the original ``embedding``).
+    """Looks token ids up in a table and multiplies them by ``sqrt(C)`` (the original
+    ``embedding`` with its defaults ``zero_pad=True, scale=True``); `PAD_ID` embeds to zeros.
+
+    The padding row is multiplied by zero at every lookup, not only set to zero at the start,
+    so that it and its gradient stay zero in training.
 
     Args:
-      vocab_size: Number of ids `V`; num_units: width `C` of an embedding.
-      zero_pad, scale: Whether id 0 (padding) embeds to exact zeros; whether to multiply the
-        outputs by ``sqrt(num_units)``.
-      embeddings_initializer: Of the table (Glorot uniform, the original's Xavier).
+      vocab_size: Number of ids `V`.
+      num_units: Width `C` of an embedding.
+      embeddings_initializer: Initializer of the table (Glorot uniform, the original's Xavier).
 
     Call arguments:
-      inputs: Integer ids `(N, T)`; table: optional, `table()` (decoding computes it once).
+      inputs: Integer ids `(N, T)`.
+      table: Optional, the result of `table()`, for a caller that makes it once (decoding).
 
     Returns:
-      `(N, T, C)` embeddings, with the Keras mask ``ids != 0``.
+      Embeddings `(N, T, C)`, with the Keras mask ``ids != PAD_ID``.
     """
 
-    def __init__(self, vocab_size, num_units, zero_pad=True, scale=True,
-                 embeddings_initializer="glorot_uniform", **kwargs):
+    def __init__(self, vocab_size, num_units, embeddings_initializer="glorot_uniform", **kwargs):
         super().__init__(**kwargs)
         if vocab_size < 1 or num_units < 1:
             raise ValueError(
                 f"`vocab_size` and `num_units` must be positive, got {vocab_size} and {num_units}.")
         self.vocab_size, self.num_units = int(vocab_size), int(num_units)
-        self.zero_pad, self.scale = bool(zero_pad), bool(scale)
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self.supports_masking = True
 
     def build(self, input_shape=None):
+        keep = np.arange(self.vocab_size)[:, None] != PAD_ID  # (V, 1)
+        self._keep_rows = keep.astype("float32")
         self.embeddings = self.add_weight(name="embeddings", initializer=self._initial_table,
                                           shape=(self.vocab_size, self.num_units))
-        self._keep_rows = (np.arange(self.vocab_size)[:, None] > 0).astype("float32")  # (V, 1)
 
     def _initial_table(self, shape, dtype=None):
+        """Draws the table from the initializer with its padding row zero, so that `embeddings`
+        itself shows that row as the lookups see it."""
         table = self.embeddings_initializer(shape, dtype=dtype)
-        if self.zero_pad:  # so that `embeddings` itself shows the zero padding row
-            table = ops.concatenate([ops.zeros((1, shape[1]), dtype=dtype), table[1:]], axis=0)
-        return table
+        return ops.where(ops.convert_to_tensor(self._keep_rows > 0), table, ops.zeros_like(table))
 
     def table(self):
-        """The lookup table in the compute dtype, its padding row forced to zero."""
+        """Returns the lookup table `(V, C)` in the compute dtype, its padding row zero."""
         if not self.built:
             self.build()
         table = ops.cast(self.embeddings, self.compute_dtype)  # (V, C)
-        if self.zero_pad:
-            # Multiplied, not just initialized, so row 0 and its gradient stay zero in training.
-            table = table * ops.cast(self._keep_rows, self.compute_dtype)
-        return table
+        return table * ops.cast(self._keep_rows, self.compute_dtype)
 
     def call(self, inputs, table=None):
         table = self.table() if table is None else table
         outputs = ops.take(table, ops.cast(inputs, "int32"), axis=0)  # (N, T, C)
-        if self.scale:
-            outputs = outputs * ops.cast(math.sqrt(self.num_units), self.compute_dtype)
-        return outputs
+        return outputs * ops.cast(math.sqrt(self.num_units), self.compute_dtype)
 
     def attend(self, inputs, table=None):
-        """Logits ``inputs @ embeddings^T`` `(..., C)` -> `(..., V)`, for tied output weights."""
+        """Returns the logits ``inputs @ table^T`` `(..., V)` of states `(..., C)`: the output
+        layer whose weights are the embeddings'."""
         table = self.table() if table is None else table
         return ops.matmul(inputs, ops.transpose(table))  # (..., V)
 
     def compute_mask(self, inputs, mask=None):
-        return ops.not_equal(inputs, 0)  # (N, T)
+        return ops.not_equal(inputs, PAD_ID)  # (N, T)
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape) + (self.num_units,)
@@ -139,17 +129,17 @@ class Embedding(keras.layers.Layer):
     def get_config(self):
         initializer = keras.initializers.serialize(self.embeddings_initializer)
         return dict(super().get_config(), vocab_size=self.vocab_size, num_units=self.num_units,
-                    zero_pad=self.zero_pad, scale=self.scale, embeddings_initializer=initializer)
+                    embeddings_initializer=initializer)
 
 
 def sinusoid_table(maxlen, num_units, style="interleaved"):
-    """The `(maxlen, num_units)` sinusoid encodings, as a float32 numpy array.
+    """Returns the `(maxlen, num_units)` sinusoid encodings as a float32 numpy array.
 
     ``interleaved`` (the paper): column ``i`` holds ``sin`` (even ``i``) or ``cos`` (odd ``i``)
     of ``pos / 10000^(2*floor(i/2)/num_units)`` (the original's ``2*i/num_units`` was wrong).
     ``concat`` (tensor2tensor): sines then cosines of ``num_units // 2`` geometric timescales.
     """
-    _check_choice("style", style, ENCODING_STYLES)
+    check_choice("style", style, ENCODING_STYLES)
     positions = np.arange(maxlen, dtype=np.float64)[:, None]  # (maxlen, 1)
     if style == "interleaved":
         pair_index = np.arange(num_units) // 2  # floor(i/2)
@@ -167,32 +157,32 @@ def sinusoid_table(maxlen, num_units, style="interleaved"):
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class PositionalEncoding(keras.layers.Layer):
-    """Position encodings, sinusoidal or learned (the original ``positional_encoding``).
+    """Returns the encodings of its inputs' positions, for the caller to add to the embeddings:
+    fixed sinusoids or a learned table, zero at padding. This is the original
+    ``positional_encoding`` as its ``train.py`` called it (``zero_pad=False, scale=False``).
 
     Args:
       maxlen: Longest sequence the layer accepts.
       num_units: Width `C`; when None, taken from the last axis of 3-D inputs.
-      sinusoid, style: Fixed sinusoids of a `sinusoid_table` style; else a learned table.
-      zero_pad, scale: Whether position 0 encodes to zero; whether to multiply by ``sqrt(C)``.
-      masking: If True, encodings at padding (id 0, or Keras mask False) are zero.
+      sinusoid: Fixed sinusoids (True) or a learned `(maxlen, C)` table (False).
+      style: Layout of the sinusoids, ``"interleaved"`` or ``"concat"`` (see `sinusoid_table`).
 
     Call arguments:
       inputs: Ids `(N, T)` or embeddings `(N, T, C)`.
-      mask: Optional boolean `(N, T)`; default the Keras mask of `inputs`, or ``ids != 0``.
+      mask: Optional boolean `(N, T)`; by default the Keras mask of `inputs`, or
+        ``ids != PAD_ID``.
 
     Returns:
-      `(N, T, C)` encodings for the caller to add. Raises ValueError when ``T > maxlen``.
+      Encodings `(N, T, C)`, zero where the mask is False. Raises ValueError when ``T > maxlen``.
     """
 
-    def __init__(self, maxlen, num_units=None, sinusoid=True, style="interleaved",
-                 zero_pad=False, scale=False, masking=True, **kwargs):
+    def __init__(self, maxlen, num_units=None, sinusoid=True, style="interleaved", **kwargs):
         super().__init__(**kwargs)
-        _check_choice("style", style, ENCODING_STYLES)
+        check_choice("style", style, ENCODING_STYLES)
         if maxlen < 1:
             raise ValueError(f"`maxlen` must be positive, got {maxlen}.")
         self.maxlen, self.num_units = int(maxlen), None if num_units is None else int(num_units)
         self.sinusoid, self.style = bool(sinusoid), style
-        self.zero_pad, self.scale, self.masking = bool(zero_pad), bool(scale), bool(masking)
         self.supports_masking = True
 
     def build(self, input_shape):
@@ -206,26 +196,21 @@ class PositionalEncoding(keras.layers.Layer):
             self.position_embeddings = self.add_weight(
                 name="position_embeddings", shape=(self.maxlen, num_units),
                 initializer="glorot_uniform")
-        self._keep_rows = (np.arange(self.maxlen)[:, None] > 0).astype("float32")  # (maxlen, 1)
+
+    def _rows(self):
+        """Returns the whole `(maxlen, C)` table as a tensor, in its own dtype."""
+        return ops.convert_to_tensor(self._sinusoids if self.sinusoid
+                                     else self.position_embeddings)
 
     def _table(self, length):
-        return self._rows(lambda rows: rows[:length])  # (T, C)
+        """Returns the encodings of the first `length` positions `(T, C)`."""
+        return ops.cast(self._rows()[:length], self.compute_dtype)
 
     def encoding_at(self, position):
-        """The `(1, C)` encoding of one position (a decoding step's), from that row alone."""
+        """Returns the `(1, C)` encoding of one position (a decoding step's), cast from that
+        row alone."""
         index = ops.reshape(ops.cast(position, "int32"), (1,))
-        return self._rows(lambda rows: ops.take(rows, index, axis=0))  # (1, C)
-
-    def _rows(self, select):
-        """The rows `select` takes of the table (and of `_keep_rows`), finished as configured."""
-        table = self._sinusoids if self.sinusoid else self.position_embeddings
-        rows = ops.cast(select(ops.convert_to_tensor(table)), self.compute_dtype)
-        if self.zero_pad:
-            keep = select(ops.convert_to_tensor(self._keep_rows))
-            rows = rows * ops.cast(keep, self.compute_dtype)
-        if self.scale:
-            rows = rows * ops.cast(math.sqrt(self._units), self.compute_dtype)
-        return rows
+        return ops.cast(ops.take(self._rows(), index, axis=0), self.compute_dtype)  # (1, C)
 
     def call(self, inputs, mask=None):
         length = inputs.shape[1]
@@ -237,14 +222,14 @@ class PositionalEncoding(keras.layers.Layer):
         encodings = ops.broadcast_to(self._table(length)[None],
                                      (ops.shape(inputs)[0], length, self._units))  # (N, T, C)
         position_mask = self.compute_mask(inputs, mask)
-        if self.masking and position_mask is not None:
+        if position_mask is not None:
             encodings = encodings * ops.cast(position_mask, self.compute_dtype)[..., None]
         return encodings
 
     def compute_mask(self, inputs, mask=None):
         mask = _keras_mask(inputs) if mask is None else mask
         if mask is None and len(inputs.shape) == 2:
-            mask = ops.not_equal(inputs, 0)  # (N, T), from ids
+            mask = ops.not_equal(inputs, PAD_ID)  # (N, T), from ids
         return mask
 
     def compute_output_shape(self, input_shape):
@@ -252,40 +237,37 @@ class PositionalEncoding(keras.layers.Layer):
 
     def get_config(self):
         return dict(super().get_config(), maxlen=self.maxlen, num_units=self.num_units,
-                    sinusoid=self.sinusoid, style=self.style, zero_pad=self.zero_pad,
-                    scale=self.scale, masking=self.masking)
+                    sinusoid=self.sinusoid, style=self.style)
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class ScaledDotProductAttention(keras.layers.Layer):
-    """``softmax(Q K^T / temperature) V`` over heads: `MultiHeadAttention`'s default operator,
-    which any layer or callable with this call signature can replace.
+    """Computes ``softmax(Q K^T / sqrt(d_k)) V`` for every head: `MultiHeadAttention`'s attention.
 
     Args:
       dropout_rate: Dropout on the attention weights, in training only.
-      temperature: Divisor of the scores; ``sqrt(d_k)`` when None.
 
     Call arguments:
       q: `(N, h, T_q, d_k)`; k: `(N, h, T_k, d_k)`; v: `(N, h, T_k, d_v)`.
       mask: Optional boolean, broadcastable to `(N, h, T_q, T_k)`; False hides a key from a
         query (one that sees no key gets all-zero weights).
+      training: Whether dropout is active.
 
     Returns:
       ``(outputs, weights)``: `(N, h, T_q, d_v)` and the weights `(N, h, T_q, T_k)` before dropout.
     """
 
-    def __init__(self, dropout_rate=0.0, temperature=None, **kwargs):
-        super().__init__(**_without_saved_switch(kwargs))
-        _check_rates(dropout_rate=dropout_rate)
-        self.dropout_rate, self.temperature = float(dropout_rate), temperature
+    def __init__(self, dropout_rate=0.0, **kwargs):
+        super().__init__(**kwargs)
+        check_rates(dropout_rate=dropout_rate)
+        self.dropout_rate = float(dropout_rate)
         self.dropout = Dropout(self.dropout_rate)
 
     def call(self, q, k, v, mask=None, training=None):
-        temperature = self.temperature or math.sqrt(q.shape[-1])
         # Scaled after the product: the scores are smaller than the queries when T_k < d_k,
         # and oneDNN fuses the product, the scaling and the mask's addition into one kernel.
         scores = ops.matmul(q, ops.swapaxes(k, -1, -2))  # (N, h, T_q, T_k)
-        scores = scores * ops.cast(1.0 / temperature, scores.dtype)
+        scores = scores * ops.cast(1.0 / math.sqrt(q.shape[-1]), scores.dtype)
         if mask is not None:
             # A bias (N|1, 1, T_q|1, T_k) added, not a selection: it is built at the mask's
             # size, and an addition passes its gradient through unchanged. The hidden score is
@@ -302,23 +284,17 @@ class ScaledDotProductAttention(keras.layers.Layer):
         return outputs, weights
 
     def get_config(self):
-        return dict(super().get_config(), dropout_rate=self.dropout_rate,
-                    temperature=self.temperature)
-
-
-def residual_connection(inputs, sublayer, norm, dropout, norm_position, training=None):
-    """Wraps a sub-layer `F` as the paper does (3.1): ``"post"`` (the original) gives
-    ``LN(x + Dropout(F(x)))``, ``"pre"`` ``x + Dropout(F(LN(x)))``. `sublayer` returns
-    ``(outputs (N, T, C), *extras)``, and so does this."""
-    outputs, *extras = sublayer(norm(inputs) if norm_position == "pre" else inputs)
-    outputs = inputs + dropout(outputs, training=training)
-    return (norm(outputs) if norm_position == "post" else outputs, *extras)
+        return dict(super().get_config(), dropout_rate=self.dropout_rate)
 
 
 def attention_mask(query_mask, key_mask, causal_shape=None):
-    """The one mask of keys `(N, T_k)` or per query `(N, T_q, T_k)`, queries `(N, T_q)` (a
-    hidden one sees no key) and causality, when `causal_shape` gives ``(T_q, T_k)``: boolean,
-    broadcastable to `(N, h, T_q, T_k)`, or None (all see all)."""
+    """Combines the masks of the keys, of the queries and causality into one boolean mask,
+    broadcastable to `(N, h, T_q, T_k)`, or None when every query sees every key.
+
+    `key_mask` is `(N, T_k)`, or `(N, T_q, T_k)` per query; a query hidden by `query_mask`
+    `(N, T_q)` sees no key; `causal_shape` ``(T_q, T_k)``, if given, hides key ``j > i`` from
+    query ``i``.
+    """
     mask = None
     if key_mask is not None:
         key_mask = ops.cast(key_mask, "bool")
@@ -335,9 +311,12 @@ def attention_mask(query_mask, key_mask, causal_shape=None):
 
 
 def project_heads(inputs, denses, num_heads, dtype):
-    """`inputs` `(N, T, C_in)` through the `Dense` layers `denses` (of the same options), as
-    `len(denses)` tensors `(N, h, T, d_k)` in `dtype`: one product with the kernels side by side
-    (the input read once, no partial gradients summed), parts taken apart by one transpose."""
+    """Passes `inputs` `(N, T, C_in)` through the `Dense` layers `denses` (of the same options)
+    and returns `len(denses)` tensors `(N, h, T, d_k)` in `dtype`.
+
+    It computes one product with the kernels side by side (the input is read once, and no
+    partial gradients are summed), and takes the parts apart by one transpose.
+    """
     kernel = ops.concatenate([dense.kernel for dense in denses], axis=-1)  # (C_in, n*C)
     x = ops.matmul(ops.cast(inputs, dtype), ops.cast(kernel, dtype))  # (N, T, n*C)
     if denses[0].use_bias:
@@ -356,149 +335,126 @@ def project_heads(inputs, denses, num_heads, dtype):
     return tuple(ops.unstack(x, parts, axis=0))
 
 
-def _results(outputs, *optional):
-    """`outputs` alone, or a tuple of it and those of `optional` that are not None."""
-    given = tuple(value for value in optional if value is not None)
-    return (outputs, *given) if given else outputs
-
-
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class MultiHeadAttention(keras.layers.Layer):
-    """The original ``multihead_attention``: Q/K/V projections split into `num_heads` heads along
-    the last axis (head ``h`` owns columns ``h*d_k:(h+1)*d_k``), attention, heads concatenated,
-    the queries added back and normalized (`residual_connection`); with a `cache`, step by step.
+    """Attends from queries to keys with `num_heads` heads (the original
+    ``multihead_attention``), in a residual connection with its normalization.
+
+    The Q/K/V projections are split into heads along the last axis (head ``h`` owns columns
+    ``h*d_k:(h+1)*d_k``); the heads' outputs are concatenated and added to the queries. With a
+    `cache` it attends one decoding step at a time.
 
     Args:
-      num_heads: Number of heads `h`; must divide `num_units`.
-      num_units: Attention width `C`; the queries' width when None.
+      num_heads: Number of heads `h`; it must divide the queries' width `C` (``d_model``).
       dropout_rate: Dropout on the attention weights (training only).
       causality: If True, query ``i`` never sees key ``j > i``.
-      use_bias: Whether the projections have biases.
+      use_bias: Whether the projections have biases (the versions of March to September
+        2019 of the original have none).
       projection_activation: Activation of the Q/K/V projections; ``"relu"`` as the original.
-      output_projection: If True, a `Dense` (`output_dense`) maps the heads to the queries' width.
-      norm_position: ``"post"`` (the original) or ``"pre"`` (`residual_connection`); in
-        pre-norm self-attention the normalized queries are the keys and values.
+      output_projection: If True, a `Dense` (`output_dense`) maps the concatenated heads.
+      norm_position: ``"post"`` (the original) or ``"pre"`` (see the module's docstring); in
+        pre-norm self-attention the normalized queries are also the keys and values.
       epsilon: Epsilon of the `Normalize` layer (`norm`).
       residual_dropout_rate: Dropout before the residual sum (training only; 0 originally).
-      attention: The operator, a layer or callable ``(q, k, v, mask) -> (outputs, weights)``
-        on per-head tensors; `ScaledDotProductAttention(dropout_rate)` when None.
 
     Call arguments:
-      queries: `(N, T_q, C_q)`.
-      keys: `(N, T_k, C_k)`; None (or `queries` itself) for self-attention.
-      values: `(N, T_k, C_v)`; `keys` when None (used also when the keys are the queries).
+      queries: `(N, T_q, C)`.
+      keys: `(N, T_k, C_k)`, or None for self-attention (the queries are the keys).
+      values: `(N, T_k, C_v)`; the keys when None. Only with `keys`.
       query_mask: Optional boolean `(N, T_q)`; default the Keras mask of `queries`.
       key_mask: Optional boolean `(N, T_k)`, or `(N, T_q, T_k)` per query; default the Keras
         mask of `keys` (of `queries` in self-attention; none with a `cache`).
       training: Whether dropout is active.
-      return_attention_scores: If True, also return the weights.
       cache: For decoding, projected keys and values ``(k, v)`` `(N, h, T_c, d_k)`. In
         self-attention this call's join them, and `key_mask` (the slots each query sees)
         replaces `causality`; over other keys it is their `project_keys_values`, made once.
 
     Returns:
-      `(N, T_q, C_q)`; then the weights `(N, h, T_q, T_k)` with `return_attention_scores`, and
-      the cache (grown in self-attention) with one.
+      ``(outputs, weights, cache)``: outputs `(N, T_q, C)`; the attention weights
+      `(N, h, T_q, T_k)` before dropout; the projected keys and values ``(k, v)``
+      `(N, h, T_k, d_k)` the queries attended to, which are the next decoding step's `cache`
+      (the given one grown by this call's positions in self-attention).
     """
 
-    def __init__(self, num_heads=8, num_units=None, dropout_rate=0.0, causality=False,
-                 use_bias=True, projection_activation=None, output_projection=False,
-                 norm_position="post", epsilon=LAYER_NORM_EPSILON, residual_dropout_rate=0.0,
-                 attention=None, **kwargs):
-        super().__init__(**_without_saved_switch(kwargs))
-        _check_choice("norm_position", norm_position, NORM_POSITIONS)
-        _check_rates(dropout_rate=dropout_rate, residual_dropout_rate=residual_dropout_rate)
-        if num_heads < 1:
-            raise ValueError(f"`num_heads` must be positive, got {num_heads}.")
-        if num_units is not None and num_units % num_heads:
-            raise ValueError(f"`num_units` ({num_units}) must be divisible by `num_heads` "
-                             f"({num_heads}).")
+    def __init__(self, num_heads=8, dropout_rate=0.0, causality=False, use_bias=True,
+                 projection_activation=None, output_projection=False, norm_position="post",
+                 epsilon=LAYER_NORM_EPSILON, residual_dropout_rate=0.0, **kwargs):
+        super().__init__(**kwargs)
+        check_choice("norm_position", norm_position, NORM_POSITIONS)
+        check_rates(dropout_rate=dropout_rate, residual_dropout_rate=residual_dropout_rate)
         self.num_heads, self.dropout_rate = int(num_heads), float(dropout_rate)
-        self.num_units = None if num_units is None else int(num_units)
         self.causality, self.use_bias = bool(causality), bool(use_bias)
         self.projection_activation = keras.activations.get(projection_activation)
         self.output_projection = bool(output_projection)
         self.norm_position, self.epsilon = norm_position, float(epsilon)
         self.residual_dropout_rate = float(residual_dropout_rate)
-        if isinstance(attention, dict):
-            attention = keras.saving.deserialize_keras_object(attention)
-        self.attention = attention or ScaledDotProductAttention(self.dropout_rate)
+        self.attention = ScaledDotProductAttention(self.dropout_rate)
         self.residual_dropout = Dropout(self.residual_dropout_rate)
         self.norm = Normalize(epsilon=self.epsilon, name="norm")
         self.supports_masking = True
 
     def build(self, queries_shape, keys_shape=None, values_shape=None):
-        query_width = queries_shape[-1]
-        units = self.num_units or query_width
-        if units % self.num_heads:
-            raise ValueError(f"The attention width ({units}) must be divisible by `num_heads` "
-                             f"({self.num_heads}).")
-        if units != query_width and not self.output_projection:
-            raise ValueError(
-                f"`num_units` ({units}) differs from the queries' width ({query_width}): "
-                "the residual connection needs `output_projection=True`.")
-
-        def projection(name, shape):
-            dense = keras.layers.Dense(units, activation=self.projection_activation,
-                                       use_bias=self.use_bias, name=name)
-            dense.build(shape)
-            return dense
-        self.query_dense = projection("query_dense", queries_shape)
-        self.key_dense = projection("key_dense", keys_shape or queries_shape)
-        self.value_dense = projection("value_dense", values_shape or keys_shape or queries_shape)
+        width = queries_shape[-1]  # C, which the heads split
+        check_heads(width, self.num_heads)
+        self.query_dense = self._projection("query_dense", width, queries_shape)
+        self.key_dense = self._projection("key_dense", width, keys_shape or queries_shape)
+        self.value_dense = self._projection("value_dense", width,
+                                            values_shape or keys_shape or queries_shape)
         if self.output_projection:
-            self.output_dense = keras.layers.Dense(query_width, use_bias=self.use_bias,
+            self.output_dense = keras.layers.Dense(width, use_bias=self.use_bias,
                                                    name="output_dense")
-            self.output_dense.build(tuple(queries_shape[:-1]) + (units,))
+            self.output_dense.build(queries_shape)
         self.norm.build(queries_shape)
 
+    def _projection(self, name, width, input_shape):
+        """Makes and builds one of the Q/K/V projections, `width` wide."""
+        dense = keras.layers.Dense(width, activation=self.projection_activation,
+                                   use_bias=self.use_bias, name=name)
+        dense.build(input_shape)
+        return dense
+
     def call(self, queries, keys=None, values=None, query_mask=None, key_mask=None,
-             training=None, return_attention_scores=False, cache=None):
-        # Keys (and values) that are the queries, or none, are self-attention's, normalized
-        # in pre-norm; values of their own are used as given. Told apart by identity.
-        self_attention = keys is None or keys is queries
-        if self_attention and (values is None or values is queries):
-            values = None
+             training=None, cache=None):
+        if keys is None and values is not None:
+            raise ValueError("`values` need `keys`: self-attention (`keys` None) attends over "
+                             "its queries.")
         query_mask = _keras_mask(queries) if query_mask is None else query_mask
         if key_mask is None and cache is None:
-            key_mask = query_mask if self_attention else _keras_mask(keys)
+            key_mask = query_mask if keys is None else _keras_mask(keys)
+        causal = self.causality and cache is None  # a cache's `key_mask` says what is seen
+        x = self.norm(queries) if self.norm_position == "pre" else queries  # (N, T_q, C)
+        q, k, v = self._heads(x, keys, values, cache)  # (N, h, T, d_k) each
+        mask = attention_mask(query_mask, key_mask,
+                              (ops.shape(q)[2], ops.shape(k)[2]) if causal else None)
+        heads, weights = self.attention(q, k, v, mask, training=training)  # (N, h, T_q, d_k)
+        heads = ops.transpose(heads, (0, 2, 1, 3))  # (N, T_q, h, d_k)
+        outputs = ops.reshape(heads, (ops.shape(heads)[0], ops.shape(heads)[1],
+                                      heads.shape[2] * heads.shape[3]))  # (N, T_q, C)
+        if self.output_projection:
+            outputs = self.output_dense(outputs)
+        outputs = queries + self.residual_dropout(outputs, training=training)
+        if self.norm_position == "post":
+            outputs = self.norm(outputs)
+        return outputs, weights, (k, v)  # weights (N, h, T_q, T_k)
 
-        def attend(normalized):  # the sub-layer: (N, T_q, C_q), (N, h, T_q, T_k), cache
-            q, k, v, grown = self._heads(normalized, None if self_attention else keys, values,
-                                         cache)
-            causal = self.causality and cache is None  # shapes read only then (loop nodes)
-            mask = attention_mask(query_mask, key_mask,
-                                  (ops.shape(q)[2], ops.shape(k)[2]) if causal else None)
-            heads, weights = self.attention(q, k, v, mask)  # (N, h, T_q, d_k), (N, h, T_q, T_k)
-            heads = ops.transpose(heads, (0, 2, 1, 3))  # (N, T_q, h, d_k), merged to (N, T_q, C)
-            outputs = ops.reshape(heads, (ops.shape(heads)[0], ops.shape(heads)[1],
-                                          heads.shape[2] * heads.shape[3]))
-            return (self.output_dense(outputs) if self.output_projection else outputs,
-                    weights, grown)
-        outputs, weights, cache = residual_connection(
-            queries, attend, self.norm, self.residual_dropout, self.norm_position, training)
-        return _results(outputs, weights if return_attention_scores else None, cache)
-
-    def _heads(self, queries, keys, values, cache):
-        """``(q, k, v, cache)`` `(N, h, T, d_k)` for `call` (`keys` None in self-attention)."""
-        if keys is None and values is None and cache is None:
-            return (*self._project(queries, self.query_dense, self.key_dense,
-                                   self.value_dense), None)
-        (q,) = self._project(queries, self.query_dense)  # (N, h, T_q, d_k)
-        if cache is not None and keys is not None:
-            return (q, *cache, cache)  # other keys, projected once
-        if keys is None:
-            keys, values = queries, (queries if values is None else values)
-        k, v = self.project_keys_values(keys, values)  # (N, h, T_k, d_k)
-        if cache is not None:  # this call's positions join the cached ones
+    def _heads(self, x, keys, values, cache):
+        """Returns the queries, keys and values as heads ``(q, k, v)`` `(N, h, T, d_k)`, of
+        the (normalized) queries `x` and the call's `keys`, `values` and `cache`."""
+        if keys is None and cache is None:  # self-attention: the three projections in one
+            return self._project(x, self.query_dense, self.key_dense, self.value_dense)
+        (q,) = self._project(x, self.query_dense)  # (N, h, T_q, d_k)
+        if keys is None:  # a decoding step of self-attention: its positions join the cache
             k, v = (ops.concatenate([old, ops.cast(new, old.dtype)], axis=2)
-                    for old, new in zip(cache, (k, v)))
-            cache = (k, v)  # (N, h, T_c + T_q, d_k) each
-        return q, k, v, cache
+                    for old, new in zip(cache, self.project_keys_values(x, x)))
+            return q, k, v  # (N, h, T_c + T_q, d_k)
+        if cache is not None:  # other keys, projected once before the first step
+            return (q, *cache)
+        return (q, *self.project_keys_values(keys, values))
 
     def project_keys_values(self, keys, values=None):
-        """Keys and values `(N, T_k, C)` -> heads `(N, h, T_k, d_k)` (a memory's `cache`): one
-        product without `values`, one each with them (even `keys`), cheaper in a decoding step."""
+        """Projects keys and values `(N, T_k, C)` to heads ``(k, v)`` `(N, h, T_k, d_k)` (a
+        memory's `cache`): with one product of `keys` when `values` is None, with one product
+        each when they are given (even the same tensor), cheaper for a decoding step."""
         if values is None:
             return self._project(keys, self.key_dense, self.value_dense)
         return self._project(keys, self.key_dense) + self._project(values, self.value_dense)
@@ -508,24 +464,24 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def get_config(self):
         return dict(
-            super().get_config(), num_heads=self.num_heads, num_units=self.num_units,
-            dropout_rate=self.dropout_rate, causality=self.causality, use_bias=self.use_bias,
+            super().get_config(), num_heads=self.num_heads, dropout_rate=self.dropout_rate,
+            causality=self.causality, use_bias=self.use_bias,
             projection_activation=keras.activations.serialize(self.projection_activation),
             output_projection=self.output_projection, norm_position=self.norm_position,
-            epsilon=self.epsilon, residual_dropout_rate=self.residual_dropout_rate,
-            attention=keras.saving.serialize_keras_object(self.attention))
+            epsilon=self.epsilon, residual_dropout_rate=self.residual_dropout_rate)
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class FeedForward(keras.layers.Layer):
-    """The original ``feedforward``: two `Dense` (its 1x1 convolutions), in `residual_connection`.
+    """Applies two `Dense` layers to each position (the original ``feedforward``'s 1x1
+    convolutions), in a residual connection with its normalization.
 
     Args:
       num_units: ``(inner, outer)`` widths; `outer` must equal the input width.
       dropout_rate: Dropout on the output before the residual sum (training).
-      activation: Activation of the inner layer.
-      inner_dropout_rate: Dropout on the inner activations (training; 0 originally).
+      activation: Activation of the inner layer (``"relu"`` as the original).
       norm_position, epsilon: As `MultiHeadAttention`'s.
+      inner_dropout_rate: Dropout on the inner activations (training; 0 originally).
 
     Call arguments:
       inputs: `(N, T, C)`; training: whether dropout is active.
@@ -537,9 +493,9 @@ class FeedForward(keras.layers.Layer):
     def __init__(self, num_units=(2048, 512), dropout_rate=0.0, activation="relu",
                  norm_position="post", epsilon=LAYER_NORM_EPSILON, inner_dropout_rate=0.0,
                  **kwargs):
-        super().__init__(**_without_saved_switch(kwargs))
-        _check_choice("norm_position", norm_position, NORM_POSITIONS)
-        _check_rates(dropout_rate=dropout_rate, inner_dropout_rate=inner_dropout_rate)
+        super().__init__(**kwargs)
+        check_choice("norm_position", norm_position, NORM_POSITIONS)
+        check_rates(dropout_rate=dropout_rate, inner_dropout_rate=inner_dropout_rate)
         if len(num_units) != 2 or min(num_units) < 1:
             raise ValueError(f"`num_units` must be two positive ints, got {num_units!r}.")
         self.num_units = tuple(int(units) for units in num_units)
@@ -548,11 +504,10 @@ class FeedForward(keras.layers.Layer):
         self.norm_position, self.epsilon = norm_position, float(epsilon)
         self.inner_dense = keras.layers.Dense(self.num_units[0], activation=self.activation,
                                               name="inner_dense")
+        self.inner_dropout = Dropout(self.inner_dropout_rate)
         self.outer_dense = keras.layers.Dense(self.num_units[1], name="outer_dense")
         self.dropout = Dropout(self.dropout_rate)
         self.norm = Normalize(epsilon=self.epsilon, name="norm")
-        # Made last: at rate 0 it holds no random state, and the others keep their order.
-        self.inner_dropout = Dropout(self.inner_dropout_rate)
         self.supports_masking = True
 
     def build(self, input_shape):
@@ -565,10 +520,10 @@ class FeedForward(keras.layers.Layer):
         self.norm.build(input_shape)
 
     def call(self, inputs, training=None):
-        inner = lambda x: self.inner_dropout(self.inner_dense(x), training=training)  # noqa: E731
-        return residual_connection(
-            inputs, lambda x: (self.outer_dense(inner(x)),),  # (N, T, C) -> (N, T, d_ff) -> same
-            self.norm, self.dropout, self.norm_position, training)[0]
+        x = self.norm(inputs) if self.norm_position == "pre" else inputs  # (N, T, C)
+        x = self.inner_dropout(self.inner_dense(x), training=training)  # (N, T, d_ff)
+        outputs = inputs + self.dropout(self.outer_dense(x), training=training)  # (N, T, C)
+        return self.norm(outputs) if self.norm_position == "post" else outputs
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -581,43 +536,48 @@ class FeedForward(keras.layers.Layer):
 
 
 def label_smoothing(inputs, epsilon=0.1):
-    """Label smoothing (arXiv:1512.00567): ``(1 - epsilon) * inputs + epsilon / V`` over the
-    last axis `V`; at 0.1 a one-hot ``[0, 0, 1]`` becomes ``[0.0333, 0.0333, 0.9333]``."""
+    """Smooths one-hot labels (arXiv:1512.00567): returns ``(1 - epsilon) * inputs + epsilon / V``
+    over the last axis `V`; at 0.1 a one-hot ``[0, 0, 1]`` becomes ``[0.0333, 0.0333, 0.9333]``."""
     inputs = ops.convert_to_tensor(inputs)
     num_classes = ops.cast(ops.shape(inputs)[-1], inputs.dtype)
     return (1.0 - epsilon) * inputs + epsilon / num_classes
 
 
 class _Block(keras.layers.Layer):
-    """What the blocks share; `build` makes sub-layers under the fast-paths switch of creation."""
+    """Holds what the encoder and decoder blocks share.
+
+    A block makes its sub-layers in `build`, where the width is known, and gives them the
+    fast-paths choice the block itself was made with (`set_fast_paths`), so that a block made
+    with the switch off builds without fast paths whatever the switch is by then.
+    """
 
     def __init__(self, num_heads, d_ff, dropout_rate=0.0, norm_position="post",
                  epsilon=LAYER_NORM_EPSILON, attention_dropout_rate=None, inner_dropout_rate=0.0,
                  **kwargs):
-        super().__init__(**_without_saved_switch(kwargs))
-        _check_choice("norm_position", norm_position, NORM_POSITIONS)
+        super().__init__(**kwargs)
+        check_choice("norm_position", norm_position, NORM_POSITIONS)
         self.num_heads, self.d_ff = int(num_heads), int(d_ff)
         attention_rate = dropout_rate if attention_dropout_rate is None else attention_dropout_rate
-        _check_rates(dropout_rate=dropout_rate, inner_dropout_rate=inner_dropout_rate,
-                     attention_dropout_rate=attention_rate)
+        check_rates(dropout_rate=dropout_rate, inner_dropout_rate=inner_dropout_rate,
+                    attention_dropout_rate=attention_rate)
         self.dropout_rate, self.inner_dropout_rate = float(dropout_rate), float(inner_dropout_rate)
         self.attention_dropout_rate = float(attention_rate)
         self.norm_position, self.epsilon = norm_position, float(epsilon)
-        self._fast_paths = fast.enabled()
+        self.fast_paths = fast.enabled()
         self.supports_masking = True
 
     def _attention(self, name, causality=False):
-        with fast.enabled_as(self._fast_paths):
-            return MultiHeadAttention(
-                num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate,
-                causality=causality, output_projection=True, norm_position=self.norm_position,
-                epsilon=self.epsilon, residual_dropout_rate=self.dropout_rate, name=name)
+        return set_fast_paths(MultiHeadAttention(
+            num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate,
+            causality=causality, output_projection=True, norm_position=self.norm_position,
+            epsilon=self.epsilon, residual_dropout_rate=self.dropout_rate, name=name),
+            self.fast_paths)
 
     def _feed_forward(self, d_model):
-        with fast.enabled_as(self._fast_paths):
-            return FeedForward((self.d_ff, d_model), dropout_rate=self.dropout_rate,
-                               norm_position=self.norm_position, epsilon=self.epsilon,
-                               inner_dropout_rate=self.inner_dropout_rate, name="feed_forward")
+        return set_fast_paths(FeedForward(
+            (self.d_ff, d_model), dropout_rate=self.dropout_rate,
+            norm_position=self.norm_position, epsilon=self.epsilon,
+            inner_dropout_rate=self.inner_dropout_rate, name="feed_forward"), self.fast_paths)
 
     def get_config(self):
         names = ("num_heads", "d_ff", "dropout_rate", "norm_position", "epsilon",
@@ -627,13 +587,15 @@ class _Block(keras.layers.Layer):
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class EncoderBlock(_Block):
-    """Self-attention then feed-forward, each wrapped by `residual_connection`: one encoder layer.
+    """Applies self-attention, then a feed-forward net, each in its residual connection: one
+    encoder layer.
 
     Args:
       num_heads: Attention heads; d_ff: inner width of the feed-forward net.
-      dropout_rate: Dropout on each sub-layer's output; attention_dropout_rate: on the attention
-        weights (None: `dropout_rate`); inner_dropout_rate: on the feed-forward's inner values.
+      dropout_rate: Dropout on each sub-layer's output.
       norm_position, epsilon: As `MultiHeadAttention`'s, for every sub-layer.
+      attention_dropout_rate: Dropout on the attention weights; None: `dropout_rate`.
+      inner_dropout_rate: Dropout on the feed-forward net's inner activations.
 
     Call arguments:
       inputs: `(N, T, C)`; mask: optional boolean `(N, T)`, default the Keras mask.
@@ -650,7 +612,7 @@ class EncoderBlock(_Block):
         self.feed_forward.build(input_shape)
 
     def call(self, inputs, mask=None, training=None):
-        x = self.self_attention(inputs, query_mask=mask, key_mask=mask, training=training)
+        x, _, _ = self.self_attention(inputs, query_mask=mask, key_mask=mask, training=training)
         return self.feed_forward(x, training=training)  # (N, T, C)
 
     def compute_output_shape(self, input_shape):
@@ -659,8 +621,9 @@ class EncoderBlock(_Block):
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class DecoderBlock(_Block):
-    """Causal self-attention, attention over the encoder memory, feed-forward (as `EncoderBlock`).
-    Training and decoding step by step run the same `call`, decoding with a `cache`.
+    """Applies causal self-attention, attention over the encoder's memory, then a feed-forward
+    net, each in its residual connection: one decoder layer. Training and decoding step by
+    step run the same `call`, decoding with a `cache`.
 
     Args: as `EncoderBlock`.
 
@@ -675,8 +638,9 @@ class DecoderBlock(_Block):
         when `T` > 1, as that is the search's to say (`decoding.own_history`).
 
     Returns:
-      `(N, T, C)`; with `return_attention_scores` ``(outputs, weights, coverage)``; the grown
-      `cache` last. Raises ValueError for `T` > 1 with a `cache` and no `self_attention_mask`.
+      `(N, T, C)`; with `return_attention_scores` ``(outputs, weights, coverage)``; with a
+      `cache`, the grown cache last. Raises ValueError for `T` > 1 with a `cache` and no
+      `self_attention_mask`.
     """
 
     def build(self, inputs_shape, memory_shape=None):
@@ -688,8 +652,9 @@ class DecoderBlock(_Block):
         self.feed_forward.build(inputs_shape)
 
     def init_cache(self, memory):
-        """The `cache` before the first position: ``self`` empty `(N, h, 0, d_k)`, ``cross``
-        `memory`'s keys and values `(N, h, S, d_k)`, shared by every position and hypothesis."""
+        """Returns the `cache` before the first position: ``self`` empty `(N, h, 0, d_k)`,
+        ``cross`` the keys and values of `memory` `(N, h, S, d_k)`, which every position and
+        hypothesis shares."""
         head_width = self.self_attention.key_dense.units // self.num_heads  # d_k
         empty = ops.zeros((ops.shape(memory)[0], self.num_heads, 0, head_width), memory.dtype)
         return {"self": (empty, empty), "cross": self.cross_attention.project_keys_values(memory)}
@@ -703,23 +668,24 @@ class DecoderBlock(_Block):
         mask = _keras_mask(inputs) if mask is None else mask
         memory_mask = _keras_mask(memory) if memory_mask is None else memory_mask
         caches = cache or {}
-        # The weights are asked for so that both calls return a tuple (with the cache last).
-        x, _, *grown_self = self.self_attention(
+        x, _, self_cache = self.self_attention(
             inputs, query_mask=mask, key_mask=mask if cache is None else self_attention_mask,
-            training=training, return_attention_scores=True, cache=caches.get("self"))
-        x, weights, *grown_cross = self.cross_attention(
+            training=training, cache=caches.get("self"))  # (N, T, C)
+        x, weights, cross_cache = self.cross_attention(
             x, memory, query_mask=mask, key_mask=memory_mask, training=training,
-            return_attention_scores=True, cache=caches.get("cross"))  # weights (N, h, T, S)
+            cache=caches.get("cross"))  # weights (N, h, T, S)
         x = self.feed_forward(x, training=training)  # (N, T, C)
-        coverage = ops.mean(weights, axis=1) if return_attention_scores else None  # (N, T, S)
-        grown = None if cache is None else {"self": grown_self[0], "cross": grown_cross[0]}
-        return _results(x, *((weights, coverage) if return_attention_scores else ()), grown)
+        results = (x, weights, ops.mean(weights, axis=1)) if return_attention_scores else (x,)
+        if cache is not None:
+            results += ({"self": self_cache, "cross": cross_cache},)
+        return results if len(results) > 1 else x
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class Dropout(keras.layers.Dropout):
-    """Keras' ``Dropout`` (options and config), by `fast_paths.dropout` (16-bit random draws)
-    when the fast-paths switch was on as it was made and there is no `noise_shape`.
+    """Drops a `rate` of its inputs in training: Keras' ``Dropout`` (options and config),
+    computed by `fast_paths.dropout` (16-bit random draws) when the fast-paths switch was on as
+    the layer was made and there is no `noise_shape`.
 
     Args:
       rate: Fraction of the inputs to drop, in [0, 1); noise_shape, seed: as Keras'.
@@ -732,10 +698,22 @@ class Dropout(keras.layers.Dropout):
     """
 
     def __init__(self, rate, noise_shape=None, seed=None, **kwargs):
-        super().__init__(rate, noise_shape=noise_shape, seed=seed, **_without_saved_switch(kwargs))
+        super().__init__(rate, noise_shape=noise_shape, seed=seed, **kwargs)
         self.fast_paths = fast.enabled()
 
     def call(self, inputs, training=False):
         if self.fast_paths and training and self.rate > 0 and self.noise_shape is None:
             return fast.dropout(inputs, self.rate, self.seed_generator)
         return super().call(inputs, training=training)
+
+
+def set_fast_paths(layer, on):
+    """Sets whether `layer` and the layers inside it take the fast paths, as if they had been
+    made while `fast_paths.set_enabled(on)` held, and returns `layer`.
+
+    A block not yet built passes the choice on to the sub-layers it makes when it builds.
+    """
+    for sub_layer in layer._flatten_layers():
+        if isinstance(sub_layer, (Normalize, Dropout, _Block)):
+            sub_layer.fast_paths = bool(on)
+    return layer

@@ -1,38 +1,38 @@
 """The encoder-decoder Transformer: built from sizes (keyword arguments or an hparams dict),
-it maps token ids to logits. Id 0 is padding everywhere."""
+it maps token ids to logits. `PAD_ID` is padding everywhere."""
+
+import inspect
 
 import keras
 from keras import ops
 
-from kyu_transformer import fast_paths as fast
-from kyu_transformer.layers import (
+from kyu_transformer.conventions import (
     LAYER_NORM_EPSILON,
     NORM_POSITIONS,
+    PAD_ID,
+    check_choice,
+    check_heads,
+    check_rates,
+)
+from kyu_transformer.layers import (
     DecoderBlock,
     Dropout,
     Embedding,
     EncoderBlock,
     Normalize,
     PositionalEncoding,
-    _check_choice,
-    _check_rates,
-    _without_saved_switch,
+    set_fast_paths,
 )
-
-# The model's own arguments; `from_hparams` picks these out of a larger dict.
-MODEL_ARGUMENTS = (
-    "vocab_size", "d_model", "d_ff", "num_blocks", "num_heads", "maxlen1", "maxlen2",
-    "dropout_rate", "norm_position", "sinusoid", "share_embeddings", "epsilon",
-    "attention_dropout", "relu_dropout", "word_dropout")
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class Transformer(keras.Model):
-    """Encoder-decoder Transformer with tied output weights. Norms and dropouts take
-    `kyu_transformer.fast_paths` if that switch is on when the model is made (same function).
+    """Maps source ids and target ids to the logits of the next target tokens: an
+    encoder-decoder Transformer whose output layer is its target embedding. Its norms and
+    dropouts take `kyu_transformer.fast_paths` if that switch is on when the model is made.
 
     Args:
-      vocab_size: Size of the (shared) vocabulary; id 0 is padding.
+      vocab_size: Size of the (shared) vocabulary; `PAD_ID` is padding.
       d_model, d_ff: Model width; inner width of the feed-forward nets.
       num_blocks, num_heads: Encoder blocks (and as many decoder blocks); attention heads.
       maxlen1, maxlen2: Longest source and target sequences (sizes of the position tables).
@@ -41,7 +41,7 @@ class Transformer(keras.Model):
       sinusoid: Fixed sinusoid (True) or learned (False) positions.
       share_embeddings: One table for source, target and logits (True), or a separate source one.
       epsilon: Epsilon of every normalization.
-      attention_dropout: Dropout on the attention weights; None or negative: `dropout_rate`.
+      attention_dropout: Dropout on the attention weights; None: `dropout_rate`.
       relu_dropout: Dropout on the feed-forward nets' inner activations.
       word_dropout: Dropout of whole token embeddings (before the positions), on both sides.
 
@@ -57,15 +57,12 @@ class Transformer(keras.Model):
                  maxlen1=100, maxlen2=100, dropout_rate=0.1, norm_position="post",
                  sinusoid=True, share_embeddings=True, epsilon=LAYER_NORM_EPSILON,
                  attention_dropout=None, relu_dropout=0.0, word_dropout=0.0, **kwargs):
-        super().__init__(**_without_saved_switch(kwargs))
-        _check_choice("norm_position", norm_position, NORM_POSITIONS)
-        if attention_dropout is None or attention_dropout < 0:
-            attention_dropout = dropout_rate
-        _check_rates(dropout_rate=dropout_rate, attention_dropout=attention_dropout,
-                     relu_dropout=relu_dropout, word_dropout=word_dropout)
-        if d_model % num_heads:
-            raise ValueError(
-                f"`d_model` ({d_model}) must be divisible by `num_heads` ({num_heads}).")
+        super().__init__(**kwargs)
+        check_choice("norm_position", norm_position, NORM_POSITIONS)
+        attention_dropout = dropout_rate if attention_dropout is None else attention_dropout
+        check_rates(dropout_rate=dropout_rate, attention_dropout=attention_dropout,
+                    relu_dropout=relu_dropout, word_dropout=word_dropout)
+        check_heads(d_model, num_heads)
         self.vocab_size, self.d_model, self.d_ff = int(vocab_size), int(d_model), int(d_ff)
         self.num_blocks, self.num_heads = int(num_blocks), int(num_heads)
         self.maxlen1, self.maxlen2 = int(maxlen1), int(maxlen2)
@@ -81,6 +78,8 @@ class Transformer(keras.Model):
                                                    name="source_positions")
         self.target_positions = PositionalEncoding(maxlen2, d_model, sinusoid=sinusoid,
                                                    name="target_positions")
+        self.source_word_dropout = Dropout(self.word_dropout, noise_shape=(None, None, 1))
+        self.target_word_dropout = Dropout(self.word_dropout, noise_shape=(None, None, 1))
         self.source_dropout = Dropout(dropout_rate)
         self.target_dropout = Dropout(dropout_rate)
         args = dict(num_heads=num_heads, d_ff=d_ff, dropout_rate=dropout_rate,
@@ -89,19 +88,21 @@ class Transformer(keras.Model):
                     inner_dropout_rate=self.relu_dropout)
         self.encoder_blocks = [EncoderBlock(**args, name=f"encoder_{i}") for i in range(num_blocks)]
         self.decoder_blocks = [DecoderBlock(**args, name=f"decoder_{i}") for i in range(num_blocks)]
-        if norm_position == "pre":  # pre-norm stacks leave their last residual sum unnormalized
-            self.encoder_norm = Normalize(epsilon, name="encoder_norm")
-            self.decoder_norm = Normalize(epsilon, name="decoder_norm")
-        # Made last: at rate 0 they have no random state, and the others keep their order.
-        self.source_word_dropout = Dropout(self.word_dropout, noise_shape=(None, None, 1))
-        self.target_word_dropout = Dropout(self.word_dropout, noise_shape=(None, None, 1))
+        # A pre-norm stack leaves its last residual sum unnormalized: it ends with a norm.
+        pre_norm = norm_position == "pre"
+        self.encoder_norm = Normalize(epsilon, name="encoder_norm") if pre_norm else None
+        self.decoder_norm = Normalize(epsilon, name="decoder_norm") if pre_norm else None
 
     @classmethod
     def from_hparams(cls, hparams, **kwargs):
-        """The model of a dict with `MODEL_ARGUMENTS`, under its ``fast_paths`` (default on)."""
-        with fast.enabled_as(hparams.get("fast_paths", True)):
-            return cls(**{key: hparams[key] for key in MODEL_ARGUMENTS if key in hparams},
-                       **kwargs)
+        """Makes the model of an hparams dict: of its keys those that name an argument of the
+        model, and its ``fast_paths`` (default on) as the switch of the norms and dropouts."""
+        arguments = {key: hparams[key] for key in _argument_names(cls) if key in hparams}
+        # hparams.json spells "the attention dropout is `dropout_rate`" -1 (a JSON number),
+        # the model None.
+        if arguments.get("attention_dropout") == -1:
+            arguments["attention_dropout"] = None
+        return set_fast_paths(cls(**arguments, **kwargs), hparams.get("fast_paths", True))
 
     def build(self, input_shape=None):
         # Run once on dummy ids so that every weight exists (e.g. before loading).
@@ -114,34 +115,31 @@ class Transformer(keras.Model):
         return dropout(x + positions(ids), training=training)
 
     def encode(self, source, training=None, table=None):
-        """Source ids `(N, S)` -> ``(memory (N, S, C), source_mask (N, S))``; `table`: the
-        source embedding's `table()`, if already made."""
-        source_mask = ops.not_equal(source, 0)  # (N, S)
+        """Encodes source ids `(N, S)`; returns ``(memory (N, S, C), source_mask (N, S))``.
+        `table`: the source embedding's `table()`, if already made."""
+        source_mask = ops.not_equal(source, PAD_ID)  # (N, S)
         x = self._embed(source, self.source_embedding, self.source_positions,
                         (self.source_word_dropout, self.source_dropout), training, table)
         for block in self.encoder_blocks:
             x = block(x, mask=source_mask, training=training)
-        return (self.encoder_norm(x) if self.norm_position == "pre" else x), source_mask
+        return _final_norm(self.encoder_norm, x), source_mask
 
     def decode(self, target_in, memory, source_mask, training=None,
                return_attention_scores=False, table=None):
-        """Target ids `(N, T)` and the encoder's output -> logits `(N, T, V)`, plus with
-        `return_attention_scores` the last block's head-averaged cross-attention `(N, T, S)`."""
+        """Returns the logits `(N, T, V)` of target ids `(N, T)` over the encoder's output,
+        and with `return_attention_scores` the last block's cross-attention averaged over
+        heads `(N, T, S)`."""
         if table is None:
             table = self.target_embedding.table()  # (V, C), for the inputs and the logits
-        target_mask = ops.not_equal(target_in, 0)  # (N, T)
+        target_mask = ops.not_equal(target_in, PAD_ID)  # (N, T)
         x = self._embed(target_in, self.target_embedding, self.target_positions,
                         (self.target_word_dropout, self.target_dropout), training, table)
-        coverage = None
-        for block in self.decoder_blocks:
-            x, _, coverage = block(x, memory, mask=target_mask, memory_mask=source_mask,
-                                   training=training, return_attention_scores=True)
-        x = self.decoder_norm(x) if self.norm_position == "pre" else x
-        logits = self.target_embedding.attend(x, table=table)
+        logits, coverage, _ = self._decoder_stack(x, memory, source_mask, table,
+                                                  target_mask=target_mask, training=training)
         return (logits, coverage) if return_attention_scores else logits  # (N, T, V)
 
     def init_cache(self, memory, source_mask):
-        """The decoding state before the first position: ``blocks`` (per block its
+        """Returns the decoding state before the first position: ``blocks`` (per block its
         `DecoderBlock.init_cache`), ``memory``, ``source_mask`` and ``target_table`` (the
         target table in the compute dtype, cast once, not every step)."""
         if not self.built:
@@ -151,9 +149,10 @@ class Transformer(keras.Model):
                 "target_table": self.target_embedding.table()}  # (V, C)
 
     def decode_step(self, token_ids, position, cache, self_mask=None):
-        """Logits of the next token after `token_ids` `(N,)` (or `(N, K)`: `K` hypotheses per
-        sentence) at index `position`, with the `cache` of `init_cache` or the previous step;
-        `self_mask` `(N, K, T + K)`, for `K` > 1: the cache slots each hypothesis sees.
+        """Computes the logits of the next token after `token_ids` `(N,)` (or `(N, K)`: `K`
+        hypotheses per sentence) at index `position`, with the `cache` of `init_cache` or the
+        previous step; `self_mask` `(N, K, T + K)`, for `K` > 1: the cache slots each
+        hypothesis sees.
 
         Returns ``(logits (N, [K,] V), the grown cache, coverage (N, [K,] S))``, the coverage
         being the last block's cross-attention averaged over heads.
@@ -163,19 +162,31 @@ class Transformer(keras.Model):
             token_ids = token_ids[:, None]  # (N, 1)
         x = self.target_embedding(token_ids, table=cache["target_table"])  # (N, K, C)
         x = x + self.target_positions.encoding_at(position)[None]
-        blocks = []
-        for index, (block, block_cache) in enumerate(zip(self.decoder_blocks, cache["blocks"])):
-            last = index == len(self.decoder_blocks) - 1  # the coverage is the last block's
-            x, *coverage, block_cache = block(
-                x, cache["memory"], memory_mask=cache["source_mask"], cache=block_cache,
-                self_attention_mask=self_mask, return_attention_scores=last)
-            blocks.append(block_cache)
-        x = self.decoder_norm(x) if self.norm_position == "pre" else x
-        logits = self.target_embedding.attend(x, table=cache["target_table"])  # (N, K, V)
-        coverage = coverage[-1]  # (N, K, S)
+        logits, coverage, blocks = self._decoder_stack(
+            x, cache["memory"], cache["source_mask"], cache["target_table"],
+            caches=cache["blocks"], self_mask=self_mask)  # (N, K, V), (N, K, S)
         if single:
             logits, coverage = logits[:, 0], coverage[:, 0]
         return logits, {**cache, "blocks": blocks}, coverage
+
+    def _decoder_stack(self, x, memory, source_mask, table, target_mask=None, training=None,
+                       caches=None, self_mask=None):
+        """Runs the decoder blocks over embedded targets `x` `(N, T, C)`, then the final norm
+        and the output layer.
+
+        Returns ``(logits (N, T, V), coverage (N, T, S), caches)``: the coverage is the last
+        block's cross-attention averaged over heads; `caches` (one per block, when given) come
+        back grown, else the list is empty.
+        """
+        coverage, grown = None, []  # None: a stack without blocks
+        for index, block in enumerate(self.decoder_blocks):
+            x, _, coverage, *cache = block(
+                x, memory, mask=target_mask, memory_mask=source_mask, training=training,
+                return_attention_scores=True, cache=None if caches is None else caches[index],
+                self_attention_mask=self_mask)
+            grown += cache
+        logits = self.target_embedding.attend(_final_norm(self.decoder_norm, x), table=table)
+        return logits, coverage, grown
 
     def call(self, inputs, training=None):
         # A shared table is cast and masked once for its three uses, not each time.
@@ -185,4 +196,18 @@ class Transformer(keras.Model):
                            table=table)
 
     def get_config(self):
-        return {**super().get_config(), **{key: getattr(self, key) for key in MODEL_ARGUMENTS}}
+        return {**super().get_config(),
+                **{name: getattr(self, name) for name in _argument_names(type(self))}}
+
+
+def _final_norm(norm, x):
+    """Returns `x` through a stack's final norm, which only a pre-norm stack has (else None)."""
+    return x if norm is None else norm(x)
+
+
+def _argument_names(model_class):
+    """Returns the names of the arguments `model_class` takes besides ``**kwargs``: those that
+    `from_hparams` picks out of an hparams dict and `get_config` returns."""
+    parameters = list(inspect.signature(model_class.__init__).parameters.values())[1:]  # self
+    return [parameter.name for parameter in parameters
+            if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]

@@ -392,14 +392,9 @@ def _tanh_feed_forward(model):
     model.encoder_blocks[0].feed_forward.activation = keras.activations.tanh
 
 
-def _custom_temperature(model):
-    model.encoder_blocks[0].self_attention.attention.temperature = 2.0
-
-
 @pytest.mark.parametrize("change, hparams, expected", [
     (_relu_projections, {}, "projection_activation='relu'"),
     (_tanh_feed_forward, {}, "activation='tanh'"),
-    (_custom_temperature, {}, "temperature=2.0"),
     (None, {"epsilon": 1e-8}, "`epsilon` is 1e-08 in hparams but 1e-06 in the model"),
 ])
 def test_unrepresentable_models_are_refused_naming_the_setting(subwords, tmp_path, change,

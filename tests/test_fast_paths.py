@@ -1,9 +1,8 @@
 """The fast paths compute what Keras' own layers compute: the switch changes speed, not results."""
 
+import contextlib
 import inspect
 import math
-import os
-import zipfile
 
 import keras
 import numpy as np
@@ -11,11 +10,21 @@ import pytest
 from keras import ops
 
 from kyu_transformer import fast_paths
-from kyu_transformer.layers import LAYER_NORM_EPSILON, Dropout, Normalize
+from kyu_transformer.conventions import LAYER_NORM_EPSILON
+from kyu_transformer.layers import Dropout, EncoderBlock, Normalize, set_fast_paths
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+@contextlib.contextmanager
+def switched(on):
+    """Sets the global switch to `on` for the layers made inside the block, then back on."""
+    fast_paths.set_enabled(on)
+    try:
+        yield
+    finally:
+        fast_paths.set_enabled(True)
+
 
 # ------------------------------------------------------------------ layer norm
 
@@ -30,7 +39,7 @@ def normalize_gradients(value_and_gradients, layer, x, upstream):
 
 def normalize_pair(shape, fast=True, **kwargs):
     """`Normalize` (made with the switch `fast`) and Keras' `LayerNormalization`, same weights."""
-    with fast_paths.enabled_as(fast):
+    with switched(fast):
         ours = Normalize(**kwargs)
     assert ours.fast_paths is fast
     keras_layer = keras.layers.LayerNormalization(epsilon=ours.epsilon, dtype=ours.dtype_policy)
@@ -85,7 +94,7 @@ def calls_of(monkeypatch, name):
 def test_normalize_switch_selects_the_path(rng, monkeypatch):
     calls = calls_of(monkeypatch, "layer_norm")
     x = rng.normal(size=(2, 3, 8)).astype("float32")
-    with fast_paths.enabled_as(False):
+    with switched(False):
         plain = Normalize()
     plain(x)
     assert not calls
@@ -124,7 +133,7 @@ def test_dropout_switch_gives_equal_outputs_and_gradients(rng, value_and_gradien
     x = inputs_without_zeros(rng, (97, 211))
     upstream = rng.normal(size=x.shape).astype("float32")
     fast = Dropout(rate, seed=4)
-    with fast_paths.enabled_as(False):
+    with switched(False):
         plain = Dropout(rate, seed=4)
     # Outside training both are the identity.
     for layer in (fast, plain):
@@ -144,7 +153,7 @@ def test_dropout_switch_gives_equal_outputs_and_gradients(rng, value_and_gradien
 def test_dropout_switch_selects_the_path(rng, monkeypatch):
     calls = calls_of(monkeypatch, "dropout")
     x = rng.normal(size=(4, 8)).astype("float32")
-    with fast_paths.enabled_as(False):
+    with switched(False):
         plain = Dropout(0.5)
     plain(x, training=True)
     Dropout(0.5, noise_shape=(4, 1))(x, training=True)  # Keras' own, whatever the switch
@@ -181,7 +190,7 @@ def training_batch(rng):
 def twin_models(**size):
     """The same Transformer (same weights) with the fast paths on and off."""
     fast = Transformer(**size)
-    with fast_paths.enabled_as(False):
+    with switched(False):
         plain = Transformer(**size)
     fast.build()  # the blocks' layers are made now, with the switch of the block's making
     plain.build()
@@ -226,22 +235,25 @@ def test_hparams_set_the_switch_of_the_model_they_make():
     assert fast_paths.enabled()  # restored
 
 
-def test_keras_files_written_when_every_layer_took_the_switch_still_load(tmp_path):
-    """Written at 8a23b56 with `fast_paths=False` in every config (a `Transformer`, and a
-    functional model of the layers): the argument is ignored, the outputs are the same."""
-    data = np.load(os.path.join(DATA, "before_global_fast_paths.npz"))
-    for name, inputs, expected in (
-            ("before_global_fast_paths.keras",
-             {"source": data["source"], "target_in": data["target_in"]}, data["logits"]),
-            ("before_global_fast_paths_layers.keras", data["layers_ids"],
-             data["layers_outputs"])):
-        with zipfile.ZipFile(os.path.join(DATA, name)) as archive:
-            assert '"fast_paths": false' in archive.read("config.json").decode()
-        for on in (True, False):
-            with fast_paths.enabled_as(on):
-                loaded = keras.models.load_model(os.path.join(DATA, name))
-            assert {layer.fast_paths for layer in sub_layers(loaded)} == {on}
-            np.testing.assert_allclose(loaded(inputs), expected, rtol=1e-5, atol=1e-5)
+def test_a_block_gives_its_sub_layers_the_switch_it_was_made_with():
+    with switched(False):
+        block = EncoderBlock(num_heads=2, d_ff=16)
+    block.build((2, 3, 8))  # the switch is on again: the sub-layers are made now
+    assert sub_layers(block) and not any(layer.fast_paths for layer in sub_layers(block))
+
+
+def test_set_fast_paths_switches_layers_already_made(rng, monkeypatch):
+    calls = calls_of(monkeypatch, "layer_norm")
+    x = rng.normal(size=(2, 3, 8)).astype("float32")
+    block = EncoderBlock(num_heads=2, d_ff=16)
+    block(x)
+    assert len(calls) == 2  # the attention's norm and the feed-forward's
+    assert set_fast_paths(block, False) is block
+    block(x)
+    assert len(calls) == 2 and not any(layer.fast_paths for layer in sub_layers(block))
+    set_fast_paths(block, True)
+    block(x)
+    assert len(calls) == 4
 
 
 def test_the_switch_is_on_by_default_and_no_layer_takes_it_as_an_argument():

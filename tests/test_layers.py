@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 from keras import ops
 
-from kyu_transformer import fast_paths as fast_paths_switch
+from kyu_transformer.conventions import LAYER_NORM_EPSILON
 from kyu_transformer.layers import (
-    LAYER_NORM_EPSILON,
     DecoderBlock,
     Dropout,
     Embedding,
@@ -22,6 +21,7 @@ from kyu_transformer.layers import (
     project_heads,
 )
 from tests import reference
+from tests.test_fast_paths import switched
 
 
 def padded_ids(rng, batch=3, length=7, vocab=50, lengths=(7, 4, 2)):
@@ -116,7 +116,7 @@ FAST_PATHS = pytest.mark.parametrize("fast_paths", [True, False], ids=["fast", "
 
 
 def dropout(rate, fast_paths, **kwargs):
-    with fast_paths_switch.enabled_as(fast_paths):
+    with switched(fast_paths):
         layer = Dropout(rate, **kwargs)
     assert layer.fast_paths is fast_paths
     return layer
@@ -225,16 +225,16 @@ def test_embedding_scale_zero_row_and_mask(rng):
     np.testing.assert_array_equal(layer.compute_mask(ids), ids != 0)
 
 
-def test_embedding_without_scale_or_zero_pad(rng):
-    layer = Embedding(10, 4, zero_pad=False, scale=False)
-    ids = np.array([[0, 1, 2]])
-    outputs = np.asarray(layer(ids))
-    np.testing.assert_allclose(outputs[0], np.asarray(layer.embeddings)[[0, 1, 2]])
-    assert np.any(outputs[0, 0] != 0.0)
+def test_embedding_initializer_draws_every_row_but_padding():
+    layer = Embedding(10, 4, embeddings_initializer="ones")
+    outputs = np.asarray(layer(np.array([[0, 1, 9]])))
+    np.testing.assert_array_equal(np.asarray(layer.embeddings)[1:], 1.0)
+    np.testing.assert_array_equal(outputs[0], [[0.0] * 4, [2.0] * 4, [2.0] * 4])  # sqrt(4)
+    assert layer.get_config()["embeddings_initializer"]["class_name"] == "Ones"
 
 
 def test_embedding_glorot_uniform_range():
-    layer = Embedding(1000, 64, zero_pad=False)
+    layer = Embedding(1000, 64)
     layer.build(None)
     limit = math.sqrt(6.0 / (1000 + 64))
     table = np.asarray(layer.embeddings)
@@ -282,7 +282,7 @@ def sinusoid_value(pos, i, d):
 
 def test_interleaved_sinusoid_at_several_positions():
     d = 16
-    layer = PositionalEncoding(maxlen=60, num_units=d, masking=False)
+    layer = PositionalEncoding(maxlen=60, num_units=d)
     ids = np.ones((1, 60), dtype="int32")
     table = np.asarray(layer(ids))[0]
     for pos in (0, 1, 7, 33, 59):
@@ -292,7 +292,7 @@ def test_interleaved_sinusoid_at_several_positions():
 
 def test_concat_sinusoid_is_tensor2tensor_layout():
     d = 8
-    layer = PositionalEncoding(maxlen=30, num_units=d, style="concat", masking=False)
+    layer = PositionalEncoding(maxlen=30, num_units=d, style="concat")
     table = np.asarray(layer(np.ones((1, 30), "int32")))[0]
     timescales = d // 2
     increment = math.log(10000) / (timescales - 1)
@@ -307,7 +307,7 @@ def test_sinusoid_is_not_trainable_and_learned_table_is():
     fixed = PositionalEncoding(maxlen=10, num_units=4)
     fixed(np.ones((1, 3), "int32"))
     assert fixed.trainable_weights == []
-    learned = PositionalEncoding(maxlen=10, num_units=4, sinusoid=False, masking=False)
+    learned = PositionalEncoding(maxlen=10, num_units=4, sinusoid=False)
     outputs = np.asarray(learned(np.ones((2, 3), "int32")))
     assert [w.shape for w in learned.trainable_weights] == [(10, 4)]
     np.testing.assert_allclose(outputs[1], np.asarray(learned.position_embeddings)[:3])
@@ -322,16 +322,6 @@ def test_encoding_masks_padding_from_ids_and_from_keras_mask(rng):
     embedded = Embedding(50, 8)(ids)  # carries the Keras mask ids != 0
     from_mask = np.asarray(PositionalEncoding(maxlen=10)(embedded))
     np.testing.assert_array_equal(from_mask, from_ids)
-
-
-def test_encoding_zero_pad_and_scale_keep_the_original_meaning():
-    ids = np.ones((1, 5), "int32")
-    plain = np.asarray(PositionalEncoding(maxlen=5, num_units=6)(ids))
-    zeroed = np.asarray(PositionalEncoding(maxlen=5, num_units=6, zero_pad=True)(ids))
-    scaled = np.asarray(PositionalEncoding(maxlen=5, num_units=6, scale=True)(ids))
-    np.testing.assert_array_equal(zeroed[0, 0], 0.0)
-    np.testing.assert_allclose(zeroed[0, 1:], plain[0, 1:])
-    np.testing.assert_allclose(scaled, plain * math.sqrt(6), rtol=1e-6)
 
 
 def test_encoding_longer_than_maxlen_names_both_numbers():
@@ -359,8 +349,7 @@ def test_attention_matches_numpy_from_its_own_kernels(rng, causality, activation
     queries, keys, query_mask, key_mask = attention_inputs(rng, t_k=5)
     layer = MultiHeadAttention(num_heads=2, causality=causality,
                                projection_activation=activation)
-    outputs, weights = layer(queries, keys, query_mask=query_mask, key_mask=key_mask,
-                             return_attention_scores=True)
+    outputs, weights, _ = layer(queries, keys, query_mask=query_mask, key_mask=key_mask)
     expected, expected_weights = reference.multihead_attention(
         layer, queries, keys, query_mask, key_mask, causality, activation)
     assert weights.shape == (3, 2, 5, 5)
@@ -396,10 +385,9 @@ def test_every_projection_equals_its_dense(rng, use_bias, activation):
 
 def test_attention_with_output_projection_matches_numpy(rng):
     queries, keys, query_mask, key_mask = attention_inputs(rng)
-    layer = MultiHeadAttention(num_heads=4, num_units=16, output_projection=True)
-    outputs = layer(queries, keys, query_mask=query_mask, key_mask=key_mask)
-    assert layer.query_dense.kernel.shape == (8, 16)
-    assert layer.output_dense.kernel.shape == (16, 8)
+    layer = MultiHeadAttention(num_heads=4, output_projection=True)
+    outputs, _, _ = layer(queries, keys, query_mask=query_mask, key_mask=key_mask)
+    assert layer.query_dense.kernel.shape == layer.output_dense.kernel.shape == (8, 8)
     expected, _ = reference.multihead_attention(layer, queries, keys, query_mask, key_mask)
     np.testing.assert_allclose(outputs, expected, atol=1e-4)
 
@@ -407,35 +395,35 @@ def test_attention_with_output_projection_matches_numpy(rng):
 def test_masked_keys_get_zero_weight_and_their_content_is_ignored(rng):
     queries, keys, query_mask, key_mask = attention_inputs(rng)
     layer = MultiHeadAttention(num_heads=2)
-    outputs, weights = layer(queries, keys, key_mask=key_mask, return_attention_scores=True)
+    outputs, weights, _ = layer(queries, keys, key_mask=key_mask)
     weights = np.asarray(weights)
     assert np.all(weights.transpose(0, 2, 1, 3)[~key_mask[:, None, None, :].repeat(5, 1)
                                                   .repeat(2, 2)] == 0.0)
     changed = keys.copy()
     changed[~key_mask] = rng.normal(size=changed[~key_mask].shape) * 100
-    np.testing.assert_array_equal(layer(queries, changed, key_mask=key_mask), outputs)
+    np.testing.assert_array_equal(layer(queries, changed, key_mask=key_mask)[0], outputs)
 
 
 def test_causality_hides_the_future(rng):
     x = rng.normal(size=(2, 6, 8)).astype("float32")
     layer = MultiHeadAttention(num_heads=2, causality=True)
-    outputs, weights = layer(x, x, return_attention_scores=True)
+    outputs, weights, _ = layer(x)
     assert np.all(np.triu(np.ones((6, 6)), k=1)[None, None] * np.asarray(weights) == 0.0)
     changed = x.copy()
     changed[:, 4:] = rng.normal(size=(2, 2, 8)) * 10
-    np.testing.assert_allclose(np.asarray(layer(changed, changed))[:, :4],
+    np.testing.assert_allclose(np.asarray(layer(changed)[0])[:, :4],
                                np.asarray(outputs)[:, :4], atol=1e-6)
 
 
 def test_masked_queries_get_all_zero_weights(rng):
     queries, keys, query_mask, _ = attention_inputs(rng)
     layer = MultiHeadAttention(num_heads=2)
-    _, weights = layer(queries, keys, query_mask=query_mask, return_attention_scores=True)
+    outputs, weights, _ = layer(queries, keys, query_mask=query_mask)
     weights = np.asarray(weights)
     assert np.all(weights[1, :, 3:] == 0.0)
     np.testing.assert_allclose(weights[0].sum(-1), 1.0, atol=1e-6)
     # a masked query's output is then LN(q + 0): the residual alone
-    outputs = np.asarray(layer(queries, keys, query_mask=query_mask))
+    outputs = np.asarray(outputs)
     expected = reference.layer_norm(queries[1, 3:], 1.0, 0.0, layer.epsilon)
     np.testing.assert_allclose(outputs[1, 3:], expected, atol=1e-5)
 
@@ -447,12 +435,13 @@ def test_explicit_masks_equal_keras_masks_in_a_functional_model(rng):
     target_in = keras.Input((None,), dtype="int32")
     embedding = Embedding(50, 8)
     attention = MultiHeadAttention(num_heads=2)
-    implicit = attention(embedding(target_in), embedding(source_in))
+    implicit, _, _ = attention(embedding(target_in), embedding(source_in))
     model = keras.Model([source_in, target_in], implicit)
-    explicit = attention(embedding(target), embedding(source),
-                         query_mask=target != 0, key_mask=source != 0)
-    no_mask = attention(embedding(target), embedding(source),
-                        query_mask=np.ones_like(target, bool), key_mask=np.ones_like(source, bool))
+    explicit, _, _ = attention(embedding(target), embedding(source),
+                               query_mask=target != 0, key_mask=source != 0)
+    no_mask, _, _ = attention(embedding(target), embedding(source),
+                              query_mask=np.ones_like(target, bool),
+                              key_mask=np.ones_like(source, bool))
     np.testing.assert_array_equal(model([source, target]), explicit)
     assert not np.allclose(explicit, no_mask)
 
@@ -462,9 +451,9 @@ def test_self_attention_takes_the_mask_of_its_queries(rng):
     embedded = Embedding(50, 8)(ids)
     layer = MultiHeadAttention(num_heads=2)
     np.testing.assert_array_equal(
-        layer(embedded, embedded), layer(embedded, embedded, query_mask=ids != 0,
-                                         key_mask=ids != 0))
-    np.testing.assert_array_equal(layer(embedded), layer(embedded, embedded))
+        layer(embedded)[0], layer(embedded, query_mask=ids != 0, key_mask=ids != 0)[0])
+    everything_seen = layer(embedded, query_mask=np.ones(ids.shape, bool))[0]
+    assert not np.allclose(layer(embedded)[0], everything_seen)
 
 
 @pytest.mark.parametrize("sinusoid", [True, False])
@@ -485,22 +474,41 @@ def test_one_positions_encoding_is_that_row_of_the_table(rng, sinusoid):
 
 
 @pytest.mark.parametrize("norm_position", ["post", "pre"])
-def test_values_of_their_own_are_used_when_the_keys_are_the_queries(rng, norm_position):
-    """`mha(x, x, v)`: the keys are the queries' (normalized in pre-norm), the values `v`."""
-    # Tensors, as a model passes them (the layer tells the keys from the queries by identity).
+def test_self_attention_is_told_by_keys_none_not_by_identity(rng, norm_position):
+    """`mha(x)` attends over `x` itself (normalized in pre-norm); `mha(x, keys)` over `keys`
+    as given, whether or not they are the queries' tensor."""
     x = ops.convert_to_tensor(rng.normal(size=(2, 5, 8)).astype("float32"))
     v = ops.convert_to_tensor(rng.normal(size=(2, 5, 8)).astype("float32"))
     layer = MultiHeadAttention(num_heads=2, norm_position=norm_position)
-    self_attention = np.asarray(layer(x))
-    np.testing.assert_array_equal(np.asarray(layer(x, x)), self_attention)
-    np.testing.assert_array_equal(np.asarray(layer(x, x, x)), self_attention)
-    given = np.asarray(layer(x, x, v))
-    assert not np.allclose(given, self_attention)
-    # The same as keys that are another tensor, holding what self-attention's keys hold.
-    keys = np.asarray(layer.norm(x)) if norm_position == "pre" else np.asarray(x)
-    np.testing.assert_allclose(given, np.asarray(layer(x, keys, v, key_mask=np.ones((2, 5),
-                                                                                   bool))),
-                               atol=1e-6)
+    self_attention = np.asarray(layer(x)[0])
+    keys = layer.norm(x) if norm_position == "pre" else x  # what self-attention attends over
+    np.testing.assert_allclose(layer(x, keys)[0], self_attention, atol=1e-6)
+    if norm_position == "pre":
+        assert not np.allclose(layer(x, x)[0], self_attention, atol=1e-3)
+    given = np.asarray(layer(x, x, v)[0])
+    assert not np.allclose(given, np.asarray(layer(x, x)[0]))
+    np.testing.assert_array_equal(layer(x, ops.copy(x), v)[0], given)
+    with pytest.raises(ValueError, match="`values` need `keys`"):
+        layer(x, values=v)
+
+
+def test_returned_keys_and_values_are_the_next_steps_cache(rng):
+    x = ops.convert_to_tensor(rng.normal(size=(2, 5, 8)).astype("float32"))
+    layer = MultiHeadAttention(num_heads=2, causality=True)
+    whole, weights, (k, v) = layer(x)
+    assert k.shape == v.shape == (2, 2, 5, 4)
+    _, _, prefix = layer(x[:, :3])
+    step, step_weights, grown = layer(x[:, 3:4], cache=prefix)
+    np.testing.assert_allclose(step[:, 0], whole[:, 3], atol=1e-5)
+    np.testing.assert_allclose(step_weights[:, :, 0], weights[:, :, 3, :4], atol=1e-6)
+    np.testing.assert_allclose(grown[0], k[:, :, :4], atol=1e-6)
+    memory = ops.convert_to_tensor(rng.normal(size=(2, 6, 8)).astype("float32"))
+    cross = MultiHeadAttention(num_heads=2)
+    expected, _, projected = cross(x, memory)
+    outputs, _, cache = cross(x, memory, cache=projected)  # the memory's, projected once
+    for got, given in zip(cache, projected):
+        np.testing.assert_array_equal(got, given)
+    np.testing.assert_allclose(outputs, expected, atol=1e-6)
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
@@ -510,8 +518,7 @@ def test_fully_masked_row_is_finite(rng, value_and_gradients, policy):
     key_mask = np.zeros((3, 6), bool)
     key_mask[1] = True
     layer = MultiHeadAttention(num_heads=2, causality=True)
-    outputs, weights = layer(queries * 50, keys * 50, key_mask=key_mask,
-                             return_attention_scores=True)
+    outputs, weights, _ = layer(queries * 50, keys * 50, key_mask=key_mask)
     assert outputs.dtype == keras.config.dtype_policy().compute_dtype
     outputs = np.asarray(keras.ops.cast(outputs, "float32"))
     weights = np.asarray(keras.ops.cast(weights, "float32"))
@@ -519,7 +526,7 @@ def test_fully_masked_row_is_finite(rng, value_and_gradients, policy):
     assert np.all(weights[[0, 2]] == 0.0)
     # the gradients stay finite too (a NaN hidden behind `where` still poisons them)
     def total(queries):
-        outputs = layer(queries, keys * 50, key_mask=key_mask)
+        outputs, _, _ = layer(queries, keys * 50, key_mask=key_mask)
         return ops.sum(ops.cast(outputs, "float32")), None
 
     _, gradients = value_and_gradients(total, [queries * 50], layer.trainable_variables)
@@ -530,14 +537,24 @@ def test_fully_masked_row_is_finite(rng, value_and_gradients, policy):
 def test_attention_dropout_only_in_training(rng):
     queries, keys, _, _ = attention_inputs(rng)
     layer = MultiHeadAttention(num_heads=2, dropout_rate=0.5)
-    inference = [np.asarray(layer(queries, keys)) for _ in range(2)]
+    inference = [np.asarray(layer(queries, keys)[0]) for _ in range(2)]
     np.testing.assert_array_equal(inference[0], inference[1])
-    np.testing.assert_array_equal(inference[0], layer(queries, keys, training=False))
-    _, inference_weights = layer(queries, keys, return_attention_scores=True)
-    trained, weights = layer(queries, keys, training=True, return_attention_scores=True)
+    np.testing.assert_array_equal(inference[0], layer(queries, keys, training=False)[0])
+    _, inference_weights, _ = layer(queries, keys)
+    trained, weights, _ = layer(queries, keys, training=True)
     assert not np.allclose(trained, inference[0])
     # The returned weights are those before dropout: the same as in inference.
     np.testing.assert_allclose(weights, inference_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_residual_dropout_only_in_training_and_after_the_attention(rng):
+    queries, keys, _, _ = attention_inputs(rng)
+    layer = MultiHeadAttention(num_heads=2, residual_dropout_rate=0.5)
+    inference, inference_weights, _ = layer(queries, keys)
+    np.testing.assert_array_equal(inference, layer(queries, keys, training=False)[0])
+    trained, weights, _ = layer(queries, keys, training=True)
+    assert not np.allclose(trained, inference)
+    np.testing.assert_array_equal(weights, inference_weights)  # the attention itself is kept
 
 
 @pytest.mark.parametrize("cross", [False, True])
@@ -551,49 +568,34 @@ def test_pre_norm_attention_matches_numpy(rng, cross):
     # misplaced normalization shows.
     layer.norm.gamma.assign(rng.uniform(0.5, 1.5, size=8))
     layer.norm.beta.assign(rng.normal(size=8))
-    outputs, weights = layer(queries, keys, query_mask=query_mask, key_mask=key_mask,
-                             return_attention_scores=True)
+    outputs, weights, _ = layer(queries, keys, query_mask=query_mask, key_mask=key_mask)
     expected, expected_weights = reference.multihead_attention(
         layer, queries, keys, query_mask, key_mask, causality=not cross, norm_position="pre")
     np.testing.assert_allclose(weights, expected_weights, atol=1e-5)
     np.testing.assert_allclose(outputs, expected, atol=1e-4)
 
 
-def test_pluggable_attention_operator(rng):
-    calls = []
-
-    def uniform_attention(q, k, v, mask):
-        calls.append(mask)
-        weights = keras.ops.ones(keras.ops.shape(q)[:3] + (keras.ops.shape(k)[2],))
-        weights = weights / keras.ops.cast(keras.ops.shape(k)[2], "float32")
-        return keras.ops.matmul(weights, v), weights
-
-    queries, keys, _, _ = attention_inputs(rng)
-    layer = MultiHeadAttention(num_heads=2, attention=uniform_attention)
-    _, weights = layer(queries, keys, return_attention_scores=True)
-    assert calls and calls[0] is None
-    np.testing.assert_allclose(weights, np.full((3, 2, 5, 6), 1 / 6), rtol=1e-6)
-
-
 def test_attention_rejects_bad_sizes():
-    with pytest.raises(ValueError, match="divisible"):
-        MultiHeadAttention(num_heads=3, num_units=8)
-    with pytest.raises(ValueError, match="output_projection"):
-        MultiHeadAttention(num_heads=2, num_units=16)(np.zeros((1, 2, 8), "float32"))
+    # The width is known at build: the heads are checked there.
+    with pytest.raises(ValueError, match=r"`d_model` \(8\) must be divisible by `num_heads` \(3\)"):
+        MultiHeadAttention(num_heads=3)(np.zeros((1, 2, 8), "float32"))
+    with pytest.raises(ValueError, match="`num_heads` must be positive"):
+        MultiHeadAttention(num_heads=0)(np.zeros((1, 2, 8), "float32"))
     with pytest.raises(ValueError, match="norm_position"):
         MultiHeadAttention(norm_position="middle")
 
 
 # -------------------------------------------------------------- FeedForward
 
+@pytest.mark.parametrize("activation", ["relu", None])
 @pytest.mark.parametrize("norm_position", ["post", "pre"])
-def test_feedforward_matches_numpy(rng, norm_position):
+def test_feedforward_matches_numpy(rng, norm_position, activation):
     x = rng.normal(size=(2, 3, 8)).astype("float32")
-    layer = FeedForward((16, 8), norm_position=norm_position)
+    layer = FeedForward((16, 8), norm_position=norm_position, activation=activation)
     outputs = np.asarray(layer(x))
     ln = lambda y: reference.layer_norm(y, 1.0, 0.0, layer.epsilon)  # noqa: E731
     inner = lambda y: reference.dense(  # noqa: E731
-        layer.outer_dense, reference.dense(layer.inner_dense, y, "relu"))
+        layer.outer_dense, reference.dense(layer.inner_dense, y, activation))
     expected = ln(x + inner(x)) if norm_position == "post" else x + inner(ln(x))
     np.testing.assert_allclose(outputs, expected, atol=1e-5)
     assert layer.inner_dense.kernel.shape == (8, 16)
@@ -627,7 +629,7 @@ def test_encoder_block_is_attention_then_feedforward(rng):
     x = np.asarray(Embedding(50, 8)(ids))
     block = EncoderBlock(num_heads=2, d_ff=16)
     outputs = np.asarray(block(x, mask=ids != 0))
-    attended = block.self_attention(x, query_mask=ids != 0, key_mask=ids != 0)
+    attended, _, _ = block.self_attention(x, query_mask=ids != 0, key_mask=ids != 0)
     np.testing.assert_allclose(outputs, block.feed_forward(attended), atol=1e-6)
     changed = x.copy()
     changed[ids == 0] = 42.0  # padding content cannot leak into real positions
@@ -675,9 +677,9 @@ def test_block_dropout_only_in_training(rng):
 def apply_layer(kind, layer, target, source, target_mask=None, source_mask=None):
     """`layer` on target (and source) states, with the masks given (None: the Keras masks)."""
     if kind == "self_attention":
-        return layer(target, query_mask=target_mask, key_mask=target_mask)
+        return layer(target, query_mask=target_mask, key_mask=target_mask)[0]
     if kind == "cross_attention":
-        return layer(target, source, query_mask=target_mask, key_mask=source_mask)
+        return layer(target, source, query_mask=target_mask, key_mask=source_mask)[0]
     if kind == "encoder_block":
         return layer(target, mask=target_mask)
     return layer(target, source, mask=target_mask, memory_mask=source_mask)

@@ -1,11 +1,15 @@
 """The Transformer model: shapes, masks, tied weights, saving."""
 
+import inspect
+
 import keras
 import numpy as np
 import pytest
 
-from kyu_transformer.layers import LAYER_NORM_EPSILON, Embedding, Normalize
-from kyu_transformer.model import MODEL_ARGUMENTS, Transformer
+from kyu_transformer import config
+from kyu_transformer.conventions import LAYER_NORM_EPSILON
+from kyu_transformer.layers import Embedding, Normalize
+from kyu_transformer.model import Transformer
 
 SIZE = dict(vocab_size=60, d_model=16, d_ff=32, num_blocks=2, num_heads=2, maxlen1=20,
             maxlen2=20, dropout_rate=0.1)
@@ -121,24 +125,33 @@ def test_save_and_load_identical_outputs(tmp_path, batch, norm_position):
 
 
 def test_from_hparams_takes_every_model_argument():
-    import hparams as hp
-
-    model = Transformer.from_hparams({**hp.DEFAULTS, **SIZE, "fast_paths": False,
+    model = Transformer.from_hparams({**config.DEFAULTS, **SIZE, "fast_paths": False,
                                       "epsilon": 1e-5})
     assert model.epsilon == 1e-5 and model.get_config()["epsilon"] == 1e-5
     model.build()  # the fast-paths hparam is the switch the model's layers were made with
     assert not any(layer.fast_paths for layer in model._flatten_layers()
                    if hasattr(layer, "fast_paths"))
-    assert set(MODEL_ARGUMENTS) | {"fast_paths"} <= set(hp.DEFAULTS)  # every one is an hparam
+    arguments = set(inspect.signature(Transformer).parameters) - {"kwargs"}
+    assert arguments | {"fast_paths"} <= set(config.DEFAULTS)  # every one is an hparam
+    assert set(model.get_config()) >= arguments
+
+
+def test_attention_dropout_none_is_the_dropout_rate_and_hparams_spell_it_minus_one():
+    assert Transformer(**SIZE).attention_dropout == SIZE["dropout_rate"]
+    assert Transformer(**SIZE, attention_dropout=0.3).attention_dropout == 0.3
+    from_hparams = Transformer.from_hparams({**SIZE, "dropout_rate": 0.2,
+                                             "attention_dropout": -1.0})
+    assert from_hparams.attention_dropout == 0.2
+    with pytest.raises(ValueError, match="`attention_dropout` must be in"):
+        Transformer(**SIZE, attention_dropout=-1)
 
 
 def test_one_layer_norm_epsilon_in_layers_model_and_hparams():
-    import hparams as hp
 
     model = Transformer(**SIZE)
     model.build()
     epsilons = {layer.epsilon for layer in model._flatten_layers() if isinstance(layer, Normalize)}
-    assert epsilons == {LAYER_NORM_EPSILON} == {model.epsilon} == {hp.DEFAULTS["epsilon"]}
+    assert epsilons == {LAYER_NORM_EPSILON} == {model.epsilon} == {config.DEFAULTS["epsilon"]}
 
 
 def test_dropout_only_in_training(batch):
@@ -150,3 +163,13 @@ def test_dropout_only_in_training(batch):
 def test_rejects_bad_sizes():
     with pytest.raises(ValueError, match="divisible"):
         Transformer(**{**SIZE, "num_heads": 3})
+    with pytest.raises(ValueError, match="`num_heads` must be positive"):
+        Transformer(**{**SIZE, "num_heads": 0})
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_only_pre_norm_stacks_end_with_a_norm(norm_position):
+    model = Transformer(**SIZE, norm_position=norm_position)
+    norms = (model.encoder_norm, model.decoder_norm)
+    assert all(isinstance(norm, Normalize) if norm_position == "pre" else norm is None
+               for norm in norms)

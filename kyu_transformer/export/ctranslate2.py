@@ -19,7 +19,7 @@ from kyu_transformer.decoding.search import NO_HYPOTHESIS_SCORE
 # Named apart: `length_penalty` is also CTranslate2's own option in this module.
 from kyu_transformer.decoding.search import length_penalty as gnmt_penalty
 from kyu_transformer.cli.flags import QUANTIZATIONS
-from kyu_transformer.layers import ScaledDotProductAttention, sinusoid_table
+from kyu_transformer.layers import sinusoid_table
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from kyu_transformer.decoding.translator import Engine
 
@@ -62,8 +62,7 @@ def unsupported_settings(model, hparams=None):
     for block in model.encoder_blocks + model.decoder_blocks:
         for attention in (block.self_attention, getattr(block, "cross_attention", None)):
             if attention is not None:
-                problems += _attention_problems(f"{block.name}/{attention.name}", attention,
-                                                model.d_model)
+                problems += _attention_problems(f"{block.name}/{attention.name}", attention)
         activation = _activation_name(block.feed_forward.activation)
         if activation not in ACTIVATIONS:
             problems.append(
@@ -85,26 +84,16 @@ def unsupported_settings(model, hparams=None):
     return problems
 
 
-def _attention_problems(where, attention, d_model):
-    """What of one `MultiHeadAttention` (named `where`) CTranslate2 cannot represent."""
+def _attention_problems(where, attention):
+    """Returns what of one `MultiHeadAttention` (named `where`) CTranslate2 cannot represent."""
     problems = []
     activation = _activation_name(attention.projection_activation)
     if activation != "linear":
         problems.append(f"{where}: `projection_activation={activation!r}`: CTranslate2's "
                         "attention projections are linear")
-    widths = {dense.units for dense in (attention.query_dense, attention.key_dense,
-                                        attention.value_dense)}
-    if widths != {d_model}:
-        problems.append(f"{where}: `num_units` (query/key/value widths {sorted(widths)}, not "
-                        f"d_model={d_model}): CTranslate2 splits d_model into the heads")
     if not attention.output_projection:
         problems.append(f"{where}: `output_projection=False`: CTranslate2's attention always "
                         "ends with an output projection")
-    operator = attention.attention
-    if type(operator) is not ScaledDotProductAttention or operator.temperature:
-        problems.append(f"{where}: `attention={type(operator).__name__}"
-                        f"(temperature={getattr(operator, 'temperature', None)})`: CTranslate2 "
-                        "computes softmax(Q K^T / sqrt(d_k)) V only")
     return problems
 
 
