@@ -42,6 +42,19 @@ def _limits(max_length, batch):
     return limits, ops.max(limits)
 
 
+def _at_limit(step, state):
+    """Tells for each sentence whether the token of `step` is the last it may have (its limit
+    counts EOS)."""
+    return ops.greater_equal(step + 1, state["limits"])
+
+
+def _scored(log_probs, ids, alpha):
+    """Divides `log_probs` by GNMT's length penalty of `ids`, whose last axis holds each
+    hypothesis' tokens (padding is no token): a hypothesis' score."""
+    lengths = ops.sum(ops.cast(ops.not_equal(ids, PAD_ID), "int32"), axis=-1)
+    return log_probs / length_penalty(lengths, alpha)
+
+
 # Beam layout: slot ``l * K + j`` of a sentence's self-attention cache holds position `l` of
 # its hypothesis `j`-th when made. The cache is never reordered; `history` `(N, K, l * K)` marks
 # the slots each hypothesis descends from (`_self_mask`).
@@ -210,7 +223,7 @@ class GreedySearch(_Strategy):
             log_prob = -ops.log(ops.sum(ops.exp(logits - best), axis=-1))  # (N,)
             # Padding (finished sentences, or a PAD picked) is no token: as forced decoding.
             log_probs = log_probs + ops.where(ops.equal(chosen, PAD_ID), 0.0, log_prob)
-        limit_reached = ops.greater_equal(step + 1, state["limits"])
+        limit_reached = _at_limit(step, state)
         return {**state, "last": chosen, "log_probs": log_probs,
                 "ids": ops.slice_update(state["ids"], (0, step), chosen[:, None]),
                 "coverage": ops.slice_update(state["coverage"], (0, step, 0),
@@ -221,8 +234,7 @@ class GreedySearch(_Strategy):
     def hypotheses(self, state, results, bound):
         scores = None
         if self.scores:
-            lengths = ops.sum(ops.cast(ops.not_equal(state["ids"], PAD_ID), "int32"), axis=1)
-            scores = (state["log_probs"] / length_penalty(lengths, self.alpha))[:, None]
+            scores = _scored(state["log_probs"], state["ids"], self.alpha)[:, None]
         return Hypotheses(state["ids"][:, None], scores, state["coverage"])
 
 
@@ -266,7 +278,7 @@ class BeamSearch(_Strategy):
         history = _gather_beams(self_mask, _gather_beams(top_beams, alive_pick))  # kept beams'
         # Finished: the K best of those kept and those ending here (at the limit, all).
         done, limits = state["done"], state["limits"]
-        at_limit = ops.greater_equal(step + 1, limits)  # (N,)
+        at_limit = _at_limit(step, state)  # (N,)
         ending = ops.logical_or(ends, at_limit[:, None])
         ended_scores = ops.where(ending, top_scores / length_penalty(step + 1, alpha), _NEG_INF)
         ended_scores = ops.where(done[:, None], _NEG_INF, ended_scores)
@@ -325,7 +337,7 @@ class SamplingSearch(_Strategy):
         best = ops.max(logits, axis=-1, keepdims=True)
         normalizer = best[..., 0] + ops.log(ops.sum(ops.exp(logits - best), axis=-1))
         log_prob = ops.take_along_axis(logits, chosen[..., None], axis=-1)[..., 0] - normalizer
-        limit_reached = ops.greater_equal(step + 1, state["limits"])[:, None]  # (N, 1)
+        limit_reached = _at_limit(step, state)[:, None]  # (N, 1)
         finished = ops.logical_or(finished, ops.logical_or(ops.equal(chosen, EOS_ID),
                                                            limit_reached))
         return {**state, "last": chosen, "history": self_mask, "finished": finished,
@@ -335,8 +347,7 @@ class SamplingSearch(_Strategy):
                 "done": ops.all(finished, axis=1)}
 
     def hypotheses(self, state, results, bound):
-        lengths = ops.sum(ops.cast(ops.not_equal(state["ids"], PAD_ID), "int32"), axis=2)
-        scores = state["log_probs"] / length_penalty(lengths, self.alpha)  # (N, n)
+        scores = _scored(state["log_probs"], state["ids"], self.alpha)  # (N, n)
         order = ops.argsort(-scores, axis=1)  # best first
         return Hypotheses(_gather_beams(state["ids"], order), _gather_beams(scores, order), None)
 
@@ -401,6 +412,9 @@ def strategy_for(settings, n_best, scores=True, seed=0, sentences=None):
     if settings.beam_size == 1:
         return GreedySearch(settings.alpha, scores)
     return BeamSearch(settings.beam_size, settings.alpha, n_best)
+
+
+# The decoding benchmark (benchmarks/decode_speed.py) times these two; programs call `search`.
 
 
 def greedy_search(model, source, max_length):

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from kyu_transformer.conventions import EOS_ID, PAD_ID
 from kyu_transformer.decoding.search import (
-    _NEG_INF,
+    NO_HYPOTHESIS_SCORE,
     length_penalty,
     output_limit,
     search,
@@ -130,7 +130,7 @@ class Engine:
         for row, index in enumerate(rows):
             scores = batch["scores"][row] if batch["scores"] is not None else np.zeros(k)
             # Rows scored as impossible (fewer real hypotheses than asked) are left out.
-            kept = [0] + [j for j in range(1, k) if scores[j] > _NEG_INF / 2]
+            kept = [0] + [j for j in range(1, k) if scores[j] > NO_HYPOTHESIS_SCORE / 2]
             found["hypotheses"][index] = [outputs[row * k + j] for j in kept]
             found["scores"][index] = [float(scores[j]) for j in kept]
             found["ended"][index] = [bool(ended[row, j]) for j in kept]
