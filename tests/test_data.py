@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from kyu_transformer.conventions import BOS_ID, EOS_ID
+from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID
 from kyu_transformer.data import pipeline
 from kyu_transformer.data.subwords import Subwords, add_markers
 from kyu_transformer.data.text import (
@@ -200,7 +200,7 @@ def test_subwords_train_once_then_reuse(tmp_path):
     assert os.path.getmtime(again.path) == stamp and again.vocab_size == first.vocab_size
     ids = first.encode(["the cat sat"])[0]
     assert all(i > EOS_ID for i in ids)
-    assert first.decode([BOS_ID] + ids + [EOS_ID, 7, 8]) == "the cat sat"
+    assert first.decode([BOS_ID] + ids + [PAD_ID, EOS_ID, 7, 8]) == "the cat sat"
     assert first.processor.pad_id() == 0 and first.processor.bos_id() == 2
 
 

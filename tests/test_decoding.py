@@ -364,6 +364,11 @@ def test_impossible_requests_are_refused(varied):
                                                              with_coverage=True).coverages
     assert coverages[0].shape[1] == 4 and coverages[1] is None  # greedy coverage still works
     with pytest.raises(ValueError, match=rf"`max_length` must be in \[1, {model.maxlen2}\]"):
+    # One rule (`settings.checked_max_length`) for the settings, the engines and `search`.
+    for refused in (lambda: Translator(model, max_length=0),
+                    lambda: search(model, source, 0, GreedySearch(alpha=0.6))):
+        with pytest.raises(ValueError, match="^`max_length` must be at least 1, got 0$"):
+            refused()
         Translator(model, max_length=model.maxlen2 + 1)
     with pytest.raises(ValueError, match="`length_margin` must be at least 0, got -1"):
         Translator(model, length_margin=-1)

@@ -12,6 +12,7 @@ import sentencepiece
 from kyu_transformer import filenames
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from kyu_transformer.data.text import DataError
+from kyu_transformer.decoding.settings import cut_at_end
 
 
 class Subwords:
@@ -54,10 +55,7 @@ class Subwords:
 
     def decode(self, ids):
         """Ids (stopping at EOS, skipping pad/BOS) back to detokenized text."""
-        ids = [int(i) for i in ids]
-        if EOS_ID in ids:
-            ids = ids[:ids.index(EOS_ID)]
-        return self.processor.decode([i for i in ids if i not in (PAD_ID, BOS_ID)])
+        return self.processor.decode([i for i in cut_at_end(ids) if i != BOS_ID])
 
 
 class SegmentationSampler:

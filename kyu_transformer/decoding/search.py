@@ -12,7 +12,7 @@ import tensorflow as tf
 from keras import ops
 
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID
-from kyu_transformer.decoding.settings import SearchSettings
+from kyu_transformer.decoding.settings import SearchSettings, checked_max_length
 
 _NEG_INF = -1.0e9  # score of impossible hypotheses (finite: no NaN in sums)
 # Of a missing hypothesis where a fixed number is given (the SavedModel's `n_best` columns).
@@ -25,9 +25,10 @@ def length_penalty(length, alpha):
 
 
 def output_limit(source_length, maxlen1, max_length, length_margin):
-    """A sentence's most output tokens, EOS included, on every path (`Translator`'s limit):
+    """A sentence's most output tokens, EOS included, on every path (`Engine.output_limits`):
     ``min(max_length, min(source_length + 1, maxlen1) + length_margin)``, `source_length`
-    (without EOS) an int, int array (numpy out) or tensor."""
+    (without EOS) an int, int array (numpy out) or tensor, `max_length` from
+    `checked_max_length`."""
     minimum = ops.minimum if tf.is_tensor(source_length) else np.minimum
     return minimum(max_length, minimum(source_length + 1, maxlen1) + length_margin)
 
@@ -35,9 +36,8 @@ def output_limit(source_length, maxlen1, max_length, length_margin):
 def _limits(max_length, batch):
     """``(limits (N,), bound)`` from one Python int or a tensor `(N,)` of limits."""
     if isinstance(max_length, (int, np.integer)):
-        if max_length < 1:
-            raise ValueError(f"`max_length` must be at least 1, got {max_length}")
-        return ops.full((batch,), int(max_length), "int32"), int(max_length)
+        max_length = int(checked_max_length(max_length))
+        return ops.full((batch,), max_length, "int32"), max_length
     limits = ops.cast(max_length, "int32")
     return limits, ops.max(limits)
 

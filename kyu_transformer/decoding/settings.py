@@ -1,11 +1,40 @@
-"""How to search: `SearchSettings`, one validated value for every engine and program."""
+"""How to search (`SearchSettings`, one validated value for every engine and program), how long
+an output may be (`checked_max_length`) and where it ends (`cut_at_end`).
+
+Free of Keras and TensorFlow, so that a program checks its flags, and `data.subwords` turns ids
+into text, before TensorFlow loads.
+"""
 
 import dataclasses
 
 import numpy as np
 
+from kyu_transformer.conventions import EOS_ID, PAD_ID
+
 SEED_LIMIT = 2**32 - 1
 _TINY = float(np.finfo(np.float32).tiny)
+
+
+def checked_max_length(max_length, maxlen2=None):
+    """Returns `max_length`, the most output tokens of a sentence (EOS included), after checking
+    that it is at least 1 and, where the model's `maxlen2` is given, at most that: the model has
+    no target position beyond it."""
+    if maxlen2 is None:
+        if max_length < 1:
+            raise ValueError(f"`max_length` must be at least 1, got {max_length}")
+    elif not 1 <= max_length <= maxlen2:
+        raise ValueError(f"`max_length` must be in [1, {maxlen2}] (the model's maxlen2), "
+                         f"got {max_length}")
+    return max_length
+
+
+def cut_at_end(ids):
+    """Returns an output's ids (any ints) as a list cut before its first EOS, with the padding
+    left out: the tokens the output holds. The SavedModel does the same in its graph."""
+    ids = [int(i) for i in ids]
+    if EOS_ID in ids:
+        ids = ids[:ids.index(EOS_ID)]
+    return [i for i in ids if i != PAD_ID]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +68,8 @@ class SearchSettings:
                 raise ValueError(f"`{name}` must be at least {value}, got {getattr(self, name)}")
         if self.seed >= SEED_LIMIT:
             raise ValueError(f"`seed` must be below {SEED_LIMIT}, got {self.seed}")
-        if self.max_length is not None and self.max_length < 1:
-            raise ValueError(f"`max_length` must be at least 1, got {self.max_length}")
+        if self.max_length is not None:
+            checked_max_length(self.max_length)
         if not 0.0 < self.sampling_topp <= 1.0:
             raise ValueError(f"`sampling_topp` must be in (0, 1], got {self.sampling_topp}")
         if not self.sampling_temperature >= _TINY:

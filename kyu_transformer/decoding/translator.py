@@ -1,8 +1,10 @@
 """Translation for every engine: sources in, translations out, as `SearchSettings` say.
 
-The front end (TensorFlow ops, also run in the SavedModel's graph) adds EOS and cuts sources
-(`encoder_inputs`), batches by length (`decoding_order`) and strips outputs (`strip`); an engine
-(`Translator`, `ctranslate2_export.CTranslate2Translator`) decodes one batch (`_decode`).
+The front end (`Engine`) adds EOS and cuts sources (`encoder_inputs`), limits each output
+(`Engine.output_limits`), orders sentences by length (`decoding_order`), batches them
+(`Engine._batches`) and cuts outputs at EOS (`settings.cut_at_end`); an engine (`Translator`,
+`export.ctranslate2.CTranslate2Translator`) decodes one batch (`_decode`). The SavedModel runs
+the TensorFlow parts of it in its graph.
 """
 
 import collections
@@ -11,7 +13,7 @@ import functools
 import numpy as np
 import tensorflow as tf
 
-from kyu_transformer.conventions import EOS_ID, PAD_ID
+from kyu_transformer.conventions import EOS_ID
 from kyu_transformer.decoding.search import (
     NO_HYPOTHESIS_SCORE,
     length_penalty,
@@ -20,7 +22,7 @@ from kyu_transformer.decoding.search import (
     sequence_log_probs,
     strategy_for,
 )
-from kyu_transformer.decoding.settings import SearchSettings
+from kyu_transformer.decoding.settings import SearchSettings, checked_max_length, cut_at_end
 
 
 def encoder_inputs(ids, maxlen1):
@@ -33,13 +35,6 @@ def decoding_order(lengths):
     """The sentences to decode `(M,)`: the non-empty ones, shortest source first (stable)."""
     nonempty = tf.cast(tf.where(lengths > 0)[:, 0], tf.int32)
     return tf.gather(nonempty, tf.argsort(tf.gather(lengths, nonempty), stable=True))
-
-
-def strip(ids):
-    """Rows of `ids` `(R, L)` cut before their first EOS, padding removed (ragged)."""
-    after_end = tf.cumsum(tf.cast(tf.equal(ids, EOS_ID), tf.int32), axis=1) > 0
-    return tf.ragged.boolean_mask(ids, tf.logical_and(tf.logical_not(after_end),
-                                                      tf.not_equal(ids, PAD_ID)))
 
 
 def ragged(sequences):
@@ -80,10 +75,20 @@ class Engine:
 
     def __init__(self, maxlen1, maxlen2, settings=None, **fields):
         self.maxlen1, self.settings = maxlen1, (settings or SearchSettings()).replace(**fields)
-        self.max_length = self.settings.max_length or maxlen2
-        if not 1 <= self.max_length <= maxlen2:
-            raise ValueError(f"`max_length` must be in [1, {maxlen2}] (the model's maxlen2), "
-                             f"got {self.max_length}")
+        self.max_length = checked_max_length(self.settings.max_length or maxlen2, maxlen2)
+
+    def output_limits(self, source_lengths):
+        """Returns each sentence's most output tokens (`search.output_limit`) from the lengths
+        of the sources without EOS, a numpy array or a tensor (the limits come back as the
+        same)."""
+        return output_limit(source_lengths, self.maxlen1, self.max_length,
+                            self.settings.length_margin)
+
+    def _batches(self, order):
+        """Splits the sentence indices `order` into consecutive slices of at most
+        `batch_size`: the batches of `translate_ids` and `score_ids`."""
+        size = self.settings.batch_size
+        return [order[first:first + size] for first in range(0, len(order), size)]
 
     def translate_ids(self, source_ids, n_best=None, with_coverage=False, with_log_probs=False,
                       seed=None):
@@ -101,12 +106,10 @@ class Engine:
         ids = ragged(source_ids)
         lengths = ids.row_lengths().numpy()
         inputs = encoder_inputs(ids, self.maxlen1)
-        limits = output_limit(lengths, self.maxlen1, self.max_length,
-                              self.settings.length_margin).astype("int32")
+        limits = self.output_limits(lengths).astype("int32")
         order = decoding_order(tf.constant(lengths)).numpy()
         seed = self.settings.seed if seed is None else int(seed)
-        for first in range(0, len(order), self.settings.batch_size):
-            rows = order[first:first + self.settings.batch_size]
+        for rows in self._batches(order):
             batch = self._decode(tf.gather(inputs, rows), limits[rows], rows, n,
                                  n_best is not None, with_coverage, with_log_probs, seed)
             self._keep(found, rows, batch)
@@ -124,7 +127,7 @@ class Engine:
     def _keep(found, rows, batch):
         """Puts a batch's `_decode` results into `found`, at its sentences' `rows`."""
         ids = batch["ids"]  # (n, K, L)
-        outputs = strip(tf.reshape(ids, (-1, ids.shape[-1]))).to_list()
+        outputs = [cut_at_end(row) for row in ids.reshape(-1, ids.shape[-1]).tolist()]
         ended = np.any(ids == EOS_ID, axis=2)
         k = ids.shape[1]
         for row, index in enumerate(rows):
@@ -215,8 +218,7 @@ class Translator(Engine):
         # Sorted by length, so a batch pads little.
         log_probs = np.zeros(len(targets))
         order = sorted(range(len(targets)), key=lambda i: len(targets[i]))
-        for first in range(0, len(order), self.settings.batch_size):
-            rows = order[first:first + self.settings.batch_size]
+        for rows in self._batches(order):
             source = tf.gather(sources, rows).to_tensor()
             log_probs[rows] = self._log_probs(source, padded([targets[i] for i in rows])).numpy()
         lengths = np.array([len(ids) for ids in targets])

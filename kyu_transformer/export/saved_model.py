@@ -1,24 +1,24 @@
 """A trained `Transformer` as a TensorFlow SavedModel: raw text in, n-best translations out.
 
 Its signatures (``serving_default``, ``ids``, ``sample``: docs/export.md) decode exactly as
-`translation.Translator`: its front end in the graph, around the search function a `Translator`
-of the same settings compiles. Columns without a hypothesis (where `Translator` leaves them out)
-hold an empty one scored `decoding.NO_HYPOTHESIS_SCORE`.
+`decoding.translator.Translator`: its front end in the graph, around the search function a
+`Translator` of the same settings compiles. Columns without a hypothesis (where `Translator`
+leaves them out) hold an empty one scored `decoding.search.NO_HYPOTHESIS_SCORE`.
 """
 
 import tensorflow as tf
 
-from kyu_transformer.decoding.search import NO_HYPOTHESIS_SCORE, output_limit
+from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID
+from kyu_transformer.decoding.search import NO_HYPOTHESIS_SCORE
 from kyu_transformer.decoding.settings import SEED_LIMIT
-from kyu_transformer.conventions import BOS_ID, PAD_ID
-from kyu_transformer.decoding.translator import Translator, decoding_order, encoder_inputs, strip
+from kyu_transformer.decoding.translator import Translator, decoding_order, encoder_inputs
 
 TEXT_SIGNATURE = "serving_default"
 IDS_SIGNATURE = "ids"
 SAMPLE_SIGNATURE = "sample"
 SERVE_EXTRA = 'pip install -e ".[serve]"'
 
-# What `data.normalize_line` (`str.split`) folds: all `str.isspace` characters; RE2's `\s`
+# What `data.text.normalize_line` (`str.split`) folds: all `str.isspace` characters; RE2's `\s`
 # misses \v, \x1c-\x1f, \x85 and the Unicode spaces.
 _WHITE_SPACE = r"[\t\n\x{0b}\x{0c}\r\x{1c}-\x{1f}\x{85}\p{Z}]+"
 
@@ -30,6 +30,14 @@ def import_tensorflow_text():
     except ImportError:
         return None
     return tensorflow_text
+
+
+def _cut_at_end(ids):
+    """Cuts the rows of `ids` `(R, L)` before their first EOS and leaves padding out (ragged):
+    in the graph, what `settings.cut_at_end` does to one output in Python."""
+    after_end = tf.cumsum(tf.cast(tf.equal(ids, EOS_ID), tf.int32), axis=1) > 0
+    return tf.ragged.boolean_mask(ids, tf.logical_and(tf.logical_not(after_end),
+                                                      tf.not_equal(ids, PAD_ID)))
 
 
 class _Decoder(Translator):
@@ -47,7 +55,7 @@ class _Decoder(Translator):
         count, k = ids.nrows(out_type=tf.int32), self.settings.n_best
         lengths = tf.cast(ids.row_lengths(), tf.int32)
         sources = encoder_inputs(ids, self.maxlen1)
-        limits = output_limit(lengths, self.maxlen1, self.max_length, self.settings.length_margin)
+        limits = self.output_limits(lengths)
         order = decoding_order(lengths)
         width = tf.maximum(tf.reduce_max(tf.gather(limits, order)), 0)  # 0 if none is decoded
         batch = self.settings.batch_size
@@ -69,7 +77,7 @@ class _Decoder(Translator):
 
         _, outputs, scores = tf.while_loop(lambda first, *_: first < tf.size(order), body,
                                            (0, outputs, scores))
-        return strip(tf.reshape(outputs, [count * k, width])), scores
+        return _cut_at_end(tf.reshape(outputs, [count * k, width])), scores
 
 
 def normalize_text(text):
@@ -114,7 +122,7 @@ def _text_function(tokenizer, decoder, seeded=False):
             seed = _in_range(seed, "seed", SEED_LIMIT, SEED_LIMIT)
         ids = tokenizer.tokenize(normalize_text(text))
         hypotheses, scores = decoder.decode(ids, seed)
-        # `data.Subwords.decode` skips BOS as well as padding.
+        # `data.subwords.Subwords.decode` skips BOS as well as padding.
         pieces = tf.ragged.boolean_mask(hypotheses, tf.not_equal(hypotheses, BOS_ID))
         n_best = tf.reshape(tokenizer.detokenize(pieces), [tf.shape(text)[0], k])
         return {"translations": n_best[:, 0], "n_best": n_best, "scores": scores}
