@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 
+from kyu_transformer import filenames
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID
 from kyu_transformer.data import pipeline
 from kyu_transformer.data.subwords import Subwords, add_markers
@@ -126,9 +127,10 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 def nothing_left(parent, name):
-    """No corpus folder `name` in `parent`, and no staging folder either."""
+    """No corpus folder `name` in `parent`, and no staging folder either (`staging_beside`'s
+    hidden ``.<name>.<label>-*``)."""
     return not (parent / name).exists() and not [
-        entry for entry in os.listdir(parent) if entry.startswith(".multi30k-")]
+        entry for entry in os.listdir(parent) if entry.startswith(f".{name}.")]
 
 
 def test_multi30k_download_when_missing(tmp_path, file_server):
@@ -198,10 +200,19 @@ def test_subwords_train_once_then_reuse(tmp_path):
     again = Subwords.train_or_load(str(tmp_path), ["completely different text"] * 50,
                                         vocab_size=99)
     assert os.path.getmtime(again.path) == stamp and again.vocab_size == first.vocab_size
+    # The model and its vocabulary only: nothing of the training's staging folder is left.
+    assert sorted(os.listdir(tmp_path)) == sorted([filenames.SUBWORDS,
+                                                   filenames.SUBWORDS_VOCABULARY])
     ids = first.encode(["the cat sat"])[0]
     assert all(i > EOS_ID for i in ids)
     assert first.decode([BOS_ID] + ids + [PAD_ID, EOS_ID, 7, 8]) == "the cat sat"
     assert first.processor.pad_id() == 0 and first.processor.bos_id() == 2
+
+
+def test_failed_subword_training_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        Subwords.train_or_load(str(tmp_path / "logdir"), [], vocab_size=60)  # no sentences
+    assert os.listdir(tmp_path / "logdir") == []
 
 
 def test_markers_and_length_filter():

@@ -4,7 +4,6 @@ back, segmentations sampled (subword regularization), and the BOS/EOS markers ar
 import itertools
 import os
 import shutil
-import tempfile
 
 import numpy as np
 import sentencepiece
@@ -13,6 +12,7 @@ from kyu_transformer import filenames
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from kyu_transformer.data.text import DataError
 from kyu_transformer.decoding.settings import cut_at_end
+from kyu_transformer.safety.writes import staging_beside
 
 
 class Subwords:
@@ -34,8 +34,7 @@ class Subwords:
         path = os.path.join(directory, filenames.SUBWORDS)
         if os.path.isfile(path):
             return cls(path)
-        os.makedirs(directory, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".subwords-", dir=directory)
+        staging = staging_beside(path, "train")
         try:
             prefix = os.path.join(staging, filenames.SUBWORDS_PREFIX)
             sentencepiece.SentencePieceTrainer.train(

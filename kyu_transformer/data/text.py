@@ -9,10 +9,9 @@ import http.client
 import os
 import re
 import shutil
-import tempfile
 import urllib.request
 
-from kyu_transformer.safety.writes import sha256
+from kyu_transformer.safety.writes import sha256, staging_beside
 
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
 MULTI30K_SPLITS = ("train", "val", "test_2016_flickr")
@@ -124,9 +123,7 @@ def ensure_multi30k(data_dir, base_url=None, timeout=30):
     if os.path.exists(data_dir):
         return data_dir
     base_url = base_url or os.environ.get("MULTI30K_URL", MULTI30K_URL)
-    parent = os.path.dirname(os.path.abspath(data_dir))
-    os.makedirs(parent, exist_ok=True)  # `data/` of a fresh clone
-    staging = tempfile.mkdtemp(prefix=".multi30k-", dir=parent)
+    staging = staging_beside(data_dir, "download")  # makes `data/` of a fresh clone
     try:
         for name in MULTI30K_FILES:
             _download(f"{base_url}/{name}", os.path.join(staging, name), timeout)
