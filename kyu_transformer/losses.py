@@ -12,7 +12,8 @@ set_keras_mask = getattr(keras.backend, "set_keras_mask", None) or keras.src.bac
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class LabelSmoothedCrossEntropy(keras.losses.Loss):
-    """Cross-entropy against ``label_smoothing(one_hot(labels), epsilon)``, in float32.
+    """Computes the cross-entropy of logits against ``label_smoothing(one_hot(labels),
+    epsilon)`` in float32, ignoring padding labels.
 
     The smoothed one-hot tensor is never built: with ``log p = logits - logsumexp(logits)``,
     ``-sum_v q_v log p_v = logsumexp - (1 - eps) * logit_y - eps * mean_v logit_v``.
@@ -45,7 +46,7 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
         self.from_logits, self.fast_paths = bool(from_logits), bool(fast_paths)
 
     def token_losses(self, y_true, y_pred):
-        """Per-token losses `(N, T)` in float32, 0 at padding positions."""
+        """Returns the per-token losses `(N, T)` in float32, 0 at padding positions."""
         labels = ops.cast(y_true, "int32")
         if self.from_logits and self.fast_paths:
             losses = _stated_gradient_cross_entropy(y_pred, labels, self.epsilon)
@@ -70,14 +71,16 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
 
 
 def _smoothed(base, scores, labels, epsilon):
-    """``base - (1 - eps) * scores_y - eps * mean_v scores_v`` `(N, T)`, of scores `(N, T, V)`."""
+    """Returns ``base - (1 - eps) * scores_y - eps * mean_v scores_v`` `(N, T)` of scores
+    `(N, T, V)`: the smoothed cross-entropy, `base` being the scores' log-normalizer (0 for
+    log-probabilities)."""
     label_scores = ops.take_along_axis(scores, labels[..., None], axis=-1)[..., 0]  # (N, T)
     return base - (1.0 - epsilon) * label_scores - epsilon * ops.mean(scores, axis=-1)
 
 
 def _stated_gradient_cross_entropy(logits, labels, epsilon):
-    """The smoothed cross-entropy `(N, T)` of logits `(N, T, V)` in float32, with the stated
-    gradient (fast path).
+    """Computes the smoothed cross-entropy `(N, T)` of logits `(N, T, V)` in float32, with a
+    stated gradient (a fast path).
 
     ``softmax(logits) - (1 - eps) * one_hot(label) - eps / V`` times the upstream gradient:
     it reuses the forward exponentials, and the one-hot is a comparison inside the same

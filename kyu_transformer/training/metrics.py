@@ -6,9 +6,10 @@ from kyu_transformer.conventions import PAD_ID
 
 
 def masked_accuracy_counts(labels, logits, pad_id=PAD_ID):
-    """``(correct, count)``: top-1 hits and number of non-padding tokens, float32.
+    """Counts the top-1 hits and the non-padding tokens; returns ``(correct, count)`` in float32.
 
-    A hit: the label's logit is the row's largest, ties included (as ``tf.math.in_top_k``).
+    A token is a hit when its label's logit is the row's largest, ties included (as
+    ``tf.math.in_top_k``).
     Comparing float32 logits lets XLA share the row maxima with the loss, not so an argmax.
     """
     keep = ops.not_equal(labels, pad_id)  # (N, T)
