@@ -74,7 +74,7 @@ SPEC = {
     "seed": (42, RUN, "seed of initialization, shuffling and dropout"),
     "mixed_precision": ("no", RUN,
                         "no, bf16 (CPU/TPU), fp16 (GPU, with loss scaling), or auto: chosen for "
-                        "this machine (README) and saved as chosen"),
+                        "this machine (docs/training.md) and saved as chosen"),
     "jit_compile": (False, RESUMABLE, "compile the training step with XLA"),
     "xla_loss": (True, RESUMABLE,
                  "compile the loss alone with XLA (a fast path: off without fast_paths)"),

@@ -225,9 +225,9 @@ def test_the_loss_in_a_compiled_function_masks_padding_itself(compiled):
     assert float(loss(labels, logits)) == pytest.approx(reference_loss(labels, logits), rel=1e-5)
 
 
-@pytest.mark.tensorflow_only("tf.data and tf.distribute, as README's example")
-def test_the_keras_way_of_readme_trains_the_transformer():
-    """README's example as written (default dropout, no explicit build), at a small size."""
+@pytest.mark.tensorflow_only("tf.data and tf.distribute, as docs/layers.md's example")
+def test_the_keras_way_of_docs_layers_trains_the_transformer():
+    """docs/layers.md's "Keras' fit" example as written (default dropout, no explicit build), at a small size."""
     import tensorflow as tf
 
     features, labels = make_data()

@@ -1,5 +1,5 @@
-"""The trainer: builds a run's parts (`train_step`, `distribution`, `resumption`, `time_budget`,
-`training_log`, `precision`) and drives them, epoch by epoch. The ``fast_paths`` hparam selects
+"""The trainer: builds a run's parts (its `step`, `distribution`, `checkpoints`, `clock`, `log`,
+the precision) and drives them, epoch by epoch. The ``fast_paths`` hparam selects
 the fused Adam, the loss's stated gradient and the loss compiled alone with XLA (``xla_loss``).
 """
 
