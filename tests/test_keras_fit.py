@@ -2,7 +2,7 @@
 
 The models here are trained by Keras' own loop, not by the project's `Trainer`:
 a functional model made of the layers (whose logits carry the target's Keras
-mask) and the project's `Transformer` (whose logits carry none); README's test
+mask) and the project's `Transformer` (whose logits carry none); the suite's
 command runs them with the TensorFlow backend, then with JAX. The runs on two
 devices are a subprocess, since the devices must be set up before TensorFlow
 starts. This module imports no TensorFlow at its top, so that it runs with JAX.
@@ -227,7 +227,8 @@ def test_the_loss_in_a_compiled_function_masks_padding_itself(compiled):
 
 @pytest.mark.tensorflow_only("tf.data and tf.distribute, as docs/layers.md's example")
 def test_the_keras_way_of_docs_layers_trains_the_transformer():
-    """docs/layers.md's "Keras' fit" example as written (default dropout, no explicit build), at a small size."""
+    """docs/layers.md's example of Keras' fit as written (default dropout, no explicit build),
+    at a small size."""
     import tensorflow as tf
 
     features, labels = make_data()
