@@ -130,8 +130,8 @@ def test_dropout_rates_reach_their_places_and_default_to_the_earlier_model():
     assert dropout_rates(plain) == {"attention": {0.3}, "inner": {0.0}, "residual": {0.3}}
     assert plain.word_dropout == 0.0 and random_state_count(plain) == 10
     assert random_state_count(model) == 10 + 2 + 2  # two inner, two word dropouts
-    negative = Transformer(**SIZE, dropout_rate=0.2, attention_dropout=-1)
-    assert negative.attention_dropout == 0.2
+    same = Transformer.from_hparams({**SIZE, "dropout_rate": 0.2, "attention_dropout": -1})
+    assert same.attention_dropout == 0.2  # hparams' -1: the dropout rate
     with pytest.raises(ValueError, match=r"`relu_dropout` must be in \[0, 1\), got 1.0"):
         Transformer(**SIZE, relu_dropout=1.0)
 

@@ -108,13 +108,8 @@ def _norm_layers(model):
 
 def _position_table(positions, width):
     """`(maxlen, C)` encodings as the model adds them, for positions 0, 1, ..."""
-    table = np.array(sinusoid_table(positions.maxlen, width, positions.style) if positions.sinusoid
-                     else _array(positions.position_embeddings), dtype=np.float32)
-    if positions.zero_pad:
-        table[0] = 0.0
-    if positions.scale:
-        table *= np.float32(np.sqrt(width))
-    return table
+    return np.array(sinusoid_table(positions.maxlen, width, positions.style) if positions.sinusoid
+                    else _array(positions.position_embeddings), dtype=np.float32)
 
 
 def _set_linear(spec, *denses):
@@ -151,10 +146,9 @@ def _set_feed_forward(spec, feed_forward):
 def _set_inputs(spec, embedding, positions, width):
     """Sets the embedding (as the model reads it) and position tables; returns the first."""
     table = _array(embedding.embeddings)
-    if embedding.zero_pad:
-        table[PAD_ID] = 0.0
+    table[PAD_ID] = 0.0  # as `Embedding.table()` reads it
     (spec.embeddings[0] if isinstance(spec.embeddings, list) else spec.embeddings).weight = table
-    spec.scale_embeddings = embedding.scale  # True: times sqrt(d_model), as ours
+    spec.scale_embeddings = True  # times sqrt(d_model), as ours
     spec.position_encodings.encodings = _position_table(positions, width)
     return table
 
