@@ -8,10 +8,10 @@ sentence stops early: every method decodes exactly --max_length tokens for
 every sentence, on the same batches (sources sorted by length, --batch_size
 sentences). Methods:
 
-- ours, greedy with the key/value cache (`greedy_search`);
+- ours, greedy with the key/value cache (`search` with `GreedySearch`);
 - ours, greedy recomputing the whole prefix each step (`recompute_greedy_search`,
   compiled the same way);
-- ours, beam 4 with the cache (`beam_search`);
+- ours, beam 4 with the cache (`search` with `BeamSearch`);
 - keras-hub's `GreedySampler` and `BeamSampler(num_beams=4)` driving a model
   built from keras-hub's `TransformerEncoder`/`TransformerDecoder` with their
   own caches, compiled with XLA as keras-hub's `generate` does.
@@ -44,7 +44,7 @@ from kyu_transformer.conventions import (  # noqa: E402
 )
 from kyu_transformer.data.subwords import Subwords  # noqa: E402
 from kyu_transformer.data.text import load_split  # noqa: E402
-from kyu_transformer.decoding.search import beam_search, greedy_search  # noqa: E402
+from kyu_transformer.decoding.search import BeamSearch, GreedySearch, search  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
 
 SHAPE = dict(vocab_size=8000, d_model=256, d_ff=1024, num_blocks=3, num_heads=4)
@@ -126,7 +126,7 @@ def recompute_greedy_search(model, source, max_length):
     """Greedy search without a cache: the whole prefix is decoded again each step.
 
     The baseline that the cache is measured against (and checked by): same
-    outputs as `greedy_search`, cost growing with the square of the length.
+    outputs as the cached greedy search, cost growing with the square of the length.
     """
     memory, source_mask = model.encode(source, training=False)
     batch = ops.shape(source)[0]
@@ -206,9 +206,10 @@ def main():
     length = args.max_length
     results = {}
     methods = {
-        "ours greedy, cache": lambda s: greedy_search(model, s, length)[0],
+        "ours greedy, cache":
+            lambda s: search(model, s, length, GreedySearch(alpha=0.0, scores=False)).ids[:, 0],
         "ours greedy, recompute": lambda s: recompute_greedy_search(model, s, length),
-        "ours beam 4, cache": lambda s: beam_search(model, s, length, 4, 0.6)[0],
+        "ours beam 4, cache": lambda s: search(model, s, length, BeamSearch(4, 0.6)).ids,
     }
     if args.skip_recompute:
         del methods["ours greedy, recompute"]

@@ -25,6 +25,7 @@ matrix-multiply peak measured in the same run.
 """
 
 import argparse
+import contextlib
 import importlib
 import os
 import re
@@ -83,13 +84,19 @@ def package_at(revision):
                 with open(path, "w") as source:
                     source.write(text)
     sys.path.insert(0, folder)
-    module = lambda unit: importlib.import_module(f"{name}.{unit}")  # noqa: E731
-    try:  # the training step's loss moved from training.py to train_step.py
-        loss_terms = module("train_step").loss_terms_function
-    except ModuleNotFoundError:
-        loss_terms = module("training").loss_terms_function
-    return SimpleNamespace(Transformer=module("model").Transformer, Adam=module("optimizers").Adam,
-                           loss_terms_function=loss_terms,
+
+    def module(*units):
+        """The first of `units` that the revision has (each name the module had in turn)."""
+        for unit in units[:-1]:
+            with contextlib.suppress(ModuleNotFoundError):
+                return importlib.import_module(f"{name}.{unit}")
+        return importlib.import_module(f"{name}.{units[-1]}")
+
+    # The step's loss lived in training.py, then train_step.py, now training/step.py (0.2.0).
+    step = module("training.step", "train_step", "training")
+    return SimpleNamespace(Transformer=module("model").Transformer,
+                           Adam=module("training.optimizer", "optimizers").Adam,
+                           loss_terms_function=step.loss_terms_function,
                            LabelSmoothedCrossEntropy=module("losses").LabelSmoothedCrossEntropy)
 
 

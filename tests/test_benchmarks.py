@@ -73,8 +73,8 @@ def test_a_baseline_revision_trains_beside_the_current_package(monkeypatch):
     baseline = bench.package_at("HEAD")
     assert baseline.Transformer.__module__ == "kyu_transformer_at_HEAD.model"
     assert baseline.Transformer is not kyu_transformer.model.Transformer
-    assert baseline.Adam.__module__ == "kyu_transformer_at_HEAD.optimizers"
-    assert baseline.loss_terms_function.__module__ == "kyu_transformer_at_HEAD.train_step"
+    assert baseline.Adam.__module__ == "kyu_transformer_at_HEAD.training.optimizer"
+    assert baseline.loss_terms_function.__module__ == "kyu_transformer_at_HEAD.training.step"
     assert sys.modules["kyu_transformer.model"] is kyu_transformer.model  # left in place
     features, labels = bench.batch()
     losses = []

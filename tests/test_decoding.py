@@ -12,16 +12,14 @@ import pytest
 import sacrebleu
 import tensorflow as tf
 
-import hparams as hp
-from kyu_transformer import filenames
+from kyu_transformer import config, filenames
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from kyu_transformer.data.text import load_split
 from kyu_transformer.decoding.search import (
+    BeamSearch,
     GreedySearch,
     _top_k_rows,
     _uniforms,
-    beam_search,
-    greedy_search,
     length_penalty,
     search,
     sequence_log_probs,
@@ -35,6 +33,18 @@ from tests.programs import run
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT
 from tests.varied_model import clear_greedy_choices
+
+
+def greedy_search(model, source, max_length):
+    """`search` with unscored greedy search: ``(ids (N, L), coverage (N, L, S))``."""
+    found = search(model, source, max_length, GreedySearch(alpha=0.0, scores=False))
+    return found.ids[:, 0], found.coverage
+
+
+def beam_search(model, source, max_length, beam_size, alpha, n_best=1):
+    """`search` with beam search: ``(ids (N, n_best, L), scores (N, n_best))``, best first."""
+    found = search(model, source, max_length, BeamSearch(beam_size, alpha, n_best))
+    return found.ids, found.scores
 
 
 @pytest.fixture(scope="module")
@@ -364,12 +374,12 @@ def test_impossible_requests_are_refused(varied):
                                                              with_coverage=True).coverages
     assert coverages[0].shape[1] == 4 and coverages[1] is None  # greedy coverage still works
     with pytest.raises(ValueError, match=rf"`max_length` must be in \[1, {model.maxlen2}\]"):
+        Translator(model, max_length=model.maxlen2 + 1)
     # One rule (`settings.checked_max_length`) for the settings, the engines and `search`.
     for refused in (lambda: Translator(model, max_length=0),
                     lambda: search(model, source, 0, GreedySearch(alpha=0.6))):
         with pytest.raises(ValueError, match="^`max_length` must be at least 1, got 0$"):
             refused()
-        Translator(model, max_length=model.maxlen2 + 1)
     with pytest.raises(ValueError, match="`length_margin` must be at least 0, got -1"):
         Translator(model, length_margin=-1)
 
@@ -440,7 +450,7 @@ def test_eval_translates_files_and_standard_input(varied, tmp_path):
     scores = json.loads((logdir / "eval" / "mine.json").read_text())
     assert scores["checkpoints"] == list_checkpoints(str(logdir))[-2:]
     # The counts are those of the same translation made here.
-    model, _ = load_model(hp.load(str(logdir / "hparams.json")), str(logdir), average_last=2)
+    model, _ = load_model(config.load(str(logdir / "hparams.json")), str(logdir), average_last=2)
     found = Translator(model, beam_size=1, length_margin=0).translate_ids(
         varied["subwords"].encode(sources))
     assert scores["truncated_sources"] == found.truncated_sources == 1
@@ -474,7 +484,7 @@ def test_eval_errors_are_clear(varied, tmp_path):
     names = ", ".join(os.path.basename(path) for path in list_checkpoints(str(varied["logdir"])))
     assert result.returncode != 0
     assert f"last 9 checkpoints (average_last=9), but 3 exist: {names}" in result.stderr
-    other = hp.load(str(varied["logdir"] / "hparams.json"))
+    other = config.load(str(varied["logdir"] / "hparams.json"))
     other["d_model"] = 32
     with pytest.raises(CheckpointError, match="does not fit the model"):
         load_model(other, str(varied["logdir"]))

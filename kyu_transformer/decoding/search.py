@@ -414,21 +414,6 @@ def strategy_for(settings, n_best, scores=True, seed=0, sentences=None):
     return BeamSearch(settings.beam_size, settings.alpha, n_best)
 
 
-# The decoding benchmark (benchmarks/decode_speed.py) times these two; programs call `search`.
-
-
-def greedy_search(model, source, max_length):
-    """`search` with unscored `GreedySearch`: ``(ids (N, L), coverage (N, L, S))``."""
-    found = search(model, source, max_length, GreedySearch(alpha=0.0, scores=False))
-    return found.ids[:, 0], found.coverage
-
-
-def beam_search(model, source, max_length, beam_size, alpha, n_best=1):
-    """`search` with `BeamSearch`: ``(ids (N, n_best, L), scores (N, n_best))``, best first."""
-    found = search(model, source, max_length, BeamSearch(beam_size, alpha, n_best))
-    return found.ids, found.scores
-
-
 # Done sentences leave in groups: the undone stay, topped up with done ones (frozen) to a multiple
 # of `_ROW_GROUP` rows, so (ids of a fixed width) a batch meets the shapes earlier ones met.
 _ROW_GROUP = 16
