@@ -123,7 +123,7 @@ def subwords(tmp_path_factory):
     """A 400-piece subword model of the test corpus, for untrained models."""
     sources, targets, _ = load_split(MULTI30K, "train")
     return Subwords.train_or_load(str(tmp_path_factory.mktemp("subwords")),
-                                       sources + targets, 400)
+                                  sources + targets, 400)
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_per_token_log_probs_equal_ours(trained):
 
 @pytest.mark.slow
 def test_an_empty_source_has_one_empty_hypothesis_as_in_translator(varied, exported,
-                                                                    sources):
+                                                                   sources):
     theirs = ctranslate2_translations(exported, [[]] + sources[:3], beam_size=3, n_best=2)
     found = Translator(varied["model"], beam_size=3).translate_ids([[]] + sources[:3], n_best=2)
     hypotheses, scores = found.hypotheses, found.scores
@@ -355,7 +355,7 @@ def test_model_directory_holds_what_a_user_needs(random_model, subwords, tmp_pat
 
 
 def test_the_model_folder_takes_the_umask_without_changing_it(random_model, subwords, tmp_path,
-                                                             monkeypatch):
+                                                              monkeypatch):
     """Mode 0o777 less the umask, as any new folder's; the process umask is never set (a file
     another thread made meanwhile would be world-writable)."""
     model = random_model
@@ -498,7 +498,7 @@ def test_sampling_repeats_with_its_seed_and_top_k_one_is_greedy(varied, exported
     decoded = [i for i, source in enumerate(sources) if source]
     assert sum(first.hypotheses[i] != other.hypotheses[i] for i in decoded) >= 0.5 * len(decoded)
     assert all(len(first.scores[i]) == 3 and first.scores[i] == sorted(first.scores[i],
-                                                                         reverse=True)
+                                                                       reverse=True)
                for i in decoded)
     assert sum(len({tuple(h) for h in first.hypotheses[i]}) > 1 for i in decoded) >= \
         0.8 * len(decoded)

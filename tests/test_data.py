@@ -198,7 +198,7 @@ def test_subwords_train_once_then_reuse(tmp_path):
     first = Subwords.train_or_load(str(tmp_path), sentences, vocab_size=60)
     stamp = os.path.getmtime(first.path)
     again = Subwords.train_or_load(str(tmp_path), ["completely different text"] * 50,
-                                        vocab_size=99)
+                                   vocab_size=99)
     assert os.path.getmtime(again.path) == stamp and again.vocab_size == first.vocab_size
     # The model and its vocabulary only: nothing of the training's staging folder is left.
     assert sorted(os.listdir(tmp_path)) == sorted([filenames.SUBWORDS,
@@ -238,7 +238,7 @@ def collect(dataset):
 def test_batches_respect_token_budget_and_padding(rng):
     sources, targets_in, targets_out = make_pairs(rng)
     batches = collect(pipeline.make_dataset(sources, targets_in, targets_out, batch_size=64,
-                                        batch_tokens=400, seed=3))
+                                            batch_tokens=400, seed=3))
     assert sum(len(s) for s, _, _ in batches) == len(sources)  # every pair, once
     for source, target_in, target_out in batches:
         assert source.size <= 400 and target_in.size <= 400 and len(source) <= 64

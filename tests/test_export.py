@@ -134,8 +134,9 @@ def served(varied, exports, tmp_path_factory):
         request[key] = {"dir": exports[name]["dir"], "signature": saved_model.SAMPLE_SIGNATURE,
                         "text": text, "seed": seed}
     for name in ("greedy", "beam"):
-        request[f"{name}_ids"] = {"dir": exports[name]["dir"], "signature": saved_model.IDS_SIGNATURE,
-                                  "ids": _padded(ids), "shape": [len(ids), len(_padded(ids)[0])]}
+        request[f"{name}_ids"] = {"dir": exports[name]["dir"],
+                                  "signature": saved_model.IDS_SIGNATURE, "ids": _padded(ids),
+                                  "shape": [len(ids), len(_padded(ids)[0])]}
     folder = tmp_path_factory.mktemp("served")
     with open(folder / "request.json", "w", encoding="utf-8") as handle:
         json.dump(request, handle)
@@ -228,7 +229,7 @@ def test_overwrite_replaces_only_an_earlier_export_and_never_the_logdir(tmp_path
 
 @pytest.mark.slow
 def test_a_non_empty_out_is_refused_without_overwrite_and_replaced_whole_with_it(varied,
-                                                                                  tmp_path):
+                                                                                 tmp_path):
     out = tmp_path / "out"
     fake_earlier_export(out)
     result = run_export(varied["logdir"], out, "--beam_size", 1)

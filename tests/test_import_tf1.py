@@ -264,7 +264,7 @@ def _replace(name, value):
      "not a checkpoint of the TensorFlow 1 Transformer (no `shared_weight_matrix/weight_mat`"),
 ], ids=["missing", "table_rows", "transposed", "unread", "more_blocks", "another_layout"])
 def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_written(made, tmp_path, change,
-                                                                      message):
+                                                                       message):
     folder = _resaved(made, tmp_path, change)
     logdir = tmp_path / "imported"
     assert message in _import(["--checkpoint", folder / "model", "--logdir", logdir])
@@ -282,7 +282,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_nothing_written(made, tmp
 ], ids=["vocab_size", "norm_position", "epsilon", "no_subword_model", "not_subword_model",
         "no_checkpoint", "logdir_not_empty"])
 def test_bad_inputs_are_refused_before_tensorflow_and_nothing_written(made, tmp_path, argv,
-                                                                     message):
+                                                                      message):
     folder = made["graphs"][True]["folder"]
     given = {"--checkpoint": folder, "--logdir": tmp_path / "imported",
              "--subword_model": made["root"] / "segmented" / "bpe.model"}

@@ -398,7 +398,7 @@ def test_masked_keys_get_zero_weight_and_their_content_is_ignored(rng):
     outputs, weights, _ = layer(queries, keys, key_mask=key_mask)
     weights = np.asarray(weights)
     assert np.all(weights.transpose(0, 2, 1, 3)[~key_mask[:, None, None, :].repeat(5, 1)
-                                                  .repeat(2, 2)] == 0.0)
+                                                .repeat(2, 2)] == 0.0)
     changed = keys.copy()
     changed[~key_mask] = rng.normal(size=changed[~key_mask].shape) * 100
     np.testing.assert_array_equal(layer(queries, changed, key_mask=key_mask)[0], outputs)

@@ -198,7 +198,7 @@ def test_decay_scales_the_noam_rate_down_to_zero_at_decay_steps():
 def subwords(tmp_path_factory):
     sources, targets, _ = load_split(MULTI30K, "train")
     return Subwords.train_or_load(str(tmp_path_factory.mktemp("subwords")),
-                                       sources + targets, vocab_size=400)
+                                  sources + targets, vocab_size=400)
 
 
 @pytest.mark.slow  # starts a program

@@ -90,7 +90,7 @@ def write_varied_logdir(logdir, data_dir, architecture, seed=0):
     hparams = hp.parse("tiny", {**architecture, "data_dir": data_dir, "logdir": logdir})
     sources, targets, _ = load_split(data_dir, "train")
     subwords = Subwords.train_or_load(logdir, sources + targets, hparams["vocab_size"],
-                                           hparams["subword_model_type"])
+                                      hparams["subword_model_type"])
     assert subwords.vocab_size == hparams["vocab_size"], subwords.vocab_size
     config.save(hparams, os.path.join(logdir, "hparams.json"))
     model = Transformer.from_hparams(hparams, name="transformer")
