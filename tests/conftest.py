@@ -36,6 +36,7 @@ TENSORFLOW_ONLY_MODULES = {
     "test_eval.py": "the eval.py program (n-best, scoring, CTranslate2) on TensorFlow checkpoints",
     "test_faults.py": "the training and eval.py programs",
     "test_fine_tuning.py": "train.py --init_from, on TensorFlow checkpoints",
+    "test_formats.py": "a logdir's TensorFlow checkpoints, and the programs on it",
     "test_import_tf1.py": "TensorFlow 1 checkpoints, made in a tf.compat.v1 graph",
     "test_multi_worker.py": "tf.distribute multi-worker training",
     "test_optimizers.py": "the fused TensorFlow Adam kernel, tf.function and tf.distribute",

@@ -215,7 +215,8 @@ def test_sampled_segmentations_spell_the_sentence_and_follow_the_seed(subwords):
     assert [sampler.candidates(i)[0] for i in range(len(sentences))] == best
     assert sum(a != b for a, b in zip(first, best)) > len(sentences) // 2
     # another process draws the same segmentations for the same seed
-    script = ("import sys; from kyu_transformer import data; s = Subwords(sys.argv[1]); "
+    script = ("import sys; from kyu_transformer.data.subwords import SegmentationSampler, "
+              "Subwords; s = Subwords(sys.argv[1]); "
               "lines = sys.stdin.read().splitlines(); "
               "print(SegmentationSampler(s, lines, 0.5).draw([42, 0]))")
     other = programs.run("-c", script, subwords.path, stdin="\n".join(sentences), timeout=120)
