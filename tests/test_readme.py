@@ -158,3 +158,12 @@ def quoted_problems(text):
 @pytest.mark.parametrize("page", PAGES, ids=lambda path: os.path.relpath(path, ROOT))
 def test_every_quoted_path_and_name_of_the_package_exists(page):
     assert not quoted_problems(read(page)), os.path.relpath(page, ROOT)
+
+
+def test_ci_runs_readmes_test_command():
+    """`.ci/run` ends with README's test command, as written there."""
+    with open(README, encoding="utf-8") as handle:
+        readme = [line.split("  #")[0].strip() for line in handle if "# the tests" in line]
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as handle:
+        ci = [line.strip() for line in handle if line.strip() and not line.startswith("#")]
+    assert len(readme) == 1 and ci[-1] == readme[0]
