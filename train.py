@@ -23,7 +23,7 @@ from kyu_transformer import filenames  # noqa: E402
 from kyu_transformer.cli.flags import (  # noqa: E402
     STRATEGIES, add_checkpoint_arguments, check_checkpoint_arguments, refuse_clashes)
 from kyu_transformer.cli.startup import import_frozen  # noqa: E402
-from kyu_transformer.config import HParamsError, load  # noqa: E402
+from kyu_transformer.config import HParamsError, load, resolve  # noqa: E402
 from kyu_transformer.data.text import DataError, check_data_dir  # noqa: E402
 from kyu_transformer.safety.lock import LogdirBusy, LogdirLock  # noqa: E402
 from kyu_transformer.safety.writes import as_out_of_space, is_out_of_space  # noqa: E402
@@ -99,7 +99,7 @@ def run_hparams(args):
         origin = os.path.join(own, filenames.HPARAMS)
         if args.overwrite or not (has_own_checkpoint(own) and os.path.isfile(origin)):
             origin = check_source(args.init_from, args.init_ckpt)
-        return hp.resolve(with_architecture(hparams, hp.given_keys(args), load(origin),
+        return resolve(with_architecture(hparams, hp.given_keys(args), load(origin),
                                             args.init_from))
     except FineTuningError as error:
         raise SystemExit(f"error: {error}") from None
