@@ -1,2 +1,3 @@
-"""The corpus: parallel text read from disk (`text`), SentencePiece subwords (`subwords`), a
-corpus made ready for training (`corpus`) and the tf.data pipeline that batches it (`pipeline`)."""
+"""Reads and prepares the corpus: parallel text from disk (`text`), SentencePiece subwords
+(`subwords`), a corpus made ready for training (`corpus`) and the tf.data pipeline that batches it
+(`pipeline`)."""

@@ -1,4 +1,4 @@
-"""A parallel corpus made ready for training: subwords, ids, batches."""
+"""Makes a parallel corpus ready for training: subwords, ids, batches."""
 
 from kyu_transformer.conventions import UNK_ID
 from kyu_transformer.data import pipeline
@@ -7,9 +7,10 @@ from kyu_transformer.data.text import load_split
 
 
 class Corpus:
-    """The train and validation splits of corpus folder `data_dir`, as subword ids; the subword
-    model lives in `model_dir` (the logdir), trained on the training split the first time. `log`
-    reports, with the unknown pieces (a fine-tuning run's subword model may lack characters)."""
+    """Holds the splits of corpus folder `data_dir`: the training split as subword ids, the
+    validation split as text. The subword model lives in `model_dir` (the logdir), trained on the
+    training split the first time. `log` receives the reports, the unknown pieces among them (a
+    fine-tuning run's subword model may lack characters)."""
 
     def __init__(self, data_dir, model_dir, hparams, log=print):
         self.hparams, self.maxlens = hparams, (hparams["maxlen1"], hparams["maxlen2"])
@@ -38,8 +39,9 @@ class Corpus:
         self.val_sources, self.val_targets, _ = load_split(data_dir, "val", *languages)
 
     def train_pairs(self, epoch):
-        """``(sources, targets_in, targets_out)`` of `epoch`: the best segmentations, or with
-        `subword_alpha` those drawn with ``(seed, epoch)`` (the same for a resumed run)."""
+        """Returns ``(sources, targets_in, targets_out)`` of `epoch`: the best segmentations, or
+        with `subword_alpha` those drawn with ``(seed, epoch)``, so that a resumed run draws the
+        same."""
         if self.sampler is None:
             return self.train[:3]
         ids = self.sampler.draw([self.hparams["seed"], epoch])
@@ -47,7 +49,8 @@ class Corpus:
         return add_markers(ids[:half], ids[half:], *self.maxlens)[:3]
 
     def train_batches(self, epoch):
-        """The global batches of `epoch`: shuffled with ``seed + epoch``."""
+        """Returns the global batches of `epoch` (a `tf.data.Dataset`), shuffled with
+        ``seed + epoch``."""
         return pipeline.make_dataset(*self.train_pairs(epoch), self.hparams["batch_size"],
                                      self.hparams["batch_tokens"], max(self.maxlens),
                                      seed=self.hparams["seed"] + epoch)

@@ -1,4 +1,4 @@
-"""The tf.data pipeline: marked subword ids in, shuffled batches of padded ids out."""
+"""Builds the tf.data pipeline: marked subword ids in, shuffled batches of padded ids out."""
 
 import math
 
@@ -9,7 +9,7 @@ from kyu_transformer.conventions import PAD_ID
 
 
 def _padded(sequences):
-    """`(num, longest)` int32 array padded with 0, and the lengths."""
+    """Returns `sequences` as a `(num, longest)` int32 array padded with 0, and their lengths."""
     lengths = np.array([len(s) for s in sequences], dtype=np.int32)
     padded = np.zeros((len(sequences), lengths.max()), dtype=np.int32)
     for row, sequence in enumerate(sequences):
@@ -19,9 +19,10 @@ def _padded(sequences):
 
 def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, maxlen=None,
                  seed=0):
-    """Batches ``({"source", "target_in"}, target_out)`` of int32 ids padded with 0, bucketed by
-    the longer side; with a fixed `seed` the same every time (a resumed run skips those trained).
-    Its `cardinality()` is its count of batches, known without going through it."""
+    """Returns a dataset of batches ``({"source", "target_in"}, target_out)`` of int32 ids
+    padded with 0, bucketed by the longer side. With a fixed `seed` it gives the same batches
+    every time, so that a resumed run can skip those trained. Its `cardinality()` is its count of
+    batches, known without going through it."""
     maxlen = maxlen or max(max(len(s) for s in sources), max(len(t) for t in targets_in))
     columns = [_padded(sequences) for sequences in (sources, targets_in, targets_out)]
     # A pair's length, its longer side's: what it is bucketed by, and the count of batches below.
@@ -49,8 +50,9 @@ def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, m
 
 
 def _batch_count(lengths, boundaries, sizes):
-    """The batches `bucket_by_sequence_length` makes of pairs of `lengths` (their longer side's):
-    a bucket's full batches as they fill, and its rest at the end, in any order of the pairs."""
+    """Counts the batches `bucket_by_sequence_length` makes of pairs of `lengths` (their longer
+    side's): a bucket's full batches as they fill, and its rest at the end, in any order of the
+    pairs."""
     buckets = np.searchsorted(boundaries, lengths, side="right")  # boundary i-1 <= length < i
     counts = np.bincount(buckets, minlength=len(sizes))  # (buckets,) pairs in each
     return sum(math.ceil(count / size) for count, size in zip(counts, sizes))

@@ -1,5 +1,6 @@
-"""SentencePiece subwords: the joint model trained on a corpus, sentences encoded to ids and
-back, segmentations sampled (subword regularization), and the BOS/EOS markers around ids."""
+"""Handles SentencePiece subwords: trains the joint model on a corpus, encodes sentences to ids
+and back, samples segmentations (subword regularization) and puts the BOS/EOS markers around
+ids."""
 
 import itertools
 import os
@@ -16,7 +17,8 @@ from kyu_transformer.safety.writes import staging_beside
 
 
 class Subwords:
-    """A joint SentencePiece model: ids 0 pad, 1 unk, 2 BOS, 3 EOS (see `train_or_load`)."""
+    """Wraps the joint SentencePiece model at `model_path` (DataError if there is none), whose
+    ids are 0 pad, 1 unk, 2 BOS, 3 EOS (see `train_or_load`)."""
 
     def __init__(self, model_path):
         if not os.path.isfile(model_path):
@@ -26,11 +28,13 @@ class Subwords:
 
     @property
     def vocab_size(self):
+        """Returns the number of pieces (ids) of the model."""
         return self.processor.get_piece_size()
 
     @classmethod
     def train_or_load(cls, directory, sentences, vocab_size, model_type="unigram"):
-        """The model in `directory`, trained on `sentences` only when there is none."""
+        """Returns the model in `directory`, training it on `sentences` first only when there
+        is none."""
         path = os.path.join(directory, filenames.SUBWORDS)
         if os.path.isfile(path):
             return cls(path)
@@ -50,17 +54,19 @@ class Subwords:
         return cls(path)
 
     def encode(self, sentences):
+        """Encodes `sentences` to lists of ids."""
         return self.processor.encode(list(sentences), out_type=int)
 
     def decode(self, ids):
-        """Ids (stopping at EOS, skipping pad/BOS) back to detokenized text."""
+        """Decodes ids back to detokenized text, stopping at EOS and skipping pad and BOS."""
         return self.processor.decode([i for i in cut_at_end(ids) if i != BOS_ID])
 
 
 class SegmentationSampler:
-    """Subword regularization (Kudo 2018, l-best sampling): `draw(seed)` picks one of each
-    sentence's `nbest` best segmentations, `x` with probability ~ ``p(x)^alpha``, from NumPy's
-    generator of `seed`: unlike SentencePiece's own sampling, the same in a resumed run."""
+    """Samples segmentations for subword regularization (Kudo 2018, l-best sampling):
+    `draw(seed)` picks one of each sentence's `nbest` best segmentations, `x` with probability
+    ~ ``p(x)^alpha``, from NumPy's generator of `seed`, so that, unlike SentencePiece's own
+    sampling, a resumed run draws the same."""
 
     def __init__(self, subwords, sentences, alpha, nbest=16):
         self.alpha, pieces, lengths, counts = float(alpha), [], [], []
@@ -78,21 +84,23 @@ class SegmentationSampler:
         self.scores = self._log_probabilities(processor, np.array(lengths))  # (candidates,)
 
     def _log_probabilities(self, processor, lengths):
-        """Each candidate's log p(x), the unigram model's: the sum of its pieces' scores, as
-        SentencePiece's n-best search sums them for a model of `Subwords.train_or_load` (no
-        user-defined symbols, which it scores otherwise). It scores an unknown character apart;
-        every candidate of a sentence holds the same ones, so a draw among them does not see it."""
+        """Returns each candidate's log p(x), the unigram model's: the sum of its pieces'
+        scores, as SentencePiece's n-best search sums them for a model of `Subwords.train_or_load`
+        (no user-defined symbols, which it scores otherwise). It scores an unknown character
+        apart; every candidate of a sentence holds the same ones, so a draw among them does not
+        see it."""
         piece_scores = np.array([processor.get_score(i) for i in range(len(processor))])
         candidate_of_piece = np.repeat(np.arange(len(lengths)), lengths)  # (pieces,)
         return np.bincount(candidate_of_piece, weights=piece_scores[self.pieces],
                            minlength=len(lengths))
 
     def candidates(self, sentence):
-        """The segmentations (lists of ids) of sentence number `sentence`, the best first."""
+        """Returns the segmentations (lists of ids) of sentence number `sentence`, the best
+        first."""
         return [self._ids(index) for index in range(*self.first[sentence:sentence + 2])]
 
     def draw(self, seed):
-        """One segmentation (a list of ids) per sentence, drawn with `seed` (an int or ints)."""
+        """Draws one segmentation (a list of ids) per sentence with `seed` (an int or ints)."""
         gumbel = np.random.default_rng(seed).gumbel(size=len(self.scores))
         keys = self.alpha * self.scores + gumbel  # argmax of a segment: a draw of its softmax
         sentence_of = np.repeat(np.arange(len(self.first) - 1), np.diff(self.first))
@@ -106,7 +114,8 @@ class SegmentationSampler:
 
 
 def add_markers(source_ids, target_ids, maxlen1, maxlen2):
-    """``(sources + EOS, BOS + targets, targets + EOS, num_dropped)``, too long pairs dropped."""
+    """Puts the markers around ids: returns ``(sources + EOS, BOS + targets, targets + EOS,
+    num_dropped)``, the pairs too long for `maxlen1` or `maxlen2` dropped."""
     kept = [(s, t) for s, t in zip(source_ids, target_ids)
             if len(s) + 1 <= maxlen1 and len(t) + 1 <= maxlen2]
     return ([[*s, EOS_ID] for s, _ in kept], [[BOS_ID, *t] for _, t in kept],

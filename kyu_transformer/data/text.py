@@ -1,6 +1,6 @@
-"""Parallel text read from disk: plain or ``.gz`` files, a corpus folder's splits (plain
-``<split>.<lang>[.gz]`` as Multi30k's, or IWSLT 2016's), their fingerprint, and the Multi30k
-download. No TensorFlow: the programs read and check text before it loads."""
+"""Reads parallel text from disk: plain or ``.gz`` files, a corpus folder's splits (plain
+``<split>.<lang>[.gz]`` as Multi30k's, or IWSLT 2016's) and their fingerprint; downloads
+Multi30k. It imports no TensorFlow, so that the programs read and check text before it loads."""
 
 import glob
 import gzip
@@ -19,7 +19,7 @@ MULTI30K_FILES = tuple(f"{split}.{lang}.gz" for split in MULTI30K_SPLITS for lan
 
 
 class DataError(ValueError):
-    """A problem with the corpus; the message names the file (and line)."""
+    """Raised for a problem with the corpus; the message names the file (and line)."""
 
 
 def normalize_line(text):
@@ -28,7 +28,8 @@ def normalize_line(text):
 
 
 def read_lines(path):
-    """The lines of a UTF-8 text file, plain or gzip (BOM, CRLF accepted), spaces normalized."""
+    """Returns the lines of a UTF-8 text file, plain or gzip (BOM, CRLF accepted), spaces
+    normalized; raises DataError for a file it cannot read."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     lines = []
@@ -48,7 +49,8 @@ def read_lines(path):
 
 
 def read_parallel(source_path, target_path, reader=read_lines):
-    """Two aligned files' non-empty pairs: ``(sources, targets, num_empty)``."""
+    """Returns the non-empty pairs of two aligned files as ``(sources, targets, num_empty)``;
+    raises DataError if their line counts differ or no pair is left."""
     sources, targets = reader(source_path), reader(target_path)
     if len(sources) != len(targets):
         raise DataError(f"{source_path} has {len(sources)} lines but {target_path} has "
@@ -63,8 +65,8 @@ _SEGMENT = re.compile(r"<seg[^>]*>(.*?)</seg>", re.IGNORECASE)
 
 
 def read_iwslt(path):
-    """IWSLT 2016's files: of ``IWSLT16.TED.*.xml``, the text of every ``<seg>`` element; of
-    ``train.tags.*``, every line that is not an XML tag line."""
+    """Reads one of IWSLT 2016's files: of ``IWSLT16.TED.*.xml``, the text of every ``<seg>``
+    element; of ``train.tags.*``, every line that is not an XML tag line."""
     if path.endswith(".xml"):
         return [normalize_line(html.unescape(segment)) for line in read_lines(path)
                 for segment in _SEGMENT.findall(line)]
@@ -75,7 +77,8 @@ IWSLT_SPLITS = {"val": "tst2013", "test": "tst2014"}  # Kyubyong's choice
 
 
 def split_files(data_dir, split, source_lang="de", target_lang="en"):
-    """``([source_path, target_path], reader)`` of a split, plain or IWSLT's, or DataError."""
+    """Returns ``([source_path, target_path], reader)`` of a split, plain or IWSLT's; raises
+    DataError if the split has no files."""
     languages, pair = (source_lang, target_lang), f"{source_lang}-{target_lang}"
     plain = [path if os.path.isfile(path) else path + ".gz"
              for path in (os.path.join(data_dir, f"{split}.{lang}") for lang in languages)]
@@ -96,6 +99,7 @@ def split_files(data_dir, split, source_lang="de", target_lang="en"):
 
 
 def check_data_dir(data_dir):
+    """Raises DataError unless `data_dir` is a folder that exists and is not empty."""
     if not os.path.exists(data_dir):
         raise DataError(f"{data_dir}: no such data folder")
     if not os.path.isdir(data_dir):
@@ -105,14 +109,15 @@ def check_data_dir(data_dir):
 
 
 def load_split(data_dir, split, source_lang="de", target_lang="en"):
-    """``(sources, targets, num_empty)`` of one split of a corpus folder."""
+    """Returns ``(sources, targets, num_empty)`` of one split of a corpus folder."""
     check_data_dir(data_dir)
     paths, reader = split_files(data_dir, split, source_lang, target_lang)
     return read_parallel(*paths, reader)
 
 
 def fingerprint(data_dir, split="train", source_lang="de", target_lang="en"):
-    """``{file name: sha256}`` of a split's files: tells one corpus from another."""
+    """Returns ``{file name: sha256}`` of a split's files, which tells one corpus from
+    another."""
     paths, _ = split_files(data_dir, split, source_lang, target_lang)
     return {os.path.basename(path): sha256(path) for path in paths}
 
@@ -149,7 +154,8 @@ def ensure_multi30k(data_dir, base_url=None, timeout=30):
 
 
 def _download(url, path, timeout):
-    """`url` to `path`, or `DataError` naming the URL (HTTP errors, cut connections)."""
+    """Downloads `url` to `path`; raises `DataError` naming the URL on HTTP errors and cut
+    connections."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response, open(path, "wb") as handle:
             shutil.copyfileobj(response, handle)
