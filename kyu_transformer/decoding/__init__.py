@@ -1,2 +1,3 @@
-"""Decoding with a trained `Transformer`: the one `search` loop and its strategies (greedy, beam,
-sampling), their `settings`, the `translator` front end every engine shares, and `scoring`."""
+"""Decodes with a trained `Transformer`: this package holds the one `search` loop and its
+strategies (greedy, beam, sampling), their `settings`, the `translator` front end every engine
+shares, and `scoring`."""

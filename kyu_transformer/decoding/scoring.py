@@ -1,11 +1,12 @@
-"""Scoring translations with sacreBLEU (BLEU and chrF)."""
+"""Scores translations with sacreBLEU (BLEU and chrF)."""
 
 import sacrebleu
 
 
 def score(hypotheses, references):
-    """sacreBLEU BLEU (cased, 13a) and chrF of detokenized text: a dict of ``bleu``, ``chrf``,
-    ``signature`` (BLEU's), ``chrf_signature`` and ``score_line`` (BLEU's own summary line)."""
+    """Scores detokenized text with sacreBLEU's BLEU (cased, 13a) and chrF; returns a dict of
+    ``bleu``, ``chrf``, ``signature`` (BLEU's), ``chrf_signature`` and ``score_line`` (BLEU's own
+    summary line)."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()

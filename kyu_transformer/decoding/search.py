@@ -1,4 +1,4 @@
-"""Greedy search, beam search and sampling over batches, with a key/value cache.
+"""Searches over batches with a key/value cache: greedy search, beam search and sampling.
 
 One `keras.ops.while_loop`, `search`, serves every strategy (`GreedySearch`, `BeamSearch`,
 `SamplingSearch`): the encoder runs once per batch, the decoder one cached position a step
@@ -15,26 +15,27 @@ from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID
 from kyu_transformer.decoding.settings import SearchSettings, checked_max_length
 
 _NEG_INF = -1.0e9  # score of impossible hypotheses (finite: no NaN in sums)
-# Of a missing hypothesis where a fixed number is given (the SavedModel's `n_best` columns).
+# The score of a missing hypothesis where a fixed number is given (the SavedModel's `n_best`
+# columns).
 NO_HYPOTHESIS_SCORE = _NEG_INF
 
 
 def length_penalty(length, alpha):
-    """GNMT's ``((5 + length) / 6) ** alpha`` (1 when alpha is 0)."""
+    """Returns GNMT's length penalty ``((5 + length) / 6) ** alpha`` (1 when alpha is 0)."""
     return ops.power((5.0 + ops.cast(length, "float32")) / 6.0, alpha)
 
 
 def output_limit(source_length, maxlen1, max_length, length_margin):
-    """A sentence's most output tokens, EOS included, on every path (`Engine.output_limits`):
-    ``min(max_length, min(source_length + 1, maxlen1) + length_margin)``, `source_length`
-    (without EOS) an int, int array (numpy out) or tensor, `max_length` from
-    `checked_max_length`."""
+    """Returns a sentence's most output tokens, EOS included, as every path limits them
+    (`Engine.output_limits`): ``min(max_length, min(source_length + 1, maxlen1) +
+    length_margin)``. `source_length` (without EOS) is an int, an int array (numpy out) or a
+    tensor; `max_length` comes from `checked_max_length`."""
     minimum = ops.minimum if tf.is_tensor(source_length) else np.minimum
     return minimum(max_length, minimum(source_length + 1, maxlen1) + length_margin)
 
 
 def _limits(max_length, batch):
-    """``(limits (N,), bound)`` from one Python int or a tensor `(N,)` of limits."""
+    """Returns ``(limits (N,), bound)`` from one Python int or a tensor `(N,)` of limits."""
     if isinstance(max_length, (int, np.integer)):
         max_length = int(checked_max_length(max_length))
         return ops.full((batch,), max_length, "int32"), max_length
@@ -61,21 +62,23 @@ def _scored(log_probs, ids, alpha):
 
 
 def own_history(length, hypotheses):
-    """Boolean ``(1, K, length*K)``: slot ``l * K + j`` seen by hypothesis `j` alone."""
+    """Returns the boolean history ``(1, K, length*K)`` in which slot ``l * K + j`` is seen by
+    hypothesis `j` alone."""
     slots = ops.arange(length * hypotheses)[None, :]  # (1, length*K)
     return ops.equal(slots % hypotheses, ops.arange(hypotheses)[:, None])[None]
 
 
 def _self_mask(history):
-    """``history`` `(N, K, l*K)` with each hypothesis' newest slot: `(N, K, (l+1)*K)`."""
+    """Returns ``history`` `(N, K, l*K)` with each hypothesis' newest slot added:
+    `(N, K, (l+1)*K)`."""
     batch, k = ops.shape(history)[0], history.shape[1]
     own_slots = ops.broadcast_to(ops.eye(k, dtype="bool")[None], (batch, k, k))  # (N, K, K)
     return ops.concatenate([history, own_slots], axis=2)
 
 
 def _relaxed(structure):
-    """`structure` with its tensors' batch axis (and third) unknown to the graph: in the loop
-    sentences may leave the batch and caches grow."""
+    """Returns `structure` with its tensors' batch axis (and third) unknown to the graph,
+    because in the loop sentences may leave the batch and caches grow."""
     def relax(tensor):
         if not isinstance(tensor, tf.Tensor) or len(tensor.shape) == 0:
             return tensor
@@ -86,12 +89,14 @@ def _relaxed(structure):
 
 
 def _gather_beams(tensor, indices):
-    """``tensor[n, indices[n, j], ...]`` (one graph node; `ops.take_along_axis` adds sixty)."""
+    """Returns ``tensor[n, indices[n, j], ...]``, by one batched `tf.gather` rather than
+    `ops.take_along_axis`."""
     return tf.gather(tensor, indices, batch_dims=1)
 
 
 def _block_width(vocab):
-    """A divisor of `vocab` near its square root (the blocks of `_top_k_rows`), or None."""
+    """Returns a divisor of `vocab` near its square root (the blocks of `_top_k_rows`), or
+    None."""
     root = int(np.sqrt(vocab))
     for distance in range(root // 2):
         for width in (root + distance, root - distance):
@@ -101,8 +106,9 @@ def _block_width(vocab):
 
 
 def _top_k_rows(values, count):
-    """``(values, indices, maxima (R, 1))``: ``ops.top_k`` of rows `(R, V)` (ties aside), in
-    blocks of about ``sqrt(V)``, the `count` of largest maxima holding the top `count`."""
+    """Computes ``ops.top_k`` of rows `(R, V)` (ties aside) in blocks of about ``sqrt(V)``,
+    the `count` of largest maxima holding the top `count`; returns ``(values, indices, maxima
+    (R, 1))``."""
     vocab = values.shape[-1]
     width = _block_width(vocab)
     if width is None or vocab // width <= count:
@@ -120,8 +126,9 @@ def _top_k_rows(values, count):
 
 
 def _top_extensions(logits, alive_scores, count):
-    """``(scores, beams, tokens)`` `(N, count)`: the best one-token extensions of `logits`
-    `(N, K, V)` and `alive_scores` `(N, K)`, best first (no `(N, K, V)` log-softmax made)."""
+    """Returns ``(scores, beams, tokens)`` `(N, count)`: the best one-token extensions of
+    `logits` `(N, K, V)` and `alive_scores` `(N, K)`, best first (no `(N, K, V)` log-softmax
+    made)."""
     batch, hypotheses, vocab = ops.shape(logits)[0], logits.shape[1], logits.shape[2]
     rows = ops.reshape(ops.cast(logits, "float32"), (-1, vocab))  # (N*K, V)
     best_logits, best_tokens, maxima = _top_k_rows(rows, count)  # (N*K, count), .., (N*K, 1)
@@ -135,7 +142,8 @@ def _top_extensions(logits, alive_scores, count):
 
 
 Hypotheses = collections.namedtuple("Hypotheses", "ids scores coverage")
-Hypotheses.__doc__ = """What `search` finds for `N` sentences, `K` hypotheses each, best first.
+Hypotheses.__doc__ = """Holds what `search` finds for `N` sentences, `K` hypotheses each, best
+first.
 
 `ids` `(N, K, L)`; `scores` `(N, K)`, log-probability (EOS included) over GNMT's length
 penalty (None from `GreedySearch(scores=False)`); `coverage` `(N, L, S)`, the last block's
@@ -144,7 +152,8 @@ cross-attention averaged over heads (greedy search only, else None).
 
 
 def search(model, source, max_length, strategy):
-    """`Hypotheses` of `model` (a `Transformer`) for `source` `(N, S)` (with EOS, 0-padded).
+    """Returns the `Hypotheses` `strategy` finds with `model` (a `Transformer`) for `source`
+    `(N, S)` (with EOS, 0-padded).
 
     `max_length`: most output tokens, EOS included, a Python int or an int tensor `(N,)` of
     each sentence's own; `strategy`: a `GreedySearch`, `BeamSearch` or `SamplingSearch`.
@@ -179,22 +188,27 @@ def search(model, source, max_length, strategy):
 
 
 class _Strategy:
-    """What `search` asks a strategy: `start` the state, `inputs` a step's tokens and self-attention
-    mask, `advance` the next state, `hypotheses` the result. `leave` may retire done sentences to
-    `results` (`no_results` at the start); by default the state holds them all to the end."""
+    """Defines what `search` asks of a strategy: `start` gives the state, `inputs` a step's
+    tokens and self-attention mask, `advance` the next state, `hypotheses` the result. `leave` may
+    retire done sentences to `results` (`no_results` at the start); by default the state holds
+    them all to the end."""
 
     def no_results(self, batch, width):
+        """Returns the `results` before any sentence leaves: none by default."""
         return ()
 
     def leave(self, state, results, all_done):
+        """Returns ``(state, results)`` unchanged: by default no sentence leaves early."""
         return state, results
 
     def inputs(self, state):
+        """Returns a step's tokens `(N, K)` and the self-attention mask of their hypotheses."""
         return state["last"], _self_mask(state["history"])  # beam search and sampling
 
 
 class GreedySearch(_Strategy):
-    """The most likely next token, one hypothesis per sentence; records the `coverage`.
+    """Picks the most likely next token, one hypothesis per sentence, and records the
+    `coverage`.
 
     `alpha` only scores; `scores` False saves a log-sum-exp a step (scores are then None).
     """
@@ -239,7 +253,8 @@ class GreedySearch(_Strategy):
 
 
 class BeamSearch(_Strategy):
-    """Beam search of `beam_size` `K` with GNMT length penalty (`alpha`), `n_best` returned.
+    """Searches with a beam of `beam_size` `K` and GNMT's length penalty (`alpha`), returning
+    `n_best` hypotheses.
 
     Each step the ``2K`` best extensions of the ``K`` alive hypotheses are taken: those ending
     in EOS compete (scored ``log p / length_penalty``) for the ``K`` finished slots, the others
@@ -310,7 +325,8 @@ class BeamSearch(_Strategy):
 
 
 class SamplingSearch(_Strategy):
-    """`n` samples per sentence (`_draw`), scored as beam search's, best first (duplicates kept).
+    """Draws `n` samples per sentence (`_draw`), scored as beam search scores, best first
+    (duplicates kept).
 
     Sample `j` of sentence `i` draws from a random stream of ``(seed, i, j)`` alone (`_uniforms`),
     whatever its batch: `sentences` `(N,)` gives each row's ``i``, `seed` is an int64 scalar.
@@ -353,9 +369,9 @@ class SamplingSearch(_Strategy):
 
 
 def _draw(logits, temperature, topk, topp, uniforms):
-    """One token per row of `logits` `(N, n, V)`, drawn with `uniforms` `(N, n)` in [0, 1):
-    never PAD or BOS; logits over `temperature`, cut to the `topk` largest (0: all), then to
-    the fewest whose renormalized probability reaches `topp`."""
+    """Draws one token per row of `logits` `(N, n, V)` with `uniforms` `(N, n)` in [0, 1),
+    never PAD or BOS: the logits are divided by `temperature`, cut to the `topk` largest (0: all),
+    then to the fewest whose renormalized probability reaches `topp`."""
     vocab = logits.shape[-1]
     ids = ops.arange(vocab)
     never = ops.logical_or(ops.equal(ids, PAD_ID), ops.equal(ids, BOS_ID))  # (V,)
@@ -382,7 +398,8 @@ def _draw(logits, temperature, topk, topp, uniforms):
 
 
 def _mix(hash_):
-    """MurmurHash3's 32-bit finalizer: every input bit changes each output bit by half."""
+    """Applies MurmurHash3's 32-bit finalizer, under which every input bit changes each output
+    bit with probability one half."""
     for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
         hash_ = tf.bitwise.bitwise_xor(hash_, tf.bitwise.right_shift(hash_, shift))
         hash_ = hash_ * tf.constant(factor, tf.uint32)
@@ -390,9 +407,9 @@ def _mix(hash_):
 
 
 def _uniforms(seed, sentences, n, step):
-    """Uniforms in [0, 1) `(N, n)`: element ``(r, j)`` a hash of ``(seed, sentences[r], j,
-    step)`` alone, so a sentence draws the same anywhere in a batch (TensorFlow's stateless
-    random ops take one seed per call, not one per row)."""
+    """Returns uniforms in [0, 1) `(N, n)`, element ``(r, j)`` a hash of ``(seed,
+    sentences[r], j, step)`` alone, so that a sentence draws the same anywhere in a batch
+    (TensorFlow's stateless random ops take one seed per call, not one per row)."""
     seed = tf.cast(seed, tf.int64)
     words = [tf.cast(seed // (1 << 32), tf.uint32), tf.cast(seed % (1 << 32), tf.uint32)]
     hash_ = _mix(_mix(words[0]) + words[1])
@@ -404,7 +421,8 @@ def _uniforms(seed, sentences, n, step):
 
 
 def strategy_for(settings, n_best, scores=True, seed=0, sentences=None):
-    """The strategy of `SearchSettings` for `n_best` hypotheses (`scores`: greedy only)."""
+    """Returns the strategy that `settings` (a `SearchSettings`) asks for, for `n_best`
+    hypotheses (`scores` applies to greedy search only)."""
     if settings.sampling:
         return SamplingSearch(settings.sampling_topk, settings.sampling_topp,
                               settings.sampling_temperature, n_best, settings.alpha, seed,
@@ -420,7 +438,8 @@ _ROW_GROUP = 16
 
 
 def _kept_rows(done):
-    """How many rows stay when the done sentences leave: the undone, rounded up to a group."""
+    """Counts the rows that stay when the done sentences leave: the undone, rounded up to a
+    group."""
     undone = ops.sum(ops.cast(ops.logical_not(done), "int32"))
     return ops.minimum(ops.shape(done)[0], -(-undone // _ROW_GROUP) * _ROW_GROUP)
 
@@ -431,21 +450,23 @@ def _retire(state, results, n_best):
     results = _write_results(results, {name: tf.gather(state[name], leaving) for name in
                                        ("rows", "finished_ids", "finished_scores")}, n_best)
     staying = ops.argsort(ops.cast(state["done"], "int32"))[:_kept_rows(state["done"])]
-    # `tf.gather`: `ops.take`'s wrapping of negative indices would add nodes for every tensor.
+    # `tf.gather`: the indices are never negative, and `ops.take` would wrap negative ones
+    # for every tensor.
     state = tf.nest.map_structure(lambda tensor: tf.gather(tensor, staying), state)
     return state, results
 
 
 def _write_results(results, state, n_best):
-    """`results` ``(ids, scores)`` with each of `state`'s sentences (its ``rows``) set to its
-    `n_best` finished hypotheses and their scores."""
+    """Returns `results` ``(ids, scores)`` with each of `state`'s sentences (its ``rows``) set
+    to its `n_best` finished hypotheses and their scores."""
     sentences = state["rows"][:, None]
     return (ops.scatter_update(results[0], sentences, state["finished_ids"][:, :n_best]),
             ops.scatter_update(results[1], sentences, state["finished_scores"][:, :n_best]))
 
 
 def sequence_log_probs(model, source, outputs):
-    """Model log-probability of each output `(N, L)` (EOS included, padding not)."""
+    """Returns the model's log-probability `(N,)` of each output of `outputs` `(N, L)` (EOS
+    included, padding not), by forced decoding of `source`."""
     target_in = ops.concatenate(
         [ops.full((ops.shape(outputs)[0], 1), BOS_ID, "int32"), outputs[:, :-1]], axis=1)
     target_in = ops.where(ops.equal(outputs, PAD_ID), PAD_ID, target_in)

@@ -1,8 +1,8 @@
-"""How to search (`SearchSettings`, one validated value for every engine and program), how long
-an output may be (`checked_max_length`) and where it ends (`cut_at_end`).
+"""Says how to search (`SearchSettings`, one validated value for every engine and program), how
+long an output may be (`checked_max_length`) and where it ends (`cut_at_end`).
 
-Free of Keras and TensorFlow, so that a program checks its flags, and `data.subwords` turns ids
-into text, before TensorFlow loads.
+It imports no Keras or TensorFlow, so that a program checks its flags, and `data.subwords` turns
+ids into text, before TensorFlow loads.
 """
 
 import dataclasses
@@ -39,7 +39,7 @@ def cut_at_end(ids):
 
 @dataclasses.dataclass(frozen=True)
 class SearchSettings:
-    """How to search, checked when made (ValueError naming the setting).
+    """Holds how to search, checked when made (ValueError naming the setting).
 
     The fields are the flags of `flags.add_search_arguments`, and `max_length`: the most output
     tokens of any sentence (default the model's maxlen2). `sampling_topk` 1 is no sampling, as in
@@ -88,10 +88,12 @@ class SearchSettings:
 
     @property
     def sampling(self):
+        """Tells whether these settings sample (`sampling_topk` is not 1)."""
         return self.sampling_topk != 1
 
     def replace(self, **fields):
-        """These settings with `fields` changed (the beam's default follows sampling's)."""
+        """Returns these settings with `fields` changed (the beam's default follows
+        sampling's)."""
         if "sampling_topk" in fields:
             fields.setdefault("beam_size", None)
         return dataclasses.replace(self, **fields)

@@ -1,4 +1,4 @@
-"""Translation for every engine: sources in, translations out, as `SearchSettings` say.
+"""Translates for every engine: sources in, translations out, as `SearchSettings` say.
 
 The front end (`Engine`) adds EOS and cuts sources (`encoder_inputs`), limits each output
 (`Engine.output_limits`), orders sentences by length (`decoding_order`), batches them
@@ -26,32 +26,34 @@ from kyu_transformer.decoding.settings import SearchSettings, checked_max_length
 
 
 def encoder_inputs(ids, maxlen1):
-    """Ragged source ids `(N, None)` as the encoder reads them: EOS added, cut to `maxlen1`."""
+    """Returns ragged source ids `(N, None)` as the encoder reads them: EOS added, cut to
+    `maxlen1`."""
     eos = tf.RaggedTensor.from_tensor(tf.fill([ids.nrows(), 1], tf.constant(EOS_ID, ids.dtype)))
     return tf.concat([ids, eos], axis=1)[:, :maxlen1]
 
 
 def decoding_order(lengths):
-    """The sentences to decode `(M,)`: the non-empty ones, shortest source first (stable)."""
+    """Returns the indices of the sentences to decode `(M,)`: the non-empty ones, shortest
+    source first (a stable sort)."""
     nonempty = tf.cast(tf.where(lengths > 0)[:, 0], tf.int32)
     return tf.gather(nonempty, tf.argsort(tf.gather(lengths, nonempty), stable=True))
 
 
 def ragged(sequences):
-    """Lists of ids as a ragged int32 tensor `(N, None)`."""
+    """Returns lists of ids as a ragged int32 tensor `(N, None)`."""
     lengths = [len(sequence) for sequence in sequences]
     flat = np.fromiter((i for sequence in sequences for i in sequence), "int32", sum(lengths))
     return tf.RaggedTensor.from_row_lengths(flat, np.asarray(lengths, "int64"))
 
 
 def padded(sequences):
-    """Lists of ids as an int32 array `(N, L)` padded with 0."""
+    """Returns lists of ids as an int32 array `(N, L)` padded with 0."""
     return ragged(sequences).to_tensor().numpy()
 
 
 class Translations(collections.namedtuple("Translations", "hypotheses scores ended coverages "
                                           "token_log_probs truncated_sources truncated_outputs")):
-    """What `Engine.translate_ids` gives, per source in order.
+    """Holds what `Engine.translate_ids` gives, per source in order.
 
     `hypotheses`: output ids (EOS, padding removed), best first (an empty source: one empty,
     scored 0, undecoded); `ended`: whether each ended with EOS (else it was cut at its limit);
@@ -62,14 +64,14 @@ class Translations(collections.namedtuple("Translations", "hypotheses scores end
 
     @property
     def outputs(self):
-        """Each sentence's best output."""
+        """Returns each sentence's best output."""
         return [hypotheses[0] for hypotheses in self.hypotheses]
 
 
 class Engine:
-    """The front end of every engine, by `settings` (default `SearchSettings()`) with `fields`
-    replaced, and the model's limits `maxlen1`, `maxlen2`; an engine decodes one batch
-    (`_decode`)."""
+    """Runs the front end every engine shares, by `settings` (default `SearchSettings()`) with
+    `fields` replaced, and the model's limits `maxlen1`, `maxlen2`; each engine (a subclass)
+    decodes one batch (`_decode`)."""
 
     coverage = log_probs = False  # what an engine can give besides outputs
 
@@ -92,7 +94,8 @@ class Engine:
 
     def translate_ids(self, source_ids, n_best=None, with_coverage=False, with_log_probs=False,
                       seed=None):
-        """`Translations` of lists of subword ids without EOS (batching changes no output).
+        """Translates lists of subword ids without EOS into `Translations` (batching changes no
+        output).
 
         `n_best` hypotheses are scored (default the settings' `n_best`, unscored); `with_coverage`
         adds cross-attentions `(L, S)`, `with_log_probs` per-token log-probabilities; `seed`
@@ -120,7 +123,7 @@ class Engine:
             self._cut_sources(lengths), sum(not found["ended"][i][0] for i in order))
 
     def _cut_sources(self, lengths):
-        """How many sources of these lengths (without EOS) `encoder_inputs` cuts."""
+        """Counts the sources of these lengths (without EOS) that `encoder_inputs` cuts."""
         return int(np.sum(np.asarray(lengths) + 1 > self.maxlen1))
 
     @staticmethod
@@ -156,18 +159,19 @@ class Engine:
                                  f"{n_best}: it is recorded for the greedy output only")
 
     def translate(self, sentences, subwords):
-        """Detokenized best translations of raw `sentences` (empty in, empty out)."""
+        """Returns the detokenized best translations of raw `sentences` (empty in, empty
+        out)."""
         translations = self.translate_ids(subwords.encode(sentences))
         return [subwords.decode(ids) for ids in translations.outputs]
 
 
 class ScoredOutput(collections.namedtuple("ScoredOutput", "log_prob tokens score truncated")):
-    """An output's log-probability, length (EOS included), score, and whether it was cut
+    """Holds an output's log-probability, length (EOS included), score, and whether it was cut
     to the Translator's `max_length` (then without EOS)."""
 
 
 class Translator(Engine):
-    """Batched translation with a trained `Transformer`, by `settings` (a `SearchSettings`,
+    """Translates in batches with a trained `Transformer`, by `settings` (a `SearchSettings`,
     default its defaults) with `fields` replaced; `jit_compile` compiles with XLA."""
 
     coverage = True
@@ -176,7 +180,7 @@ class Translator(Engine):
         super().__init__(model.maxlen1, model.maxlen2, settings, **fields)
         self.model = model
         # One trace serves every batch (shapes and limits are dynamic). No AutoGraph: the
-        # control flow is `ops.while_loop` / `ops.cond`, and tracing is quicker without it.
+        # control flow is already `ops.while_loop` / `ops.cond`, so it has nothing to convert.
         self._compiled = functools.partial(tf.function, jit_compile=jit_compile, autograph=False)
         self._searches = {}
         self._log_probs = self._compiled(
@@ -184,7 +188,7 @@ class Translator(Engine):
             input_signature=[tf.TensorSpec((None, None), tf.int32)] * 2)
 
     def search_function(self, n_best, scores=True):
-        """The compiled search (one per `n_best`; the SavedModel calls it too):
+        """Returns the compiled search (one per `n_best`; the SavedModel calls it too):
         ``(source (N, S), limits (N,), sentences (N,), seed) -> Hypotheses``."""
         # Only greedy search can leave scores out.
         key = (n_best, scores or self.settings.beam_size > 1 or self.settings.sampling)
@@ -208,9 +212,10 @@ class Translator(Engine):
                 "coverages": found.coverage.numpy() if with_coverage else None}
 
     def score_ids(self, source_ids, target_ids):
-        """``(scored, truncated_sources)``: a `ScoredOutput` of each given output (forced
-        decoding), how many sources were cut. A target gets EOS and is cut to `max_length`
-        (then without EOS), as beam search scores a hypothesis cut at its limit."""
+        """Scores the given outputs by forced decoding; returns ``(scored, truncated_sources)``:
+        a `ScoredOutput` of each output, and how many sources were cut. A target gets EOS and is
+        cut to `max_length` (then without EOS), as beam search scores a hypothesis cut at its
+        limit."""
         if len(source_ids) != len(target_ids):
             raise ValueError(f"{len(source_ids)} sources but {len(target_ids)} targets")
         targets = [(list(ids) + [EOS_ID])[:self.max_length] for ids in target_ids]
