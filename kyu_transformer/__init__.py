@@ -1,7 +1,7 @@
-"""kyu_transformer: Kyubyong Park's Transformer (`modules.py`, 2017) as Keras 3 layers, and the
-toolkit that trains, evaluates and exports it.
+"""Holds Kyubyong Park's Transformer (`modules.py`, 2017) as Keras 3 layers, and the toolkit
+that trains, evaluates and exports it.
 
-Reading order: the port first, `layers` (modules.py's builders as layers), `model` (the
+Read the port first: `layers` (modules.py's builders as layers), `model` (the
 encoder-decoder `Transformer`) and `losses`, with `conventions` (the ids and rules they share)
 and `fast_paths` (their CPU fast paths); then the rooms of the toolkit: `data/` (text, subwords,
 the corpus, the tf.data pipeline), `training/`, `decoding/`, `export/`, `safety/` (whole files,

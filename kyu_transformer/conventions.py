@@ -1,7 +1,7 @@
-"""What the layers, the data, the searches and the programs agree on, free of Keras and
-TensorFlow so that a program checks its flags before they load: the special ids, the layer-norm
-defaults, and the rules their arguments follow (each rule is one function, applied by the layers
-for their callers and by `hparams.py` before a run starts)."""
+"""Holds what the layers, the data, the searches and the programs agree on: the special ids, the
+layer-norm defaults, and the rules their arguments follow (each rule is one function, applied by
+the layers for their callers and by `hparams.py` before a run starts). It imports no Keras or
+TensorFlow, so that a program checks its flags before they load."""
 
 # The ids of padding, unknown piece, start and end of a sentence: the subword model is trained to
 # give them (`data.subwords`) and the searches use them, so that decoding needs no corpus code.

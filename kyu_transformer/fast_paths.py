@@ -1,4 +1,4 @@
-"""CPU fast paths: each computes what a Keras operation computes, by a faster mechanism.
+"""Holds CPU fast paths: each computes what a Keras operation computes, by a faster mechanism.
 
 `Normalize` and `Dropout` (`layers.py`) use them if the global switch (on by default,
 `set_enabled`) was on as they were made, else Keras' own layers (any device);

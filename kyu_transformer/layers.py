@@ -1,4 +1,5 @@
-"""The Transformer building blocks as Keras 3 layers, in the order of the 2017 TF1 ``modules.py``.
+"""Holds the Transformer building blocks as Keras 3 layers, in the order of the 2017 TF1
+``modules.py``.
 
 Where the original was wrong the default is corrected (see each layer): the sinusoid exponent,
 padding told by `PAD_ID`, linear Q/K/V projections, a masking score that fits float16. A sub-layer

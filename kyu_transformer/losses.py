@@ -1,4 +1,4 @@
-"""Label-smoothed cross-entropy over padded token sequences."""
+"""Computes label-smoothed cross-entropy over padded token sequences."""
 
 import keras
 from keras import ops

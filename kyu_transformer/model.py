@@ -1,5 +1,5 @@
-"""The encoder-decoder Transformer: built from sizes (keyword arguments or an hparams dict),
-it maps token ids to logits. `PAD_ID` is padding everywhere."""
+"""Defines the encoder-decoder Transformer, which is built from sizes (keyword arguments or an
+hparams dict) and maps token ids to logits. `PAD_ID` is padding everywhere."""
 
 import inspect
 
