@@ -1,9 +1,9 @@
-"""A trained `Transformer` as a CTranslate2 model (`convert`), and translation with it.
+"""Converts a trained `Transformer` to a CTranslate2 model (`convert`) and translates with it.
 
 `convert` fills CTranslate2's `TransformerSpec` with the model's weights and what the spec does
 not assume (docs/export.md): our position tables (``maxlen1``/``maxlen2`` rows), embedding scale,
 norm position and epsilon, tied output layer. The front end appends the source's EOS, not
-CTranslate2, whose own cut would keep it and drop a piece. ctranslate2 is optional.
+CTranslate2, whose own cut would keep it and drop a piece. The ctranslate2 package is optional.
 """
 
 import json
@@ -29,7 +29,7 @@ ACTIVATIONS = {"relu": "RELU", "gelu": "GELU", "silu": "SWISH", "swish": "SWISH"
 
 
 class ExportError(ValueError):
-    """A model or option CTranslate2 cannot take; the message names the setting."""
+    """Raised for a model or option CTranslate2 cannot take; the message names the setting."""
 
 
 def _import_ctranslate2():
@@ -42,7 +42,8 @@ def _import_ctranslate2():
 
 
 def _array(variable):
-    """A weight as a float32 numpy array (variables are float32 under mixed precision too)."""
+    """Returns a weight as a float32 numpy array (variables are float32 under mixed precision
+    too)."""
     return np.ascontiguousarray(keras.ops.convert_to_numpy(variable), dtype=np.float32)
 
 
@@ -51,8 +52,8 @@ def _activation_name(function):
 
 
 def unsupported_settings(model, hparams=None):
-    """Messages naming what of `model` (built here if not yet) CTranslate2's Transformer cannot
-    represent, empty if nothing; `hparams`' ``epsilon``, if given, must be the model's."""
+    """Returns messages naming what of `model` (built here if not yet) CTranslate2's Transformer
+    cannot represent, empty if nothing; `hparams`' ``epsilon``, if given, must be the model's."""
     if not model.built:
         model.build()
     problems = []
@@ -107,13 +108,15 @@ def _norm_layers(model):
 
 
 def _position_table(positions, width):
-    """`(maxlen, C)` encodings as the model adds them, for positions 0, 1, ..."""
+    """Returns the `(maxlen, C)` position encodings as the model adds them, for positions 0,
+    1, ..."""
     return np.array(sinusoid_table(positions.maxlen, width, positions.style) if positions.sinusoid
                     else _array(positions.position_embeddings), dtype=np.float32)
 
 
 def _set_linear(spec, *denses):
-    """One CTranslate2 linear layer `(out, in)` of ours, several side by side (fused Q/K/V)."""
+    """Sets one CTranslate2 linear layer `(out, in)` from one of our `Dense` layers, or several
+    side by side (fused Q/K/V)."""
     spec.weight = np.ascontiguousarray(np.concatenate([_array(d.kernel).T for d in denses]))
     if any(d.use_bias for d in denses):
         spec.bias = np.concatenate(
@@ -154,8 +157,9 @@ def _set_inputs(spec, embedding, positions, width):
 
 
 def build_spec(model, hparams, subwords):
-    """CTranslate2's `TransformerSpec` of `model` and its `subwords`, filled with its weights
-    (``epsilon`` from `hparams`), validated; ExportError names what it cannot represent."""
+    """Returns CTranslate2's `TransformerSpec` of `model` and its `subwords`, filled with its
+    weights (``epsilon`` from `hparams`) and validated; raises ExportError naming what it cannot
+    represent."""
     _import_ctranslate2()
     from ctranslate2.specs import common_spec, transformer_spec
 
@@ -204,7 +208,8 @@ def _set_weights(spec, model):
 
 
 def _vocabulary(subwords):
-    """The subword model's pieces in id order, checked against our special ids."""
+    """Returns the subword model's pieces in id order, after checking its special ids against
+    ours (ExportError)."""
     processor = subwords.processor
     expected = {"pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": BOS_ID, "eos_id": EOS_ID}
     for name, value in expected.items():
@@ -256,8 +261,9 @@ def _log_softmax(logits):
 
 
 class CTranslate2Translator(Engine):
-    """A model directory written by `convert`, behind the front end of `Translator`
-    (`translation.Engine`), with `settings` (default `SearchSettings()`) and `fields` replaced.
+    """Translates with a model directory written by `convert`, behind the front end of
+    `Translator` (`decoding.translator.Engine`), with `settings` (default `SearchSettings()`) and
+    `fields` replaced.
 
     Each batch is decoded in groups of equal limit (``max_decoding_length``: CTranslate2 takes
     one a call). Beam outputs may differ from ours (CTranslate2's length penalty and stop rule,
@@ -287,7 +293,7 @@ class CTranslate2Translator(Engine):
         self._ids_of = {piece: i for i, piece in enumerate(self._pieces)}
 
     def load(self):
-        """The ``ctranslate2.Translator`` of the model (loaded at the first call)."""
+        """Returns the ``ctranslate2.Translator`` of the model, loaded at the first call."""
         if self.translator is None:
             self.translator = self._ctranslate2.Translator(self.model_dir,
                                                            **self.translator_options)
@@ -295,8 +301,8 @@ class CTranslate2Translator(Engine):
 
     def translate_ids(self, source_ids, n_best=None, with_coverage=False, with_log_probs=False,
                       seed=None):
-        """`Engine.translate_ids`; sources may also be lists of pieces (strings: those
-        outside the vocabulary read as ``<unk>``, as CTranslate2 reads them)."""
+        """Translates as `Engine.translate_ids` does; sources may also be lists of pieces
+        (strings: those outside the vocabulary read as ``<unk>``, as CTranslate2 reads them)."""
         source_ids = [[self._ids_of.get(i, UNK_ID) if isinstance(i, str) else i for i in ids]
                       for ids in source_ids]
         if self.settings.sampling:  # fresh workers, whose generators take the seed
@@ -307,8 +313,9 @@ class CTranslate2Translator(Engine):
 
     def _decode(self, inputs, limits, sentences, n_best, scored, with_coverage, with_log_probs,
                 seed):
-        """Ids `(n, K, L)` and scores `(n, K)` (samples sorted by score; a hypothesis CTranslate2
-        did not give is scored as impossible), and the first hypotheses' log-probabilities."""
+        """Decodes one batch into ids `(n, K, L)` and scores `(n, K)` (samples sorted by score;
+        a hypothesis CTranslate2 did not give is scored as impossible), and the first
+        hypotheses' log-probabilities."""
         settings = self.settings
         sources = [[self._pieces[i] for i in row] for row in inputs.to_list()]
         penalty = settings.alpha if settings.beam_size > 1 else 0.0
@@ -341,8 +348,9 @@ class CTranslate2Translator(Engine):
         return {"ids": ids, "scores": scores, "token_log_probs": log_probs}
 
     def _hypothesis(self, output, k, penalty, with_log_probs):
-        """``(ids with EOS if it ended, our score, per-token log-probabilities or None)``;
-        `penalty`: the exponent of CTranslate2's length penalty."""
+        """Returns hypothesis `k` of `output` as ``(ids with EOS if it ended, our score,
+        per-token log-probabilities or None)``; `penalty` is the exponent of CTranslate2's
+        length penalty."""
         ids = [self._ids_of.get(piece, UNK_ID) for piece in output.hypotheses[k]]
         # CTranslate2's score is the log-probability divided by its own penalty.
         log_prob = output.scores[k] * max(len(ids), 1) ** penalty

@@ -1,4 +1,5 @@
-"""A trained `Transformer` as a TensorFlow SavedModel: raw text in, n-best translations out.
+"""Saves a trained `Transformer` as a TensorFlow SavedModel: raw text in, n-best translations
+out.
 
 Its signatures (``serving_default``, ``ids``, ``sample``: docs/export.md) decode exactly as
 `decoding.translator.Translator`: its front end in the graph, around the search function a
@@ -24,7 +25,7 @@ _WHITE_SPACE = r"[\t\n\x{0b}\x{0c}\r\x{1c}-\x{1f}\x{85}\p{Z}]+"
 
 
 def import_tensorflow_text():
-    """The tensorflow_text module, or None where it is not installed."""
+    """Returns the tensorflow_text module, or None where it is not installed."""
     try:
         import tensorflow_text
     except ImportError:
@@ -41,7 +42,8 @@ def _cut_at_end(ids):
 
 
 class _Decoder(Translator):
-    """A `Translator` whose compiled search decodes any number of sentences in one graph."""
+    """Extends `Translator` so that its compiled search decodes any number of sentences in one
+    graph."""
 
     def __init__(self, model, settings):
         super().__init__(model, settings)
@@ -49,9 +51,9 @@ class _Decoder(Translator):
         self.search = self.search_function(settings.n_best, scores=True)
 
     def decode(self, ids, seed=None):
-        """``(hypotheses, scores)`` of ragged source ids `(N, None)` int32 (without EOS): ragged
-        ids `(N * K, None)` (row ``n * K + k`` sentence n's k-th best, EOS and padding removed)
-        and scores `(N, K)` float32."""
+        """Decodes ragged source ids `(N, None)` int32 (without EOS) into ``(hypotheses,
+        scores)``: ragged ids `(N * K, None)` (row ``n * K + k`` sentence n's k-th best, EOS and
+        padding removed) and scores `(N, K)` float32."""
         count, k = ids.nrows(out_type=tf.int32), self.settings.n_best
         lengths = tf.cast(ids.row_lengths(), tf.int32)
         sources = encoder_inputs(ids, self.maxlen1)
@@ -81,13 +83,14 @@ class _Decoder(Translator):
 
 
 def normalize_text(text):
-    """Runs of white space folded to one space, none at the ends (as eval.py reads lines)."""
+    """Folds runs of white space to one space and leaves none at the ends (as eval.py reads
+    lines)."""
     folded = tf.strings.regex_replace(text, _WHITE_SPACE, " ")
     return tf.strings.regex_replace(folded, "^ | $", "")
 
 
 def _in_range(tensor, name, limit, limit_name):
-    """`tensor`, once asserted to lie in ``[0, limit)`` (the messages name it `name`)."""
+    """Returns `tensor` once asserted to lie in ``[0, limit)`` (the messages name it `name`)."""
     checks = [tf.debugging.assert_non_negative(tensor, message=f"{name} must be at least 0"),
               tf.debugging.assert_less(tensor, tf.constant(limit, tensor.dtype),
                                        message=f"{name} must be below {limit_name}")]
@@ -96,7 +99,7 @@ def _in_range(tensor, name, limit, limit_name):
 
 
 def _ids_function(decoder):
-    """The ids signature's function (TensorFlow's own ops only)."""
+    """Returns the ids signature's function (TensorFlow's own ops only)."""
     vocab_size, k = decoder.model.vocab_size, decoder.settings.n_best
 
     @tf.function(input_signature=[tf.TensorSpec((None, None), tf.int32, name="ids")],
@@ -114,7 +117,8 @@ def _ids_function(decoder):
 
 
 def _text_function(tokenizer, decoder, seeded=False):
-    """The concrete function of a text signature: ``text`` (and ``seed`` if `seeded`) in."""
+    """Returns the concrete function of a text signature, which takes ``text`` (and ``seed``
+    if `seeded`)."""
     k = decoder.settings.n_best
 
     def translate_text(text, seed=None):
