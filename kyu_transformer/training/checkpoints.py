@@ -1,9 +1,11 @@
-"""A logdir's checkpoints: found, restored and averaged for decoding (`load_model`), and a training
-run's own (`RunCheckpoints`: weights, optimizer, data position, dropout random states, seconds
-trained), so that a killed run resumes and ends as an uninterrupted one would. One that cannot be
-read (cut short, its checksums fail) is told apart from one that does not fit the model: skipped
-with a note in place of the latest, set aside by a resuming run, refused when asked for by name or
-to average. The run's objects' names are their keys: renaming one orphans earlier checkpoints.
+"""Finds, restores and averages a logdir's checkpoints for decoding (`load_model`), and saves and
+restores a training run's own (`RunCheckpoints`: weights, optimizer, data position, dropout random
+states, seconds trained), so that a killed run resumes and ends as an uninterrupted one would.
+
+A checkpoint that cannot be read (cut short, its checksums fail) is told apart from one that does
+not fit the model: it is skipped with a note in place of the latest, set aside by a resuming run,
+and refused when asked for by name or to average. The run's objects' names are their keys:
+renaming one orphans earlier checkpoints.
 """
 
 import atexit
@@ -25,11 +27,11 @@ from kyu_transformer.safety.writes import as_out_of_space, is_out_of_space, writ
 
 
 class CheckpointError(ValueError):
-    """No usable checkpoint; the message says which and why."""
+    """Raised when there is no usable checkpoint; the message says which and why."""
 
 
 class UnreadableCheckpoint(CheckpointError):
-    """A checkpoint whose files cannot be read; the message names it and the reason."""
+    """Raised for a checkpoint whose files cannot be read; the message names it and the reason."""
 
 
 def _read_dataset(name, item):  # pylint: disable=unused-argument
@@ -39,7 +41,8 @@ def _read_dataset(name, item):  # pylint: disable=unused-argument
 
 
 def unreadable(path):
-    """Why checkpoint `path` cannot be read (one line); None when every tensor reads."""
+    """Returns why checkpoint `path` cannot be read, in one line, or None when every tensor
+    reads."""
     try:
         if path.endswith(".h5"):
             with h5py.File(path, "r") as weights:
@@ -54,12 +57,13 @@ def unreadable(path):
 
 
 def checkpoint_files(path):
-    """The files of checkpoint `path`: a .h5 file, or a prefix's ``.index`` and ``.data-*``."""
+    """Returns the files of checkpoint `path`: a .h5 file, or a prefix's ``.index`` and
+    ``.data-*``."""
     return [path] if path.endswith(".h5") else sorted(glob.glob(glob.escape(path) + ".*"))
 
 
 def held_objects(path):
-    """The names of the objects at a checkpoint's top (``weights``, ``optimizer``...)."""
+    """Returns the names of the objects at a checkpoint's top (``weights``, ``optimizer``...)."""
     if path.endswith(".h5"):
         return {"weights"}
     keys = tf.train.load_checkpoint(path).get_variable_to_shape_map()
@@ -67,29 +71,32 @@ def held_objects(path):
 
 
 def model_weights(model):
-    """The model's variables by path below it (``encoder_0/.../kernel``), as checkpoints name them
-    (not by the object graph: any model of the same hparams restores them, whatever its name)."""
+    """Returns the model's variables by their path below it (``encoder_0/.../kernel``), as
+    checkpoints name them: not by the object graph, so that any model of the same hparams restores
+    them, whatever its name."""
     return {variable.path.split("/", 1)[1]: variable for variable in model.weights}
 
 
 def checkpoint_dir(logdir):
+    """Returns the folder of `logdir`'s rolling checkpoints."""
     return os.path.join(logdir, filenames.CHECKPOINTS)
 
 
 def list_checkpoints(logdir):
-    """The rolling checkpoints of `logdir`, oldest first (paths without suffix)."""
+    """Returns the rolling checkpoints of `logdir`, oldest first, as paths without suffix."""
     return listed_checkpoints(checkpoint_dir(logdir))
 
 
 def listed_checkpoints(directory):
-    """The complete checkpoints the index of `directory` lists, oldest first."""
+    """Returns the complete checkpoints that the index of `directory` lists, oldest first."""
     state = tf.train.get_checkpoint_state(directory)
     paths = state.all_model_checkpoint_paths if state is not None else []
     return [path for path in paths if tf.io.gfile.exists(path + ".index")]
 
 
 def resolve(logdir, ckpt):
-    """The checkpoint named by `ckpt`: a path, or "best" (the logdir's best weights)."""
+    """Returns the checkpoint that `ckpt` names: a path, or "best" (the logdir's best weights);
+    raises a `CheckpointError` when it does not exist."""
     if ckpt == filenames.BEST:
         path = os.path.join(logdir, filenames.BEST_WEIGHTS)
         if not os.path.isfile(path):
@@ -121,8 +128,8 @@ def _restore_into(model, path):
 
 
 def newest_readable(paths):
-    """``(path, bad)``: the newest of `paths` (oldest first) whose every tensor reads, or None,
-    and ``{path: reason}`` of the newer ones that cannot be read."""
+    """Finds the newest of `paths` (oldest first) whose every tensor reads; returns ``(path,
+    bad)``: that path or None, and ``{path: reason}`` of the newer ones that cannot be read."""
     bad = {}
     for path in reversed(paths):
         reason = unreadable(path)
@@ -166,16 +173,18 @@ def _average_into(model, paths):
 
 
 def describe(paths):
-    """A checkpoint path, or ``average of N checkpoints (names)`` for several."""
+    """Describes checkpoints `paths` in words: the path of one, or ``average of N checkpoints
+    (names)`` for several."""
     names = ", ".join(os.path.basename(path) for path in paths)
     return paths[0] if len(paths) == 1 else f"average of {len(paths)} checkpoints ({names})"
 
 
 def load_model(hparams, logdir, ckpt=None, average_last=0):
-    """``(model, paths)``: a `Transformer` of `hparams` with the weights of checkpoints `paths`:
-    `ckpt` (a path, or "best"), the mean of the last `average_last` (> 1) rolling ones (the
-    paper's averaging), or by default the latest that can be read. A `CheckpointError` (its subclass
-    `UnreadableCheckpoint`) says which is missing, too few, unreadable, or does not fit."""
+    """Builds a `Transformer` of `hparams` with the weights of checkpoints `paths`; returns
+    ``(model, paths)``. The checkpoints are `ckpt` (a path, or "best"), the mean of the last
+    `average_last` (> 1) rolling ones (the paper's averaging), or by default the latest that can be
+    read. A `CheckpointError` (or its subclass `UnreadableCheckpoint`) says which is missing, too
+    few, unreadable, or does not fit."""
     average_last = int(average_last or 0)
     if average_last < 0:
         raise ValueError(f"`average_last` must be at least 0, got {average_last}")
@@ -201,9 +210,10 @@ def load_model(hparams, logdir, ckpt=None, average_last=0):
 
 
 def load_trained(hparams, logdir, ckpt=None, average_last=0, mixed_precision="no", log=print):
-    """``(model, paths, precision)`` for decoding: the Keras dtype policy set to
-    `mixed_precision` (``auto``: chosen for this machine, the choice said through `log`), then
-    the model and checkpoints of `load_model`. The weights stay float32 whatever the policy."""
+    """Loads a model for decoding: sets the Keras dtype policy to `mixed_precision` (``auto``:
+    chosen for this machine, the choice said through `log`), then loads the model and checkpoints
+    as `load_model` does; returns ``(model, paths, precision)``. The weights stay float32 whatever
+    the policy."""
     precision = resolve_precision(mixed_precision, hparams, log=log)
     set_precision(precision)
     model, paths = load_model(hparams, logdir, ckpt, average_last)
@@ -215,9 +225,10 @@ RUN_STATE = ("optimizer", "epoch", "step_in_epoch")
 
 
 class RunCheckpoints:
-    """The checkpoints of a run in `directory` (the chief keeps the `max_to_keep` latest, the
-    others none) and the run state they hold: the data position `epoch` and `step_in_epoch`
-    (batches done in it), `train_seconds` (resumed runs included: what `max_minutes` limits).
+    """Saves and restores the checkpoints of a run in `directory` (the chief keeps the
+    `max_to_keep` latest, the others none) and the run state they hold: the data position `epoch`
+    and `step_in_epoch` (batches done in it), and `train_seconds` (resumed runs included: what
+    `max_minutes` limits).
     """
 
     def __init__(self, strategy, model, optimizer, directory, max_to_keep, chief):
@@ -265,8 +276,8 @@ class RunCheckpoints:
         return path
 
     def save(self, step, train_seconds):
-        """Saves checkpoint number `step`; returns its path on the chief, else None. A full disk
-        raises `files.OutOfSpace`, what the save had written removed."""
+        """Saves checkpoint number `step`; returns its path on the chief, else None. On a full
+        disk it removes what the save had written and raises `writes.OutOfSpace`."""
         self.train_seconds.assign(train_seconds)
         try:
             path = self.manager.save(checkpoint_number=step)
@@ -301,8 +312,9 @@ class RunCheckpoints:
 
 
 def refuse_weights_only(path):
-    """A `CheckpointError` for a checkpoint of weights without a run's state (no optimizer,
-    epoch or data position: an imported or hand-made one), which no run can resume from."""
+    """Raises a `CheckpointError` for a checkpoint of weights without a run's state (no
+    optimizer, epoch or data position: an imported or hand-made one), which no run can resume
+    from."""
     if not set(RUN_STATE) <= held_objects(path):
         logdir = os.path.dirname(os.path.dirname(path))
         raise CheckpointError(
@@ -312,23 +324,26 @@ def refuse_weights_only(path):
 
 
 def random_states(model):
-    """The dropout layers' seed-generator states in `model.variables` order: it depends on the
-    structure only, unlike their names (which count the process's earlier generators)."""
+    """Returns the dropout layers' seed-generator states in `model.variables` order, which
+    depends on the structure only, unlike their names (which count the process's earlier
+    generators)."""
     weights = {id(weight) for weight in model.weights}
     return [variable for variable in model.variables
             if id(variable) not in weights and "seed_generator" in variable.path]
 
 
 def private_dir(prefix):
-    """A throw-away folder, removed when the process ends (also when the run fails)."""
+    """Makes a throw-away folder, removed when the process ends (also when the run fails);
+    returns its path."""
     path = tempfile.mkdtemp(prefix=prefix)
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
 
 
 def set_aside(path):
-    """Moves checkpoint `path`'s files to `corrupt/` beside it, out of the index; returns where
-    (never deleted; neither a later save of the same step nor the rotation reaches them)."""
+    """Moves checkpoint `path`'s files to `corrupt/` beside it, out of the index; returns the
+    folder they went to. They are never deleted: neither a later save of the same step nor the
+    rotation reaches them."""
     directory, name = os.path.split(path)
     target = os.path.join(directory, filenames.CORRUPT, f"{name}.{time.strftime('%Y%m%d-%H%M%S')}")
     number, unique = 1, target
@@ -362,5 +377,5 @@ def drop_from_index(directory, path):
 
 
 def checkpoint_bytes(path):
-    """The size of checkpoint `path`'s files (what another one of it needs)."""
+    """Returns the size in bytes of checkpoint `path`'s files: what another one like it needs."""
     return sum(os.path.getsize(name) for name in checkpoint_files(path))

@@ -1,4 +1,5 @@
-"""A run's time: its budget (`max_minutes`, the total across resumptions), its plan and estimate."""
+"""Tracks a run's time: its budget (`max_minutes`, the total across resumptions), its plan of
+updates and the estimate of the time they take."""
 
 import math
 import time
@@ -7,7 +8,8 @@ from kyu_transformer.training.distribution import gather, is_multi_worker
 
 
 class TimeBudget:
-    """`minutes` of training (0: no limit) across resumptions; all workers stop together."""
+    """Tracks a budget of `minutes` of training (0: no limit) across resumptions; all workers stop
+    together."""
 
     def __init__(self, minutes, strategy):
         self.minutes, self.seconds, self.strategy = minutes, minutes * 60.0 or math.inf, strategy
@@ -18,22 +20,23 @@ class TimeBudget:
         self.restored, self.started = restored_seconds, time.time()
 
     def used(self):
-        """Seconds of training so far, earlier processes of the run included."""
+        """Returns the seconds of training so far, earlier processes of the run included."""
         return self.restored + time.time() - self.started
 
     def left(self):
-        """Seconds the budget leaves (infinite without one)."""
+        """Returns the seconds the budget leaves (infinite without one)."""
         return max(self.seconds - self.used(), 0.0)
 
     def spent(self):
-        """Whether the budget is spent, agreed by all workers (any one's clock suffices)."""
+        """Returns whether the budget is spent, agreed by all workers (any one's clock
+        suffices)."""
         spent = self.used() > self.seconds
         if self.seconds == math.inf or not is_multi_worker(self.strategy):
             return spent
         return bool(gather(self.strategy, [float(spent)]).any())
 
     def resume_line(self, path, step):
-        """What a resumed run prints: where it resumes, and the budget left."""
+        """Returns the line a resumed run prints: where it resumes, and the budget left."""
         line = f"resuming from {path} at step {step}, after {self.used() / 60:.1f} min of training"
         if self.seconds == math.inf:
             return line
@@ -41,8 +44,8 @@ class TimeBudget:
 
 
 class UpdatePlan:
-    """How many updates a run makes (`epochs` of `per_epoch`, `done` of them before this
-    process), and how long the rest takes at the pace measured here."""
+    """Counts the updates a run makes (`epochs` of `per_epoch`, `done` of them before this
+    process) and estimates how long the rest takes at the pace measured here."""
 
     WARM_UP = 10  # updates left out of the pace: the first ones trace and compile
     MEASURE = 20  # updates timed before the first estimate is said
@@ -54,9 +57,9 @@ class UpdatePlan:
 
     @classmethod
     def of_run(cls, first_epoch, epochs, steps_per_epoch, done, per_update=1):
-        """The plan of a run whose first epoch is the dataset `first_epoch`, of `per_update`
-        batches an update (the last of an epoch takes those left). Its batches are counted by
-        going through them (a second or two) where the dataset does not know their count."""
+        """Returns the plan of a run whose first epoch is the dataset `first_epoch`, of
+        `per_update` batches an update (the last of an epoch takes those left). Where the dataset
+        does not know the count of its batches, they are counted by going through them."""
         if steps_per_epoch:
             first_epoch = first_epoch.take(steps_per_epoch * per_update)
         batches = int(first_epoch.cardinality())
@@ -65,7 +68,8 @@ class UpdatePlan:
         return cls(epochs, math.ceil(batches / per_update), done)
 
     def line(self, minutes=0, decay_steps=0):
-        """What the run says at its start (a warning if the rate decays to 0 well before)."""
+        """Returns what the run says at its start, with a warning if the rate decays to 0 well
+        before the planned updates end."""
         left = max(self.total - self.done, 0)
         line = (f"plan: {self.epochs} epochs of about {self.per_epoch:,} updates, about "
                 f"{self.total:,} updates" + (f" ({left:,} to go)" if self.done else "")
@@ -78,8 +82,8 @@ class UpdatePlan:
         return line
 
     def seconds_left(self, step, budget_left=math.inf):
-        """``(seconds per update, seconds left)`` at the pace since warm-up, or None before;
-        the seconds left are capped at `budget_left`."""
+        """Returns ``(seconds per update, seconds left)`` at the pace since warm-up, or None
+        until that pace is measured; the seconds left are capped at `budget_left`."""
         if self._mark is None:
             if step - self.done >= self.WARM_UP:
                 self._mark = (step, time.time())
@@ -91,7 +95,8 @@ class UpdatePlan:
         return pace, min(pace * max(self.total - step, 0), budget_left)
 
     def estimate_line(self, step, estimate, budget_left=math.inf):
-        """`estimate` (from `seconds_left`) said once, when first measured; else None."""
+        """Returns the line that says `estimate` (from `seconds_left`) once, when it is first
+        measured; else None."""
         if estimate is None or step - self._mark[0] != self.MEASURE:
             return None
         pace, left = estimate

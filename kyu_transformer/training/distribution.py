@@ -1,4 +1,5 @@
-"""Strategies, the chief, batches cut per replica, and the workers of a multi-worker run agreeing.
+"""Makes tf.distribute strategies, tells the chief, cuts batches per replica, and has the workers
+of a multi-worker run agree.
 
 Each global batch is cut into contiguous slices, one per replica: any replica count computes the
 same loss. Workers that do not see the chief's files would mix two runs in the collectives: over
@@ -16,11 +17,12 @@ from kyu_transformer.cli.flags import STRATEGIES
 
 
 class WorkerDisagreement(RuntimeError):
-    """The workers of one run do not agree with the chief; the message says on what."""
+    """Raised when the workers of one run do not agree with the chief; the message says on
+    what."""
 
 
 def make_strategy(name="auto"):
-    """The tf.distribute strategy called `name` (``auto``: mirrored if more than one GPU is
+    """Returns the tf.distribute strategy called `name` (``auto``: mirrored if more than one GPU is
     visible, else the default; ``multi_worker`` reads the cluster from ``TF_CONFIG``)."""
     if name not in STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {name!r}")
@@ -34,18 +36,20 @@ def make_strategy(name="auto"):
 
 
 def is_chief(strategy):
-    """Whether this process writes checkpoints, summaries and plots: the chief task, or worker 0
-    of a cluster without one (any process of a single-worker strategy)."""
+    """Returns whether this process writes checkpoints, summaries and plots: the chief task, or
+    worker 0 of a cluster without one (any process of a single-worker strategy)."""
     return strategy.extended.should_checkpoint
 
 
 def is_multi_worker(strategy):
+    """Returns whether `strategy` runs in multi-worker mode."""
     return bool(strategy.extended._in_multi_worker_mode())  # pylint: disable=protected-access
 
 
 def replica_slices(dataset, num_replicas, first_replica, local_replicas):
-    """Each global batch -> the slices of `local_replicas` replicas from `first_replica`:
-    replica ``r`` of ``R`` takes rows ``[n*r//R, n*(r+1)//R)`` of ``n`` (possibly none)."""
+    """Cuts each global batch of `dataset` into the slices of `local_replicas` replicas from
+    `first_replica`: replica ``r`` of ``R`` takes rows ``[n*r//R, n*(r+1)//R)`` of ``n``
+    (possibly none)."""
     if num_replicas == 1:
         return dataset
 
@@ -63,8 +67,9 @@ def replica_slices(dataset, num_replicas, first_replica, local_replicas):
 
 
 def distribute_batches(strategy, make_global_batches, endless=False):
-    """A distributed dataset from `make_global_batches()`, each global batch cut per replica;
-    `endless`: then empty batches for ever (a step of several batches tells the end by them)."""
+    """Returns a distributed dataset from `make_global_batches()`, each global batch cut per
+    replica; with `endless`, empty batches follow for ever (a step of several batches tells the
+    end by them)."""
 
     def dataset_fn(context):
         local = strategy.num_replicas_in_sync // context.num_input_pipelines
@@ -81,8 +86,9 @@ def distribute_batches(strategy, make_global_batches, endless=False):
 
 
 def gather(strategy, values):
-    """Every worker's `values` (numbers) as a ``(workers, len(values))`` float64 array (exact
-    below 2**53), in one all-reduce: each worker's first local replica fills its row of zeros."""
+    """Gathers every worker's `values` (numbers) into a ``(workers, len(values))`` float64 array
+    (exact below 2**53) in one all-reduce: each worker's first local replica fills its row of
+    zeros."""
     resolver = strategy.cluster_resolver
     cluster = resolver.cluster_spec().as_dict()
     chiefs = len(cluster.get("chief", []))
@@ -101,12 +107,14 @@ def gather(strategy, values):
 
 
 def chief_choice(strategy, value, choices):
-    """The chief's `value` (one of `choices`), on every worker: what the chief chose."""
+    """Returns the chief's `value` (one of `choices`) on every worker, so that all take what the
+    chief chose."""
     return choices[int(gather(strategy, [float(choices.index(value))])[0, 0])]
 
 
 def short_digest(value):
-    """48 bits of the SHA-256 of JSON value `value` (keys sorted), as an int: exact in a float64."""
+    """Returns 48 bits of the SHA-256 of JSON value `value` (keys sorted) as an int, which a
+    float64 holds exactly."""
     data = json.dumps(value, sort_keys=True).encode("utf-8")
     return int.from_bytes(hashlib.sha256(data).digest()[:6], "big")
 

@@ -1,6 +1,6 @@
-"""Fine-tuning: a run that starts from another run's weights (``train.py --init_from LOGDIR``,
-docs/fine_tuning.md). TensorFlow is imported by the parts that need it, so that train.py refuses
-a wrong source before TensorFlow loads.
+"""Checks and reads the source of a fine-tuning run, a run that starts from another run's weights
+(``train.py --init_from LOGDIR``, docs/fine_tuning.md). TensorFlow is imported by the parts that
+need it, so that train.py refuses a wrong source before TensorFlow loads.
 """
 
 import filecmp
@@ -17,17 +17,20 @@ ARCHITECTURE_KEYS = keys_of(ARCHITECTURE)
 
 
 class FineTuningError(ValueError):
-    """A source that cannot be fine-tuned from, or flags that contradict it; one line."""
+    """Raised for a source that cannot be fine-tuned from, or for flags that contradict it; its
+    message is one line."""
 
 
 def has_own_checkpoint(logdir):
-    """Whether `logdir` lists checkpoints of its own (it resumes from them); without TensorFlow."""
+    """Returns whether `logdir` lists checkpoints of its own (it resumes from them), without
+    TensorFlow."""
     return os.path.isfile(os.path.join(logdir, filenames.CHECKPOINTS, filenames.CHECKPOINT_INDEX))
 
 
 def check_source(logdir, ckpt=None):
-    """The path of the source's hparams.json, or a FineTuningError: not a trained run's logdir
-    (no hparams.json, subword model or, unless `ckpt` names one, checkpoint)."""
+    """Returns the path of the source's hparams.json, or raises a FineTuningError for a folder
+    that is not a trained run's logdir (no hparams.json, subword model or, unless `ckpt` names one,
+    checkpoint)."""
     flag = f"--init_from {logdir}"
     if not os.path.exists(logdir):
         raise FineTuningError(f"{flag}: no such folder")
@@ -47,8 +50,8 @@ def check_source(logdir, ckpt=None):
 
 
 def with_architecture(hparams, given, source, source_logdir):
-    """`hparams` with the `source` hparams' architecture; a FineTuningError naming every
-    architecture value in `given` (the names set on the command line) that contradicts it."""
+    """Returns `hparams` with the `source` hparams' architecture; raises a FineTuningError naming
+    every architecture value in `given` (the names set on the command line) that contradicts it."""
     conflicts = [f"{key}: {hparams[key]!r} given, {source[key]!r} in the source"
                  for key in ARCHITECTURE_KEYS if key in given and hparams[key] != source[key]]
     if conflicts:
@@ -78,10 +81,10 @@ def copy_subwords(source_logdir, directory):
 
 
 class Source:
-    """A source run's weights (`ckpt`, `average_last`: as `checkpoints.load_model` takes them),
-    read and checked against its `hparams` before the new run writes anything; `initialize`
-    sets a trainer to them. With `optimizer`, also its optimizer's moments (whose float16 loss
-    scaling, or not, must be that of `run_precision`, the new run's `mixed_precision`).
+    """Reads a source run's weights (`ckpt`, `average_last`: as `checkpoints.load_model` takes
+    them) and checks them against its `hparams` before the new run writes anything; `initialize`
+    sets a trainer to them. With `optimizer`, it also takes its optimizer's moments (whose float16
+    loss scaling, or not, must be that of `run_precision`, the new run's `mixed_precision`).
     """
 
     def __init__(self, logdir, hparams, ckpt=None, average_last=0, optimizer=False,
@@ -117,8 +120,8 @@ class Source:
                                   "run again, or give --init_ckpt a numbered checkpoint")
 
     def _digests(self, checkpoint_files):
-        """The sha256 of each file of the checkpoints read; a `CheckpointError` for one gone
-        since it was read (a source still training removes its oldest as it saves)."""
+        """Returns the sha256 of each file of the checkpoints read; raises a `CheckpointError`
+        for one gone since it was read (a source still training removes its oldest as it saves)."""
         from kyu_transformer.training.checkpoints import CheckpointError
 
         digests = {}

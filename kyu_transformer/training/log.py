@@ -1,4 +1,5 @@
-"""What a training run reports: `history.jsonl`, TensorBoard scalars and the progress shown."""
+"""Reports a training run: writes `history.jsonl` and TensorBoard scalars, and shows the
+progress."""
 
 import json
 import os
@@ -13,8 +14,9 @@ from kyu_transformer.safety.writes import as_out_of_space, drop_torn_last_line, 
 
 
 class TrainingLog:
-    """Records, written by the chief to `<logdir>/history.jsonl` and as TensorBoard scalars
-    ``<kind>/<key>`` in `<logdir>/train`: dicts of ``kind``, ``step``, ``epoch`` and numbers."""
+    """Writes a run's records, on the chief, to `<logdir>/history.jsonl` and as TensorBoard
+    scalars ``<kind>/<key>`` in `<logdir>/train`; a record is a dict of ``kind``, ``step``,
+    ``epoch`` and numbers."""
 
     def __init__(self, logdir, chief):
         self.logdir, self.chief, self.writer = logdir, chief, None
@@ -30,6 +32,7 @@ class TrainingLog:
             self.writer = tf.summary.create_file_writer(events)
 
     def write(self, record):
+        """Appends `record` to the history file and its numbers to TensorBoard (on the chief)."""
         if not self.chief:
             return
         try:
@@ -45,25 +48,28 @@ class TrainingLog:
 
 
 class Window:
-    """Sums of loss, hits and tokens since the last summary."""
+    """Sums the loss, hits and tokens since the last summary."""
 
     def __init__(self):
         self.loss = self.correct = self.tokens = 0.0
         self.started = time.time()
 
     def add(self, loss_sum, correct, tokens):
+        """Adds an update's sums."""
         self.loss += loss_sum
         self.correct += correct
         self.tokens += tokens
 
     def summary(self):
+        """Returns the loss and accuracy per token, and the tokens per second, of the window."""
         tokens = max(self.tokens, 1.0)
         return {"loss": self.loss / tokens, "accuracy": self.correct / tokens,
                 "tokens_per_sec": self.tokens / max(time.time() - self.started, 1e-9)}
 
 
 class Progress:
-    """A Keras progress bar on a terminal; one line per summary in a log file."""
+    """Shows a run's progress: a Keras progress bar on a terminal, one line per summary in a log
+    file."""
 
     def __init__(self, epoch, num_epochs, skip, steps_per_epoch, enabled):
         self.enabled, self.bar, self.minutes_left, self.totals = enabled, None, None, Window()
@@ -76,7 +82,8 @@ class Progress:
                                            stateful_metrics=["loss", "acc", "run_min_left"])
 
     def update(self, done, loss_sum, correct, tokens, estimate=None):
-        """After an update; `estimate` ``(seconds per update, seconds left)`` or None."""
+        """Counts an update's sums and moves the bar; `estimate` is ``(seconds per update,
+        seconds left)`` or None."""
         self.totals.add(loss_sum, correct, tokens)
         self.minutes_left = None if estimate is None else estimate[1] / 60
         if self.bar is not None:
@@ -87,6 +94,7 @@ class Progress:
             self.bar.update(done, values)
 
     def log(self, record):
+        """Prints `record` as one line where there is no bar (the output is not a terminal)."""
         if self.enabled and self.bar is None:
             left = "" if self.minutes_left is None else f", about {self.minutes_left:.1f} min left"
             print(f"step {record['step']}: loss {record['loss']:.4f}, accuracy "

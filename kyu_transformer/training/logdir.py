@@ -1,6 +1,6 @@
-"""A training run's logdir: settled against the hyperparameters and corpus it was trained with,
-prepared (the data folder, the subword model, `hparams.json`, `corpus.json`) by the chief, and
-agreed on by every worker of a multi-worker run. TensorFlow is imported by the parts that need
+"""Settles a training run's logdir against the hyperparameters and corpus it was trained with,
+prepares it (the data folder, the subword model, `hparams.json`, `corpus.json`) on the chief, and
+has every worker of a multi-worker run agree on it. TensorFlow is imported by the parts that need
 it, so that train.py refuses a logdir trained otherwise before TensorFlow loads."""
 
 import contextlib
@@ -20,12 +20,13 @@ RESUMABLE_KEYS = keys_of(RESUMABLE)  # what a resumed run may change (the logdir
 
 
 class LogdirError(ValueError):
-    """A logdir that this run cannot train in; the message says why and what to do."""
+    """Raised for a logdir that this run cannot train in; the message says why and what to do."""
 
 
 def settle_logdir(hparams, overwrite):
-    """The hparams to train with: the logdir's own when resuming, else the given ones. A logdir
-    of other hyperparameters or another corpus is refused, or with `overwrite` moved aside."""
+    """Returns the hparams to train with: the logdir's own when resuming, else the given ones. A
+    logdir of other hyperparameters or another corpus is refused (`LogdirError`), or with
+    `overwrite` moved aside."""
     logdir = hparams["logdir"]
     if overwrite and set(os.listdir(logdir)) - {filenames.LOCK}:
         print(f"--overwrite: moved the old logdir to {copy_aside(logdir, keep=(filenames.LOCK,))}")
@@ -61,14 +62,15 @@ def settle_logdir(hparams, overwrite):
 
 
 def corpus_fingerprint(hparams):
-    """The digests of the run's training files (`corpus.json`): tell one corpus from another."""
+    """Returns the digests of the run's training files (`corpus.json`), which tell one corpus from
+    another."""
     return fingerprint(hparams["data_dir"], "train", hparams["src_lang"], hparams["tgt_lang"])
 
 
 def prepare_logdir(hparams, overwrite, chief, source=None):
-    """``(hparams, corpus)``: the data folder checked (the default one downloaded if missing),
-    the logdir settled; the chief also writes `hparams.json` and `corpus.json` the first time.
-    A fine-tuning run's corpus is encoded with its `source`'s subword model, copied first."""
+    """Checks the data folder (downloading the default one if missing) and settles the logdir;
+    returns ``(hparams, corpus)``. The chief also writes `hparams.json` and `corpus.json` the first
+    time. A fine-tuning run's corpus is encoded with its `source`'s subword model, copied first."""
     from kyu_transformer.data.corpus import Corpus
     from kyu_transformer.training.checkpoints import (
         list_checkpoints,
@@ -150,6 +152,6 @@ def all_workers_past(strategy):
 
 
 def default_corpus_missing(data_dir):
-    """Whether `data_dir` is the default one and missing: Multi30k is downloaded there."""
+    """Returns whether `data_dir` is the default one and missing: Multi30k is downloaded there."""
     return not os.path.exists(data_dir) and (
         os.path.normpath(data_dir) == os.path.normpath(DEFAULTS["data_dir"]))

@@ -1,4 +1,4 @@
-"""Token-level metrics that ignore padding."""
+"""Computes token-level metrics that ignore padding."""
 
 from keras import ops
 

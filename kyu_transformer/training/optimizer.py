@@ -1,6 +1,6 @@
-"""Adam, and the fast path of its update: one fused TensorFlow kernel per variable.
+"""Provides Adam with a fast path for its update: one fused TensorFlow kernel per variable.
 
-Keras' Adam makes about ten element-wise passes per variable; ``ResourceApplyAdam`` makes one,
+Keras' Adam makes several element-wise passes per variable; ``ResourceApplyAdam`` makes one,
 with Keras' formula (the paper's with the "epsilon hat" of its section 2:
 ``variable -= lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) * m / (sqrt(v) + epsilon)``), so
 checkpoints, schedules, loss scaling and strategies work as with Keras' Adam, whose own update
@@ -14,16 +14,19 @@ import tensorflow as tf
 
 
 def make_adam(learning_rate, fast_paths=True, **kwargs):
-    """The fused `Adam` if `fast_paths`, else `keras.optimizers.Adam` (either restores the
-    other's checkpoints), with `learning_rate` and Keras' Adam arguments (`beta_1`, ...)."""
+    """Returns the fused `Adam` if `fast_paths`, else `keras.optimizers.Adam` (either restores
+    the other's checkpoints), with `learning_rate` and Keras' Adam arguments (`beta_1`, ...)."""
     return (Adam if fast_paths else keras.optimizers.Adam)(learning_rate, **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class Adam(keras.optimizers.Adam):
-    """`keras.optimizers.Adam` (same arguments and state) with a fused update."""
+    """Updates variables as `keras.optimizers.Adam` does (same arguments and state), in one fused
+    kernel per variable."""
 
     def update_step(self, gradient, variable, learning_rate):
+        """Applies `gradient` to `variable` with ``ResourceApplyAdam``, or with Keras' own update
+        under AMSGrad or another backend."""
         if self.amsgrad or keras.backend.backend() != "tensorflow":
             return super().update_step(gradient, variable, learning_rate)
         index = self._get_variable_index(variable)
@@ -41,7 +44,8 @@ class Adam(keras.optimizers.Adam):
 
 
 def _handle(variable):
-    """The resource handle of a Keras or TensorFlow variable (a distributed one's local copy)."""
+    """Returns the resource handle of a Keras or TensorFlow variable (a distributed one's local
+    copy)."""
     if isinstance(variable, keras.Variable):
         variable = variable.value
     return variable.handle

@@ -1,4 +1,4 @@
-"""PNG plots of a training history (`history.jsonl` in the logdir)."""
+"""Draws PNG plots of a training history (`history.jsonl` in the logdir)."""
 
 import json
 import os
@@ -13,7 +13,8 @@ from kyu_transformer.safety.writes import replaced_atomically  # noqa: E402
 
 
 def read_history(path):
-    """The records of a history file, the last one kept for each step (resumed runs)."""
+    """Returns the records of a history file, the last one kept for each kind and step (resumed
+    runs)."""
     if not os.path.isfile(path):
         return []
     by_step = {}

@@ -1,4 +1,4 @@
-"""The learning-rate schedule of "Attention Is All You Need"."""
+"""Defines the learning-rate schedule of "Attention Is All You Need"."""
 
 import keras
 from keras import ops
@@ -8,10 +8,11 @@ from kyu_transformer.conventions import check_decay
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class NoamSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """``lr * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)``: linear warm-up, then
-    inverse square root decay; the optimizer's iteration 0 is step 1. With `decay_steps`, from
-    the warm-up's end the rate is also scaled by a line from 1 down to 0 at step `decay_steps`
-    (the plain schedule is still at half its peak after four times its warm-up).
+    """Computes the rate ``lr * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)``:
+    linear warm-up, then inverse square root decay; the optimizer's iteration 0 is step 1. With
+    `decay_steps`, from the warm-up's end the rate is also scaled by a line from 1 down to 0 at
+    step `decay_steps` (the plain schedule is still at half its peak after four times its
+    warm-up).
 
     Args:
       d_model: Model width; warmup_steps: steps of linear warm-up.

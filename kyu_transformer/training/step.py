@@ -1,6 +1,7 @@
-"""One training step under any tf.distribute strategy (Keras 3's ``fit`` fails under
-``MultiWorkerMirroredStrategy``, keras-team/keras#20585): the loss summed over tokens, divided by
-the *global* batch's count; with ``accumulate_steps`` N, one update on N batches as on their union.
+"""Runs one training step under any tf.distribute strategy (Keras 3's ``fit`` fails under
+``MultiWorkerMirroredStrategy``, keras-team/keras#20585): the loss is summed over tokens and divided
+by the *global* batch's count; with ``accumulate_steps`` N, one update on N batches is made as on
+their union.
 """
 
 import keras
@@ -11,9 +12,9 @@ from kyu_transformer.training.metrics import masked_accuracy_counts
 
 
 def loss_terms_function(loss_fn, xla=True):
-    """``loss_terms(labels, logits)`` -> ``(loss_sum, correct, tokens)``; XLA-compiled if `xla`
-    (a fast path: XLA fuses the loss's passes over the logits, while the step's matrix products
-    stay on TensorFlow's oneDNN kernels, faster than XLA's in bfloat16)."""
+    """Returns ``loss_terms(labels, logits)`` -> ``(loss_sum, correct, tokens)``, compiled with
+    XLA if `xla` (a fast path: XLA fuses the loss's passes over the logits, while the step's matrix
+    products stay on TensorFlow's oneDNN kernels, faster than XLA's in bfloat16)."""
     def loss_terms(labels, logits):
         token_losses = loss_fn.token_losses(labels, logits)  # (N, T)
         correct, tokens = masked_accuracy_counts(labels, logits)
@@ -23,14 +24,14 @@ def loss_terms_function(loss_fn, xla=True):
 
 
 class TrainStep:
-    """``step(iterator)`` -> ``(batches, loss_sum, correct, tokens, stops)``: one update of
-    `accumulate_steps` batches from an iterator of `Trainer.distribute`'s (`loss_terms`: from
+    """Makes one update of `accumulate_steps` batches from an iterator of `Trainer.distribute`'s:
+    ``step(iterator)`` -> ``(batches, loss_sum, correct, tokens, stops)`` (`loss_terms`: from
     `loss_terms_function`; `jit_compile`: the whole step compiled with XLA).
 
     ``batches`` counts the batches the update took: fewer at the end of the data, 0 (and the
     sums 0) once it has ended. ``stops`` counts the replicas whose process called
     `request_stop`: riding on the token count's all-reduce, it tells every worker of any stop
-    after the same update, at no cost.
+    after the same update, without a collective of its own.
     """
 
     def __init__(self, strategy, model, optimizer, loss_terms, jit_compile=False,
@@ -46,6 +47,7 @@ class TrainStep:
                                     autograph=False)
 
     def __call__(self, iterator):
+        """Runs the step on `iterator`; returns ``(batches, loss_sum, correct, tokens, stops)``."""
         return self.function(iterator)
 
     def request_stop(self):
@@ -72,7 +74,7 @@ class TrainStep:
         return loss
 
     def _distributed_step(self, iterator):
-        """One step on the next global batch (a bare `next()` would raise at the end only
+        """Runs one step on the next global batch (a bare `next()` would raise at the end only
         after the optimizer counted one more iteration)."""
         batch = iterator.get_next_as_optional()
 
@@ -86,7 +88,7 @@ class TrainStep:
                        lambda: (tf.constant(0), *[tf.constant(0.0)] * 4), step)
 
     def _accumulated_step(self, iterator):
-        """One update on the next `accumulate_steps` batches of an endless iterator: their
+        """Makes one update on the next `accumulate_steps` batches of an endless iterator: their
         tokens counted first, each batch's loss is divided by the count of all."""
         micro_batches = [next(iterator) for _ in range(self.accumulate_steps)]
         counts = self.strategy.run(self._counts, args=(micro_batches,))
@@ -106,8 +108,8 @@ class TrainStep:
                 for value in values]
 
     def _counts(self, micro_batches):
-        """``[tokens, stops, rows of each batch]`` summed over replicas (one all-reduce). A
-        token is a label that is not padding, as the loss counts them."""
+        """Returns ``[tokens, stops, rows of each batch]`` summed over replicas in one
+        all-reduce. A token is a label that is not padding, as the loss counts them."""
         tokens = tf.add_n([tf.reduce_sum(tf.cast(tf.not_equal(labels, PAD_ID), tf.float32))
                            for _, labels in micro_batches])
         rows = [tf.cast(tf.shape(labels)[0], tf.float32) for _, labels in micro_batches]
@@ -116,7 +118,8 @@ class TrainStep:
             tf.stack([tokens, tf.cast(self.stop_requested, tf.float32), *rows]))
 
     def _replica_update(self, micro_batches, counts):
-        """The gradients of `micro_batches`, one batch after another, summed and applied once."""
+        """Computes the gradients of `micro_batches` one batch after another, then applies their
+        sum once; returns the summed ``(loss_sum, correct, tokens)``."""
         variables, gradients, sums = self.model.trainable_variables, None, []
         for features, labels in micro_batches:
             if gradients is not None:  # a batch's forward pass waits for the last one's gradients
@@ -137,7 +140,8 @@ class TrainStep:
 
 
 def _added(total, more):
-    """Two gradients of one variable summed (sparse ones stay sparse: their rows joined)."""
+    """Returns the sum of two gradients of one variable (sparse ones stay sparse: their rows
+    joined)."""
     if total is None or more is None:
         return more if total is None else total
     if isinstance(total, tf.IndexedSlices) and isinstance(more, tf.IndexedSlices):

@@ -1,5 +1,5 @@
-"""The trainer: builds a run's parts (its `step`, `distribution`, `checkpoints`, `clock`, `log`,
-the precision) and drives them, epoch by epoch. The ``fast_paths`` hparam selects
+"""Holds the `Trainer`, which builds a run's parts (its `step`, `distribution`, `checkpoints`,
+`clock`, `log`, the precision) and drives them, epoch by epoch. The ``fast_paths`` hparam selects
 the fused Adam, the loss's stated gradient and the loss compiled alone with XLA (``xla_loss``).
 """
 
@@ -42,7 +42,7 @@ def seed_everything(seed, deterministic=False):
 
 
 def weights_digest(model):
-    """SHA-256 of all of `model`'s weights: equal digests, bit-identical models."""
+    """Returns the SHA-256 of all of `model`'s weights: equal digests mean bit-identical models."""
     digest = hashlib.sha256()
     for weight in model.weights:
         digest.update(np.ascontiguousarray(weight.numpy()).tobytes())
@@ -50,7 +50,7 @@ def weights_digest(model):
 
 
 class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. the loss is no longer finite)."""
+    """Raised when training cannot go on (e.g. the loss is no longer finite)."""
 
 
 class Trainer:
@@ -105,17 +105,18 @@ class Trainer:
     manager = property(lambda self: self.checkpoints.manager)
 
     def global_step(self):
-        """Optimizer steps taken so far (a Python int, under any strategy)."""
+        """Returns the optimizer steps taken so far, as a Python int under any strategy."""
         return int(self.optimizer.iterations.value.numpy())
 
     def distribute(self, make_global_batches):
-        """A distributed dataset from `make_global_batches()` (global batches), for the step
-        (endless when an update takes several batches)."""
+        """Returns a distributed dataset from `make_global_batches()` (global batches) for the
+        step, endless when an update takes several batches."""
         return distribute_batches(self.strategy, make_global_batches, endless=self.per_update > 1)
 
     def restore(self):
         """Restores the latest readable checkpoint (returns its path), else runs `initialize`;
-        a barrier then: a worker failing here (the chief's unreadable checkpoints) stops all."""
+        then waits at a barrier, so that a worker failing here (the chief's unreadable
+        checkpoints) stops all."""
         try:
             path = self.checkpoints.restore()
             if path is None and self.initialize is not None:
@@ -174,7 +175,7 @@ class Trainer:
         return resumed_from
 
     def _train_epoch(self, make_epoch_batches, steps_per_epoch):
-        """Trains the current epoch from where it stopped; ``(stopped, last_loss)``."""
+        """Trains the current epoch from where it stopped; returns ``(stopped, last_loss)``."""
         epoch, skip = int(self.epoch.numpy()), int(self.step_in_epoch.numpy())
 
         def batches():
@@ -197,7 +198,7 @@ class Trainer:
         return stopped, last_loss
 
     def _run_steps(self, iterator, epoch, done, progress):
-        """Steps until the data or the budget ends; ``(stopped, last_loss)``."""
+        """Steps until the data or the budget ends; returns ``(stopped, last_loss)``."""
         hparams, window, last_loss = self.hparams, Window(), None
         while True:
             if self._stop_requests.received:  # the next step tells every worker
@@ -232,7 +233,8 @@ class Trainer:
                 return "time", last_loss
 
     def _checked_loss(self, loss_sum, tokens, step):
-        """The step's mean loss; a `TrainingError` (nothing saved) when it is not finite."""
+        """Returns the step's mean loss; raises a `TrainingError` (nothing saved) when it is not
+        finite."""
         loss = loss_sum / max(tokens, 1.0)
         if not math.isfinite(loss):
             raise TrainingError(

@@ -1,4 +1,4 @@
-"""Validation BLEU after each epoch, and the best epoch's weights kept."""
+"""Scores validation BLEU after each epoch and keeps the best epoch's weights."""
 
 import json
 import os
@@ -10,8 +10,9 @@ from kyu_transformer.safety.writes import replaced_atomically, write_text
 
 
 class ValidationBleu:
-    """A training hook: greedy BLEU on the first `num_sentences` validation sentences, logged
-    into the epoch's record; the best epoch's weights are kept in `filenames.BEST_WEIGHTS`."""
+    """Scores greedy BLEU on the first `num_sentences` validation sentences as a training hook,
+    logs it into the epoch's record, and keeps the best epoch's weights in
+    `filenames.BEST_WEIGHTS`."""
 
     def __init__(self, sources, references, subwords, num_sentences=200, batch_size=128):
         self.sources, self.references = sources[:num_sentences], references[:num_sentences]
@@ -19,6 +20,8 @@ class ValidationBleu:
         self.translator = None
 
     def __call__(self, trainer, epoch, logs):
+        """Scores `trainer`'s model after `epoch` into `logs`; saves its weights when they score
+        best."""
         if self.translator is None:
             self.translator = Translator(trainer.model, beam_size=1, batch_size=self.batch_size)
         hypotheses = self.translator.translate(self.sources, self.subwords)
