@@ -1,5 +1,6 @@
-"""A run's hyperparameters: every key in one table (its default, its role in a run and its help),
-their types and checks (`resolve`), and the `hparams.json` a logdir keeps (`save`, `load`).
+"""Defines a run's hyperparameters: every key in one table (its default, its role in a run and
+its help), their types and checks (`resolve`), and the `hparams.json` a logdir keeps (`save`,
+`load`).
 
 `hparams.py`, beside the programs, holds the presets and the command line (``--hparams``, a flag
 per key); the package reads the keys here, as it imports no top-level file. A key's role says
@@ -95,7 +96,7 @@ HELP = {name: text for name, (_, _, text) in SPEC.items()}
 
 
 def keys_of(role):
-    """The keys of `role`, in the table's order."""
+    """Returns the keys of `role`, in the table's order."""
     return tuple(name for name, (_, key_role, _) in SPEC.items() if key_role == role)
 
 CHOICES = {"norm_position": NORM_POSITIONS, "mixed_precision": (*PRECISION_POLICIES, AUTO),
@@ -109,16 +110,18 @@ RATES = ("dropout_rate", "smoothing", "relu_dropout", "word_dropout")
 
 
 class HParamsError(ValueError):
-    """A hyperparameter problem; the message lists every problem found."""
+    """Raised for bad hyperparameters; the message lists every problem found."""
 
 
 def closest(name, names=SPEC):
+    """Returns a hint naming the entry of `names` closest to `name`, or "" when none is close."""
     match = difflib.get_close_matches(name, list(names), n=1)
     return f" (did you mean `{match[0]}`?)" if match else ""
 
 
 def _convert(name, value):
-    """`value` (a string from the command line, or a JSON value) as the type of `name`."""
+    """Converts `value` (a string from the command line, or a JSON value) to the type of `name`;
+    raises HParamsError."""
     kind = type(DEFAULTS[name])
     if isinstance(value, str) and kind is not str:
         text = value.strip()
@@ -136,6 +139,7 @@ def _convert(name, value):
 
 
 def read_json(path):
+    """Reads the JSON object at `path`; raises HParamsError for invalid JSON or another value."""
     try:
         with open(path, encoding="utf-8") as handle:
             values = json.load(handle)
@@ -147,7 +151,7 @@ def read_json(path):
 
 
 def resolve(values):
-    """DEFAULTS updated with `values`, converted and validated; raises HParamsError."""
+    """Returns DEFAULTS updated with `values`, converted and validated; raises HParamsError."""
     problems = []
     hparams = dict(DEFAULTS)
     for name, value in values.items():
@@ -167,7 +171,7 @@ def resolve(values):
 
 
 def check(hparams):
-    """The list of problems of a fully typed hparams dict (empty when valid)."""
+    """Returns the list of problems of a fully typed hparams dict (empty when valid)."""
     ranges = ((POSITIVE, lambda value: value > 0, "positive"),
               (NON_NEGATIVE, lambda value: value >= 0, ">= 0"),
               (RATES, lambda value: 0.0 <= value < 1.0, "in [0, 1)"),
@@ -191,7 +195,8 @@ def check(hparams):
 
 
 def _broken(rule, *args):
-    """The message of the ValueError `rule(*args)` raises (without its full stop), as a list."""
+    """Returns the message of the ValueError that `rule(*args)` raises (without its full stop) as
+    a list, empty when it raises none."""
     try:
         rule(*args)
     except ValueError as error:
@@ -205,7 +210,7 @@ def save(hparams, path):
 
 
 def load(path):
-    """The hparams saved at `path`, validated against today's SPEC."""
+    """Reads the hparams saved at `path`, validated against today's SPEC."""
     if not os.path.isfile(path):
         raise HParamsError(f"{path}: no such file (has this logdir been trained?)")
     return resolve(read_json(path))

@@ -1,4 +1,4 @@
-"""Every file and folder name the programs write (and the libraries' names they look for).
+"""Holds every file and folder name the programs write (and the libraries' names they look for).
 
 A training logdir holds most of the names down to `EVAL` (eval.py's folder of the files
 `evaluation_file` names); comments say where the others live. Temporary names stay beside the code
@@ -43,5 +43,6 @@ CTRANSLATE2_SETTINGS = "kyu_transformer.json"  # what CTranslate2 does not keep 
 
 
 def evaluation_file(out_dir, name, kind):
-    """``<out_dir>/<name>.<kind>``; `kind` one of the names above, e.g. `HYPOTHESES`."""
+    """Returns the path ``<out_dir>/<name>.<kind>``; `kind` is one of the names above, e.g.
+    `HYPOTHESES`."""
     return os.path.join(out_dir, f"{name}.{kind}")

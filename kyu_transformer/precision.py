@@ -1,4 +1,4 @@
-"""Numeric precision of a run: the global Keras dtype policy, and `auto`'s choice of it.
+"""Sets a run's numeric precision, the global Keras dtype policy, and makes `auto`'s choice of it.
 
 On a CPU bfloat16 pays only with fast units (AMX, AVX512-BF16), so ``auto`` times the model's
 matrix products in both dtypes. Keras (and TensorFlow) loads only to set a policy or time them.
@@ -26,9 +26,10 @@ def set_precision(mixed_precision):
 
 
 def choose_precision(hparams, gpus=None, timings=None):
-    """``(value, reason)``: the `mixed_precision` that ``auto`` means here, and one line with the
-    figures it was chosen on. `gpus` (``[(major, minor)]`` compute capabilities) and `timings`
-    (``{"float32": s, "bfloat16": s}``) are detected or measured when None."""
+    """Chooses the `mixed_precision` that ``auto`` means here; returns ``(value, reason)``, the
+    reason one line with the figures it was chosen on. `gpus` (``[(major, minor)]`` compute
+    capabilities) and `timings` (``{"float32": s, "bfloat16": s}``) are detected or measured when
+    None."""
     flops = probe_flops(hparams)
     if flops < MIN_PROBE_FLOPS:  # on any device
         return "no", ("the model's matrix products are too small for a half-precision type to "
@@ -48,7 +49,7 @@ def choose_precision(hparams, gpus=None, timings=None):
 
 
 def scales_the_loss(value, hparams):
-    """Whether a run of `mixed_precision` `value` has float16's loss-scale optimizer (whose
+    """Returns whether a run of `mixed_precision` `value` has float16's loss-scale optimizer (whose
     state other precisions lack): ``fp16``, or ``auto`` on a GPU without native bfloat16."""
     if value != AUTO:
         return value == "fp16"
@@ -57,7 +58,8 @@ def scales_the_loss(value, hparams):
 
 
 def resolve_precision(value, hparams, log=print):
-    """`value`, or the choice of ``auto`` on this machine (said in one line through `log`)."""
+    """Returns `value`, or the choice of ``auto`` on this machine (said in one line through
+    `log`)."""
     if value != AUTO:
         return value
     chosen, reason = choose_precision(hparams)
@@ -66,7 +68,7 @@ def resolve_precision(value, hparams, log=print):
 
 
 def detect_gpus():
-    """The compute capabilities of the visible GPUs (TensorFlow's view; [] elsewhere)."""
+    """Returns the compute capabilities of the visible GPUs (TensorFlow's view; [] elsewhere)."""
     try:
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
     except ImportError:
@@ -77,21 +79,23 @@ def detect_gpus():
 
 
 def probe_shapes(hparams):
-    """``(k, n, count)`` of the model's products and how many a forward pass makes of each:
-    attention projections (4 per encoder block, 8 per decoder block), feed-forward, output."""
+    """Returns ``(k, n, count)`` for the model's products: their shapes and how many a forward
+    pass makes of each: attention projections (4 per encoder block, 8 per decoder block),
+    feed-forward, output."""
     width, inner, blocks = hparams["d_model"], hparams["d_ff"], hparams["num_blocks"]
     return [(width, width, 12 * blocks), (width, inner, 2 * blocks),
             (inner, width, 2 * blocks), (width, hparams["vocab_size"], 1)]
 
 
 def probe_flops(hparams):
-    """Floating-point operations of the products `probe_shapes` weighs, on PROBE_ROWS rows."""
+    """Returns the floating-point operations of the products `probe_shapes` weighs, on
+    PROBE_ROWS rows."""
     return sum(2 * PROBE_ROWS * k * n * count for k, n, count in probe_shapes(hparams))
 
 
 def time_matmuls(hparams, repeats=5):
-    """Seconds of the products `probe_shapes` weighs, per dtype: the fastest of `repeats`, as
-    interference only slows a repeat down (a median of few flips near the margin)."""
+    """Times the products `probe_shapes` weighs; returns their seconds per dtype, the fastest of
+    `repeats`, as interference only slows a repeat down (a median of few flips near the margin)."""
     import keras  # pylint: disable=import-outside-toplevel
 
     rows, shapes = PROBE_ROWS, probe_shapes(hparams)

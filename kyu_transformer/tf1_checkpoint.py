@@ -1,8 +1,9 @@
-"""Reading a checkpoint of Kyubyong Park's TensorFlow 1.12 Transformer (his 2019 rewrite).
+"""Reads a checkpoint of Kyubyong Park's TensorFlow 1.12 Transformer (his 2019 rewrite).
 
 `layout` maps that code's variable names to this project's weight paths; `imported_weights` adds
-what its model lacks. Variable by variable: docs/import_tf1.md. Everything but `read_checkpoint` and
-`save_weights` runs without TensorFlow, so that import_tf1.py checks its inputs first.
+what its model lacks; docs/import_tf1.md goes variable by variable. Everything but
+`read_checkpoint` and `save_weights` runs without TensorFlow, so that import_tf1.py checks its
+inputs first.
 """
 
 import json
@@ -32,7 +33,8 @@ SPECIAL_IDS = (PAD_ID, UNK_ID, BOS_ID, EOS_ID)
 
 
 class TF1ImportError(ValueError):
-    """A checkpoint, `hparams` file or subword model that cannot be imported, and why."""
+    """Raised for a checkpoint, `hparams` file or subword model that cannot be imported; the
+    message says why."""
 
 
 def _first_line(error):
@@ -40,8 +42,9 @@ def _first_line(error):
 
 
 def read_hparams(checkpoint):
-    """``(path, values)`` of the `hparams` file beside `checkpoint` (a prefix, or the folder of
-    its `checkpoint` file); TF1ImportError unless `MODEL_KEYS` are all there."""
+    """Reads the `hparams` file beside `checkpoint` (a prefix, or the folder of its `checkpoint`
+    file); returns ``(path, values)``, or raises TF1ImportError unless `MODEL_KEYS` are all
+    there."""
     folder = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(checkpoint)
     path = os.path.join(folder, HPARAMS_FILE)
     if not os.path.isfile(path):
@@ -63,19 +66,20 @@ def read_hparams(checkpoint):
 
 
 def project_values(tf1):
-    """This project's hyperparameters for that code's `tf1` ones, before --hparams."""
+    """Returns this project's hyperparameters for that code's `tf1` ones, before --hparams."""
     values = {key: tf1[key] for key in MODEL_KEYS + TRAINING_KEYS if key in tf1}
     return {**values, **FIXED, "subword_model_type": "bpe"}
 
 
 def changed_fixed(hparams):
-    """Messages for the `FIXED` settings `hparams` changes (empty when none)."""
+    """Returns a message for each `FIXED` setting that `hparams` changes (empty when none)."""
     return [f"`{key}` must stay {value!r} for a model of the TensorFlow 1 code, got "
             f"{hparams[key]!r}" for key, value in FIXED.items() if hparams[key] != value]
 
 
 def subword_model_path(given, tf1, hparams_path):
-    """`given`, else the ``.model`` beside the vocabulary that `tf1`'s ``vocab`` names."""
+    """Returns `given`, else the ``.model`` beside the vocabulary that `tf1`'s ``vocab`` names;
+    raises TF1ImportError when there is none."""
     if given:
         return given
     vocab = tf1.get("vocab")
@@ -91,7 +95,8 @@ def subword_model_path(given, tf1, hparams_path):
 
 
 def check_subword_model(path, vocab_size):
-    """Refuses a file that is not a SentencePiece model of `vocab_size` pieces with our ids."""
+    """Refuses a file that is not a SentencePiece model of `vocab_size` pieces with our ids;
+    returns its processor."""
     import sentencepiece
 
     if not os.path.isfile(path):
@@ -111,8 +116,8 @@ def check_subword_model(path, vocab_size):
 
 
 def layout(hparams, biases):
-    """``{that code's variable: (shape, our weight path)}`` for the model of `hparams`;
-    `biases`: whether its attention projections have them."""
+    """Returns ``{that code's variable: (shape, our weight path)}`` for the model of `hparams`;
+    `biases` says whether its attention projections have them."""
     d_model, d_ff = hparams["d_model"], hparams["d_ff"]
     names = {EMBEDDINGS: ((hparams["vocab_size"], d_model), "target_embedding/embeddings")}
 
@@ -141,9 +146,10 @@ def layout(hparams, biases):
 
 
 def imported_weights(expected, read, hparams, biases):
-    """``{our weight path: float32 array}``: the variables of `expected` (`check_layout`) read by
-    `read(name)`, and those that code's model has not, as the function it computes: each attention's
-    output projection (identity, zero bias), without `biases` its projections' (zeros)."""
+    """Returns ``{our weight path: float32 array}``: the variables of `expected`
+    (`check_layout`) read by `read(name)`, and those that code's model has not, set so as to
+    compute the same function: each attention's output projection (identity, zero bias), and
+    without `biases` its projections' (zeros)."""
     weights = {ours: np.array(read(name), dtype="float32") for name, (_, ours) in expected.items()}
     weights[expected[EMBEDDINGS][1]][PAD_ID] = 0.0  # the graph zeroes the padding row
     d_model = hparams["d_model"]
@@ -164,8 +170,9 @@ def _listed(names):
 
 
 def check_layout(where, shapes, hparams):
-    """``(layout, biases, skipped)`` of a checkpoint's `shapes` (``{name: shape}``), or
-    TF1ImportError naming the variable that is missing, unread or of the wrong shape."""
+    """Checks a checkpoint's `shapes` (``{name: shape}``); returns ``(layout, biases,
+    skipped)``, or raises TF1ImportError naming the variable that is missing, unread or of the
+    wrong shape."""
     sizes = ", ".join(f"{key}={hparams[key]}" for key in MODEL_KEYS[:5])
     skipped = sorted(name for name in shapes
                      if name in OPTIMIZER_NAMES or name.endswith(OPTIMIZER_SUFFIXES))
@@ -192,7 +199,7 @@ def check_layout(where, shapes, hparams):
 
 
 def checkpoint_prefix(path):
-    """The checkpoint `path` names: itself, or the latest of the folder's `checkpoint` file
+    """Returns the checkpoint `path` names: itself, or the latest of the folder's `checkpoint` file
     (also when that file gives an absolute path elsewhere, as a copied folder's does)."""
     import tensorflow as tf
 
@@ -210,7 +217,8 @@ def checkpoint_prefix(path):
 
 
 def read_checkpoint(prefix):
-    """``({name: shape}, read)`` of the checkpoint at `prefix`; `read(name)` gives an array."""
+    """Opens the checkpoint at `prefix`; returns ``({name: shape}, read)``, where `read(name)`
+    gives an array."""
     import tensorflow as tf
 
     try:

@@ -1,2 +1,2 @@
-"""What the programs at the top (train.py, eval.py, export.py, import_tf1.py) share: their
+"""Holds what the programs at the top (train.py, eval.py, export.py, import_tf1.py) share: their
 `flags`, checked before TensorFlow loads, and the `startup` import of TensorFlow and Keras."""

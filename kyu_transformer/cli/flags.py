@@ -1,5 +1,5 @@
-"""The flags the programs share, each defined once. Free of TensorFlow, so that a program refuses
-a wrong flag before TensorFlow loads (seconds)."""
+"""Defines the flags the programs share, each once. It is free of TensorFlow, so that a program
+refuses a wrong flag before TensorFlow loads."""
 
 import re
 
@@ -13,8 +13,9 @@ QUANTIZATIONS = ("float32", "int8", "int8_float32")
 
 
 def add_checkpoint_arguments(parser, prefix=""):
-    """``--logdir`` (required), ``--ckpt``, ``--average_last``: which weights of a logdir. With a
-    `prefix` (train.py's ``init_``): ``--init_from`` (optional), ``--init_ckpt``, ..."""
+    """Adds the flags that choose the weights of a logdir: ``--logdir`` (required), ``--ckpt``,
+    ``--average_last``. With a `prefix` (train.py's ``init_``): ``--init_from`` (optional),
+    ``--init_ckpt``, ..."""
     if prefix:
         parser.add_argument(f"--{prefix}from", default=None, metavar="LOGDIR",
                             help="a trained run's logdir: start from its architecture, subword "
@@ -43,7 +44,7 @@ def check_checkpoint_arguments(parser, args, prefix=""):
 
 
 def add_precision_argument(parser, default_help):
-    """``--mixed_precision``: the precision a program decodes in (`default_help` says its
+    """Adds ``--mixed_precision``, the precision a program decodes in (`default_help` says its
     default; the weights stay float32)."""
     parser.add_argument("--mixed_precision", default=None, choices=(*PRECISION_POLICIES, AUTO),
                         help=f"precision of decoding ({default_help})")
@@ -59,8 +60,8 @@ def refuse_clashes(parser, args, rules):
 
 
 def excluding(first, seconds, why, given):
-    """Rules that `first` cannot be given with any of `seconds` (`given(args, flag)` says
-    whether a flag is given), each saying ``--first and --second exclude each other: why``."""
+    """Returns the rules that `first` cannot be given with any of `seconds` (`given(args, flag)`
+    says whether a flag is given), each saying ``--first and --second exclude each other: why``."""
     return tuple((lambda args, second=second: given(args, first) and given(args, second),
                   f"--{first} and --{second} exclude each other: {why}") for second in seconds)
 
@@ -95,13 +96,14 @@ def add_search_arguments(parser, names=SEARCH_FLAGS, helps=None):
 
 
 def given_search_flags(args, names=SEARCH_FLAGS):
-    """The search flags given on the command line, as `SearchSettings` fields."""
+    """Returns the search flags given on the command line, as `SearchSettings` fields."""
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def search_settings(parser, **fields):
-    """`SearchSettings(**fields)`, or the parser's error naming the flags (also for a
-    ``--seed`` without sampling, which `SearchSettings` cannot tell from its default)."""
+    """Returns `SearchSettings(**fields)`, or stops with the parser's error naming the flags
+    (also for a ``--seed`` without sampling, which `SearchSettings` cannot tell from its
+    default)."""
     if fields.get("sampling_topk", 1) == 1 and "seed" in fields:
         parser.error("--seed applies to sampling: give --sampling_topk K (0 for all tokens, 1 "
                      "does not sample)")

@@ -1,12 +1,12 @@
-"""How the programs import TensorFlow and Keras: with the cyclic garbage collector held back.
+"""Imports TensorFlow and Keras for the programs with the cyclic garbage collector held back.
 
-The imports make over 400,000 objects, almost none of them garbage. With the collector on, each full
-collection while they pile up scans them all again: about a third of the imports' time. The
-programs (train.py, eval.py, export.py, import_tf1.py) call `import_frozen` where they first
-need TensorFlow: the imports run with the collector off, then `gc.freeze()` moves every object
-the process holds to a generation that later collections do not scan (the few thousand objects
-the imports left unreachable stay there too, once). A process that has imported any of them
-already (a test, a notebook calling a program's `main`) is left as it is.
+The imports make a great many objects, almost none of them garbage. With the collector on, each
+full collection while they pile up scans them all again. The programs (train.py, eval.py,
+export.py, import_tf1.py) call `import_frozen` where they first need TensorFlow: the imports run
+with the collector off, then `gc.freeze()` moves every object the process holds to a generation
+that later collections do not scan (the objects the imports left unreachable stay there too,
+once). A process that has imported any of them already (a test, a notebook calling a program's
+`main`) is left as it is.
 """
 
 import gc

@@ -1,4 +1,5 @@
-"""One training run per logdir: `flock(2)` on `<logdir>/.lock`, held for the run's whole life.
+"""Allows one training run per logdir by `flock(2)` on `<logdir>/.lock`, held for the run's whole
+life.
 
 The kernel releases it however the process ends (`kill -9` included). The file names the holder
 (PID and host) for a second run's message. Across hosts it holds on Linux NFS; other network file
@@ -14,12 +15,12 @@ from kyu_transformer.filenames import LOCK
 
 
 class LogdirBusy(RuntimeError):
-    """Another process holds the logdir's lock; the message names it."""
+    """Raised when another process holds the logdir's lock; the message names it."""
 
 
 class LogdirLock:
-    """The lock on `logdir` (made if missing), in file `path`: `acquire()` takes it, `release()`
-    gives it back; as a context, held for the block."""
+    """Holds the lock on `logdir` (made if missing), in file `path`: `acquire()` takes it,
+    `release()` gives it back; as a context, it is held for the block."""
 
     def __init__(self, logdir):
         self.logdir, self.path = logdir, os.path.join(logdir, LOCK)

@@ -1,14 +1,14 @@
-"""SIGTERM and SIGINT as requests to stop after an update, with a checkpoint."""
+"""Takes SIGTERM and SIGINT as requests to stop after an update, with a checkpoint."""
 
 import signal
 import threading
 
 
 class StopRequests:
-    """A context in which SIGTERM and SIGINT only note a request to stop after an update, with a
-    checkpoint: `received` names the first (``"SIGTERM"``) or is None. A second one interrupts
-    nothing; a third raises `KeyboardInterrupt` (a hung run). Notes nothing outside the main
-    thread (where Python cannot install handlers)."""
+    """Makes SIGTERM and SIGINT, within the context, only note a request to stop after an
+    update, with a checkpoint: `received` names the first (``"SIGTERM"``) or is None. A second
+    one interrupts nothing; a third raises `KeyboardInterrupt` (a hung run). Notes nothing outside
+    the main thread (where Python cannot install handlers)."""
 
     def __init__(self):
         self.received, self.count, self._previous = None, 0, {}

@@ -1,4 +1,4 @@
-"""Writing files so that a crash, a signal or a full disk leaves nothing half-written.
+"""Writes files so that a crash, a signal or a full disk leaves nothing half-written.
 
 Files are written under a temporary name and renamed into place (a reader sees the old file or
 the new one); a lack of space becomes an `OutOfSpace`, which the programs print as one line.
@@ -18,7 +18,8 @@ from kyu_transformer import filenames
 
 
 class OutOfSpace(OSError):
-    """Writing `path` (a file or folder) failed for lack of space; it `needed` bytes (or None)."""
+    """Raised when writing `path` (a file or folder) failed for lack of space; it `needed` bytes
+    (or None)."""
 
     def __init__(self, path, needed=None):
         super().__init__(errno.ENOSPC, "No space left on device", path)
@@ -30,14 +31,15 @@ class OutOfSpace(OSError):
 
 
 def is_out_of_space(error):
-    """Whether `error` (an OSError, a TensorFlow or h5py error...) says the disk is full."""
+    """Returns whether `error` (an OSError, a TensorFlow or h5py error...) says the disk is
+    full."""
     return (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
             or any(text in str(error) for text in ("No space left on device",
                                                    "Disk quota exceeded")))
 
 
 def as_out_of_space(error, path=None, needed=None):
-    """`error` as an `OutOfSpace` naming `path` (or the path the error names)."""
+    """Returns `error` as an `OutOfSpace` naming `path` (or the path the error names)."""
     if isinstance(error, OutOfSpace):
         return error
     # TensorFlow names its files in the message: its first absolute path, not "device_/job:...".
@@ -78,7 +80,7 @@ def stops_cleanly_when_full(main):
 
 
 def sha256(path):
-    """The SHA-256 of file `path`, read in chunks."""
+    """Returns the SHA-256 of file `path` in hex, reading it in chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
@@ -87,8 +89,9 @@ def sha256(path):
 
 
 def staging_beside(path, label):
-    """A new hidden folder beside `path` (its parent made if missing), to write in first: on the
-    same file system, so that renaming from it to `path` is atomic. OSError if it cannot be."""
+    """Makes a new hidden folder beside `path` (its parent made if missing) to write in first:
+    on the same file system, so that renaming from it to `path` is atomic. Returns its path, or
+    raises OSError if it cannot be made."""
     parent, base = os.path.split(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     return tempfile.mkdtemp(prefix=f".{base}.{label}-", dir=parent)
@@ -101,7 +104,8 @@ def write_text(path, text):
 
 
 def drop_torn_last_line(path):
-    """Cuts a text file back to its last complete line (after a crash or a full disk)."""
+    """Cuts a text file back to its last complete line (after a crash or a full disk); returns
+    whether it cut anything."""
     if not os.path.isfile(path):
         return False
     with open(path, "rb+") as handle:
@@ -113,8 +117,8 @@ def drop_torn_last_line(path):
 
 
 def copy_aside(path, keep=()):
-    """Moves the contents of folder `path` but `keep` (a run's lock) to `<path>.old-<time>`,
-    returned; deletes nothing."""
+    """Moves the contents of folder `path` but `keep` (a run's lock) to `<path>.old-<time>` and
+    returns that path; deletes nothing."""
     path = os.path.normpath(path)  # "log/x/": the copy goes beside it, not into it
     stem = filenames.ASIDE.format(path, time.strftime('%Y%m%d-%H%M%S'))
     aside, number = stem, 1
