@@ -49,6 +49,7 @@ from kyu_transformer.safety.writes import stops_cleanly_when_full, write_text  #
 
 
 def parse_args(argv):
+    """Parses eval.py's flags and checks them (`check_args`)."""
     parser = hp.ArgumentParser(description=__doc__.splitlines()[0])
     add_checkpoint_arguments(parser)
     source = parser.add_mutually_exclusive_group()
@@ -112,7 +113,8 @@ CLASHES = (
 
 
 def load_inputs(args, hparams):
-    """``(name, sources, references or None, targets of --score or None)``."""
+    """Reads the sentences to translate; returns ``(name, sources, references or None, targets
+    of --score or None)``."""
     split = args.split or "test_2016_flickr"
     if args.src:
         (source_path, target_path), reader = (args.src, args.ref), read_lines
@@ -137,6 +139,7 @@ def load_inputs(args, hparams):
 
 
 def write_lines(path, lines):
+    """Writes `lines` to `path`, one a line, atomically."""
     write_text(path, "".join(line + "\n" for line in lines))
 
 
@@ -168,7 +171,8 @@ def plot_attention(model, settings, subwords, sources, count, out_dir, name):
 
 
 def load_ctranslate2(args):
-    """``(translator, facts)`` of --ctranslate2 DIR, checked against the logdir's subwords."""
+    """Loads the model of --ctranslate2 DIR, checked against the logdir's subwords; returns
+    ``(translator, facts)``."""
     model_dir = args.ctranslate2
     if not os.path.isdir(model_dir):
         raise DataError(f"--ctranslate2 {model_dir}: no such directory")
@@ -195,7 +199,8 @@ def load_ctranslate2(args):
 
 
 def load_translator(args, hparams):
-    """``(translator, facts for the json)``: of the logdir's model, or of --ctranslate2 DIR."""
+    """Loads the logdir's model, or that of --ctranslate2 DIR; returns ``(translator, facts for
+    the json)``."""
     if args.ctranslate2:
         return load_ctranslate2(args)
     import_frozen()
@@ -297,7 +302,7 @@ def write_result(hypotheses, references, translations, facts, args, out_dir, nam
 
 
 def write_translations(translator, facts, subwords, sources, args, out_dir, name):
-    """Translates, writes <name>.hyp.txt (and <name>.nbest.jsonl) and says what was cut;
+    """Translates, writes <name>.hyp.txt (and <name>.nbest.jsonl) and says what was cut; returns
     ``(translations, hypotheses, seconds)``."""
     decode_started = time.time()
     translations = translator.translate_ids(subwords.encode(sources), n_best=args.n_best)

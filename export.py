@@ -44,6 +44,7 @@ EXAMPLE = "Zwei Hunde spielen im Schnee."
 
 
 def parse_args(argv):
+    """Parses export.py's flags and checks them (`check_args`)."""
     parser = hp.ArgumentParser(description=__doc__.splitlines()[0])
     add_checkpoint_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
@@ -146,7 +147,7 @@ def put_in_place(new, out, staging):
 
 
 def load(args):
-    """``(hparams, subwords, model, checkpoints, precision)`` read from --logdir as eval.py
+    """Reads ``(hparams, subwords, model, checkpoints, precision)`` from --logdir as eval.py
     does; the Keras dtype policy is set to `precision` (--mixed_precision, by default float32)."""
     try:
         hparams = config.load(os.path.join(args.logdir, filenames.HPARAMS))

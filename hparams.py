@@ -1,4 +1,4 @@
-"""The hyperparameters as the programs take them: the presets and the command line.
+"""Reads the hyperparameters as the programs take them: from the presets and the command line.
 
 Every key (its default, its role and its help), its checks and the `hparams.json` of a logdir are
 defined once, in `kyu_transformer.config`.
@@ -33,7 +33,7 @@ PRESETS = {
 
 
 def _parse_part(part):
-    """One comma-separated part of `--hparams`: a preset, a JSON file or key=value."""
+    """Reads one comma-separated part of `--hparams`: a preset, a JSON file or key=value."""
     if "=" in part:
         key, value = part.split("=", 1)
         return {key.strip(): value}
@@ -48,7 +48,8 @@ def _parse_part(part):
 
 
 def _given(spec="", overrides=None):
-    """The values a `--hparams` string and overrides give (later ones winning), unconverted."""
+    """Returns the values a `--hparams` string and overrides give (later ones winning),
+    unconverted."""
     values = {}
     for part in filter(None, (p.strip() for p in (spec or "").split(","))):
         values.update(_parse_part(part))
@@ -66,23 +67,27 @@ def _overrides(args):
 
 
 def from_args(args):
-    """The hparams given by parsed `argument_parser` flags."""
+    """Returns the hparams given by parsed `argument_parser` flags."""
     return parse(args.hparams, _overrides(args))
 
 
 def given_keys(args):
-    """The names the flags set (by a preset, a JSON file, key=value or a flag), not defaulted."""
+    """Returns the names the flags set (by a preset, a JSON file, key=value or a flag), not those
+    defaulted."""
     return set(_given(args.hparams, _overrides(args)))
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse without prefix matching, naming the closest flag to an unknown one."""
+    """Parses as argparse does, without prefix matching, and names the closest flag to an
+    unknown one."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)  # `--batch 8` must not silently mean a flag
         super().__init__(*args, **kwargs)
 
     def parse_args(self, args=None, namespace=None):
+        """Parses `args`; stops with one error that names every unknown flag and unexpected
+        argument."""
         parsed, unknown = self.parse_known_args(args, namespace)
         if unknown:
             flags = [option for action in self._actions for option in action.option_strings]
@@ -100,7 +105,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def argument_parser(description):
-    """An `ArgumentParser` with `--hparams` plus one `--<name>` flag per hyperparameter."""
+    """Returns an `ArgumentParser` with `--hparams` plus one `--<name>` flag per hyperparameter."""
     parser = ArgumentParser(description=description)
     parser.add_argument("--hparams", default="",
                         help="preset (" + ", ".join(PRESETS) + "), JSON file, or key=value,...")

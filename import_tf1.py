@@ -29,6 +29,7 @@ from kyu_transformer.tf1_checkpoint import TF1ImportError  # noqa: E402
 
 
 def parse_args(argv):
+    """Parses import_tf1.py's flags."""
     parser = hp.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, metavar="PATH",
                         help="checkpoint prefix, or the folder of its `checkpoint` file (the "
@@ -45,6 +46,7 @@ def parse_args(argv):
 
 
 def check_logdir(logdir):
+    """Refuses a --logdir that is a file or a non-empty folder (TF1ImportError)."""
     if os.path.exists(logdir) and not os.path.isdir(logdir):
         raise TF1ImportError(f"--logdir {logdir} is a file, not a directory")
     if os.path.isdir(logdir) and os.listdir(logdir):
@@ -53,6 +55,8 @@ def check_logdir(logdir):
 
 
 def check_checkpoint_path(path):
+    """Refuses a --checkpoint that is neither a folder with a `checkpoint` file nor a checkpoint
+    prefix (TF1ImportError)."""
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, filenames.CHECKPOINT_INDEX)):
             raise TF1ImportError(f"--checkpoint {path}: the folder has no `checkpoint` file; "
@@ -63,8 +67,8 @@ def check_checkpoint_path(path):
 
 
 def check_before_tensorflow(args):
-    """``(hparams, subword model path)``, or TF1ImportError / HParamsError naming the flag or
-    file: all that can be checked without TensorFlow."""
+    """Checks all that can be checked without TensorFlow; returns ``(hparams, subword model
+    path)``, or raises TF1ImportError / HParamsError naming the flag or file."""
     check_checkpoint_path(args.checkpoint)
     check_logdir(args.logdir)
     hparams_path, tf1 = tf1_checkpoint.read_hparams(args.checkpoint)
@@ -81,7 +85,8 @@ def check_before_tensorflow(args):
 
 
 def read_weights(args, hparams):
-    """``(weights by our path, step, prefix, biases, skipped names)`` of the checkpoint."""
+    """Reads the checkpoint; returns ``(weights by our path, step, prefix, biases, skipped
+    names)``."""
     prefix = tf1_checkpoint.checkpoint_prefix(args.checkpoint)
     shapes, read = tf1_checkpoint.read_checkpoint(prefix)
     expected, biases, skipped = tf1_checkpoint.check_layout(prefix, shapes, hparams)
@@ -119,6 +124,8 @@ def write_logdir(hparams, subword_model, weights, step):
 
 @stops_cleanly_when_full
 def main(argv=None):
+    """Runs import_tf1.py: checks the inputs, reads the weights and writes the new logdir; returns
+    the exit status."""
     args = parse_args(argv)
     try:
         hparams, subword_model = check_before_tensorflow(args)

@@ -37,6 +37,7 @@ STOPPED_BY_SIGNAL = 75  # after SIGTERM or SIGINT and a checkpoint (EX_TEMPFAIL:
 
 
 def parse_args(argv):
+    """Parses train.py's flags and checks them, stopping with the parser's error."""
     parser = hp.argument_parser(__doc__.splitlines()[0])
     parser.add_argument("--strategy", default="auto", choices=STRATEGIES,
                         help="tf.distribute strategy (multi_worker reads TF_CONFIG)")
@@ -85,7 +86,7 @@ def check_before_tensorflow(args, held):
 
 
 def run_hparams(args):
-    """The run's hparams: its flags', and for a fine-tuning run (--init_from) the source's
+    """Returns the run's hparams: its flags', and for a fine-tuning run (--init_from) the source's
     architecture, which values given again must equal. A run resuming from checkpoints of its own
     takes the architecture from its own hparams.json: the source is not read again."""
     hparams = hp.from_args(args)
@@ -116,7 +117,7 @@ def hold_logdir(logdir, held):
 
 
 def read_source(args, hparams, chief):
-    """The source of a fine-tuning run that starts now, its weights read before anything is
+    """Returns the source of a fine-tuning run that starts now, its weights read before anything is
     written; None without --init_from, or when the run resumes from its own checkpoints."""
     from kyu_transformer.training.checkpoints import list_checkpoints
     from kyu_transformer.training.fine_tuning import Source
@@ -134,10 +135,11 @@ def read_source(args, hparams, chief):
 
 
 def prepare_run(args, strategy, chief, held):
-    """``(hparams, corpus, source)``: the logdir settled, the subword model ready, and a
-    fine-tuning run's `fine_tuning.Source` (or None). The chief goes first (it alone locks and
-    writes the logdir; in a run of one process `check_before_tensorflow` has locked it), then the
-    others; all check that they agree. A worker that fails says so at the next barrier."""
+    """Settles the logdir, makes the subword model ready and reads a fine-tuning run's
+    `fine_tuning.Source` (or None); returns ``(hparams, corpus, source)``. The chief goes first
+    (it alone locks and writes the logdir; in a run of one process `check_before_tensorflow` has
+    locked it), then the others; all check that they agree. A worker that fails says so at the
+    next barrier."""
     from kyu_transformer.training.distribution import is_multi_worker
 
     corpus = None
@@ -157,8 +159,8 @@ def prepare_run(args, strategy, chief, held):
 
 
 def make_trainer(hparams, corpus, strategy, deterministic, source=None):
-    """The run's `Trainer` (validation BLEU after each epoch when `eval_sentences`), everything
-    seeded first; a fine-tuning `source` sets the starting weights."""
+    """Makes the run's `Trainer` (validation BLEU after each epoch when `eval_sentences`),
+    everything seeded first; a fine-tuning `source` sets the starting weights."""
     from kyu_transformer.training.trainer import Trainer, seed_everything
     from kyu_transformer.training.validation import ValidationBleu
 
@@ -196,7 +198,7 @@ def train(argv):
 
 
 def train_locked(args, held, argv):
-    """`train` with `held`, the ExitStack that holds the logdir's lock."""
+    """Does the work of `train` with `held`, the ExitStack that holds the logdir's lock."""
     if args.strategy != "multi_worker":
         check_before_tensorflow(args, held)
     import_frozen()
@@ -243,7 +245,7 @@ def report(result, trainer, logdir, minutes, argv):
 
 
 def out_of_space_line(error, logdir):
-    """The one line a run stopped by a full disk ends with."""
+    """Returns the one line a run stopped by a full disk ends with."""
     from kyu_transformer.training.checkpoints import list_checkpoints
 
     try:
