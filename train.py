@@ -101,7 +101,7 @@ def run_hparams(args):
         if args.overwrite or not (has_own_checkpoint(own) and os.path.isfile(origin)):
             origin = check_source(args.init_from, args.init_ckpt)
         return resolve(with_architecture(hparams, hp.given_keys(args), load(origin),
-                                            args.init_from))
+                                         args.init_from))
     except FineTuningError as error:
         raise SystemExit(f"error: {error}") from None
 
