@@ -81,8 +81,6 @@ def parse_args(argv):
 
 def check_args(parser, args):
     """Stops with an error naming the flag, for a value out of range or flags that clash."""
-    if args.ref and not args.src:
-        parser.error("--ref goes with --src")
     args.settings = search_settings(parser, **given_search_flags(args))
     check_checkpoint_arguments(parser, args)
     refuse_clashes(parser, args, CLASHES)
@@ -96,6 +94,7 @@ def _given(args, flag):
 
 # The flags that cannot be given together, and why (`refuse_clashes`).
 CLASHES = (
+    (lambda args: args.ref and not args.src, "--ref goes with --src"),
     *excluding("score", ("ref",), "--score rates FILE by the model, not by references", _given),
     *excluding("score", ("n_best", "plot_attention", "sampling_topk"),
                "--score translates nothing", _given),
@@ -284,7 +283,7 @@ def main(argv=None):
 def write_result(hypotheses, references, translations, facts, args, out_dir, name, seconds):
     """Scores the translations, writes <name>.json (the scores and the run's settings) and
     prints the scores; `seconds`: the whole run's and the decoding's."""
-    from kyu_transformer.decoding.scoring import score
+    from kyu_transformer.decoding.bleu import score
 
     searched = ("beam_size", "alpha", "length_margin") + (
         SAMPLING_FLAGS if args.settings.sampling else ())

@@ -22,7 +22,6 @@ from kyu_transformer import (
     filenames,  # noqa: E402
 )
 from kyu_transformer.cli.flags import (  # noqa: E402
-    QUANTIZATIONS,
     SAMPLING_FLAGS,
     SEARCH_FLAGS,
     add_checkpoint_arguments,
@@ -34,6 +33,7 @@ from kyu_transformer.cli.flags import (  # noqa: E402
     search_settings,
 )
 from kyu_transformer.cli.startup import import_frozen  # noqa: E402
+from kyu_transformer.conventions import QUANTIZATIONS  # noqa: E402
 from kyu_transformer.data.subwords import Subwords  # noqa: E402
 from kyu_transformer.data.text import DataError  # noqa: E402
 from kyu_transformer.precision import PRECISION_POLICIES  # noqa: E402
@@ -72,12 +72,8 @@ def parse_args(argv):
 def check_args(parser, args):
     """Stops with an error naming the flag, for a value out of range or flags that clash; sets
     `args.settings` and `args.sampling`, the `SearchSettings` of the SavedModel's signatures."""
+    refuse_clashes(parser, args, CLASHES)
     given = given_search_flags(args)
-    if args.format == "ctranslate2" and given:
-        parser.error(f"{', '.join('--' + flag for flag in given)} applies to --format "
-                     "saved_model only: a CTranslate2 model holds no search settings, they "
-                     "are given when it translates (python eval.py --ctranslate2 DIR "
-                     "--beam_size ... --alpha ...)")
     searching = {flag: value for flag, value in given.items() if flag not in SAMPLING_FLAGS}
     args.settings = search_settings(parser, **searching)
     # The sample signature: the same settings, sampling (its seed comes with each request).
@@ -88,11 +84,15 @@ def check_args(parser, args):
     args.sampling = (search_settings(parser, **{**searching, "beam_size": 1, **sampling})
                      if sampling else None)
     check_checkpoint_arguments(parser, args)
-    refuse_clashes(parser, args, CLASHES)
 
 
 # The flags that cannot be given together, and why (`refuse_clashes`).
 CLASHES = (
+    (lambda args: args.format == "ctranslate2" and given_search_flags(args),
+     lambda args: f"{', '.join('--' + flag for flag in given_search_flags(args))} applies to "
+                  "--format saved_model only: a CTranslate2 model holds no search settings, they "
+                  "are given when it translates (python eval.py --ctranslate2 DIR "
+                  "--beam_size ... --alpha ...)"),
     (lambda args: args.mixed_precision and args.format == "ctranslate2",
      lambda args: f"--mixed_precision ({args.mixed_precision}) applies to --format saved_model "
                   "only: a CTranslate2 model computes in its --quantization weight type"),

@@ -21,9 +21,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import hparams as hp  # noqa: E402
 from kyu_transformer import filenames  # noqa: E402
 from kyu_transformer.cli.flags import (  # noqa: E402
-    STRATEGIES, add_checkpoint_arguments, check_checkpoint_arguments, refuse_clashes)
+    add_checkpoint_arguments, check_checkpoint_arguments, refuse_clashes)
 from kyu_transformer.cli.startup import import_frozen  # noqa: E402
 from kyu_transformer.config import HParamsError, load, resolve  # noqa: E402
+from kyu_transformer.conventions import STRATEGIES  # noqa: E402
 from kyu_transformer.data.text import DataError, check_data_dir  # noqa: E402
 from kyu_transformer.safety.lock import LogdirBusy, LogdirLock  # noqa: E402
 from kyu_transformer.safety.writes import as_out_of_space, is_out_of_space  # noqa: E402

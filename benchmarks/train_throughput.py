@@ -10,7 +10,7 @@ function (Adam, label-smoothed cross-entropy; the peer with `jit_compile`, ours
 as --variants says). Each trains as its users would: the peer with Keras' Adam,
 ours as the trainer does, with its Adam (`kyu_transformer.training.optimizer.Adam`, the
 same update in one fused kernel; `--keras_adam` gives ours Keras' Adam) and its
-loss compiled alone with XLA (`train_step.loss_terms_function`; `--no_xla_loss`
+loss compiled alone with XLA (`training.step.loss_terms_function`; `--no_xla_loss`
 leaves it to TensorFlow's kernels, as the rest of the step). The peer is built
 from keras-hub's `TokenAndPositionEmbedding`, `TransformerEncoder` and
 `TransformerDecoder` (install with `pip install -e .[bench]`).

@@ -1,12 +1,18 @@
-"""Holds what the layers, the data, the searches and the programs agree on: the special ids, the
-layer-norm defaults, and the rules their arguments follow (each rule is one function, applied by
-the layers for their callers and by `hparams.py` before a run starts). It imports no Keras or
-TensorFlow, so that a program checks its flags before they load."""
+"""Holds what the layers, the data, the searches, the library and the programs agree on, free of
+Keras and TensorFlow so that a program checks its flags before they load: the special ids and the
+cut of an output at its end, the layer-norm defaults, the names of strategies and weight types,
+and the rules arguments follow (each rule one function, which the library applies for its callers
+and the programs before TensorFlow loads)."""
 
 # The ids of padding, unknown piece, start and end of a sentence: the subword model is trained to
 # give them (`data.subwords`) and the searches use them, so that decoding needs no corpus code.
 # Padding is 0 because the layers tell padding by it (`Embedding`'s mask).
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+# The tf.distribute strategies a run can take (`training.distribution.make_strategy`).
+STRATEGIES = ("auto", "default", "mirrored", "multi_worker")
+# The weight types of CTranslate2's CPU wheel (`export.ctranslate2.convert`).
+QUANTIZATIONS = ("float32", "int8", "int8_float32")
 
 # Where each sub-layer's normalization sits: after the residual sum ("post", the paper and the
 # original) or before the sub-layer ("pre").
@@ -15,6 +21,15 @@ NORM_POSITIONS = ("post", "pre")
 # 1e-6 as OpenNMT-tf and tensor2tensor; the original's 1e-8 is zero in float16. Trained models
 # keep theirs (a TensorFlow 1 import: 1e-8).
 LAYER_NORM_EPSILON = 1e-6
+
+
+def cut_at_end(ids):
+    """Returns an output's ids (any ints) as a list cut before its first EOS, with the padding
+    left out: the tokens the output holds. The SavedModel does the same in its graph."""
+    ids = [int(i) for i in ids]
+    if EOS_ID in ids:
+        ids = ids[:ids.index(EOS_ID)]
+    return [i for i in ids if i != PAD_ID]
 
 
 def check_choice(name, value, choices):
@@ -45,3 +60,13 @@ def check_decay(decay_steps, warmup_steps):
     if decay_steps and decay_steps <= warmup_steps:
         raise ValueError(f"`decay_steps` ({decay_steps}) must be 0 or more than `warmup_steps` "
                          f"({warmup_steps}).")
+
+
+def check_checkpoint_choice(ckpt, average_last):
+    """Raises ValueError for a negative `average_last`, or for both a checkpoint `ckpt` and a
+    number of last checkpoints to average."""
+    if average_last < 0:
+        raise ValueError(f"`average_last` must be at least 0, got {average_last}")
+    if ckpt and average_last:
+        raise ValueError(f"`ckpt` ({ckpt}) and `average_last` ({average_last}) exclude each "
+                         "other: give one checkpoint, or the number of last ones to average")

@@ -636,7 +636,7 @@ class DecoderBlock(_Block):
         their mean over heads, the "coverage" `(N, T, S)`.
       cache: From `init_cache`: ``{"self": (k, v), "cross": (k, v)}``, projected keys and values.
       self_attention_mask: With a `cache`, the slots each query sees, `(N, T, T_c + T)`; needed
-        when `T` > 1, as that is the search's to say (`decoding.own_history`).
+        when `T` > 1, as that is the search's to say (`decoding.search.own_history`).
 
     Returns:
       `(N, T, C)`; with `return_attention_scores` ``(outputs, weights, coverage)``; with a

@@ -39,7 +39,7 @@ TENSORFLOW_ONLY_MODULES = {
     "test_formats.py": "a logdir's TensorFlow checkpoints, and the programs on it",
     "test_import_tf1.py": "TensorFlow 1 checkpoints, made in a tf.compat.v1 graph",
     "test_multi_worker.py": "tf.distribute multi-worker training",
-    "test_optimizers.py": "the fused TensorFlow Adam kernel, tf.function and tf.distribute",
+    "test_optimizer.py": "the fused TensorFlow Adam kernel, tf.function and tf.distribute",
     "test_training.py": "the tf.distribute training loop",
 }
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 ctranslate2 = pytest.importorskip("ctranslate2")
 
 from kyu_transformer import filenames  # noqa: E402
-from kyu_transformer.cli.flags import QUANTIZATIONS  # noqa: E402
+from kyu_transformer.conventions import QUANTIZATIONS  # noqa: E402
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
 from kyu_transformer.data.subwords import Subwords  # noqa: E402
 from kyu_transformer.data.text import load_split  # noqa: E402

@@ -240,7 +240,7 @@ def test_a_best_checkpoint_replaced_while_it_is_read_is_refused_or_recorded_as_r
 
     pauses, failures = random.Random(3), []
 
-    def keep_replacing():  # as evaluation.py does, by a rename: each file stands whole
+    def keep_replacing():  # as training/validation.py does, by a rename: each file stands whole
         try:
             for path in paths[1:]:  # at moments within reads, and some reads between them
                 time.sleep(pauses.uniform(0.5, 3.0) * read_seconds)

@@ -4,12 +4,10 @@ refuses a wrong flag before TensorFlow loads."""
 import re
 
 from kyu_transformer import filenames
+from kyu_transformer.conventions import check_checkpoint_choice
 from kyu_transformer.decoding.settings import SearchSettings
 from kyu_transformer.precision import AUTO, PRECISION_POLICIES
 
-STRATEGIES = ("auto", "default", "mirrored", "multi_worker")
-# The weight types of CTranslate2's CPU wheel.
-QUANTIZATIONS = ("float32", "int8", "int8_float32")
 
 
 def add_checkpoint_arguments(parser, prefix=""):
@@ -33,11 +31,10 @@ def check_checkpoint_arguments(parser, args, prefix=""):
     """Stops with the parser's error for checkpoint flags that `load_model` would refuse (and,
     with a `prefix`, for ``--<prefix>ckpt`` or ``--<prefix>average_last`` without its logdir)."""
     ckpt, average_last = getattr(args, f"{prefix}ckpt"), getattr(args, f"{prefix}average_last")
-    if average_last < 0:
-        parser.error(f"--{prefix}average_last must be at least 0, got {average_last}")
-    if ckpt and average_last:
-        parser.error(f"--{prefix}ckpt ({ckpt}) and --{prefix}average_last ({average_last}) exclude "
-                     "each other: give one checkpoint, or the number of last ones to average")
+    try:
+        check_checkpoint_choice(ckpt, average_last)
+    except ValueError as error:
+        parser.error(re.sub(r"`(\w+)`", rf"--{prefix}\1", str(error)))
     if prefix and not getattr(args, f"{prefix}from") and (ckpt or average_last):
         given = f"--{prefix}ckpt" if ckpt else f"--{prefix}average_last"
         parser.error(f"{given} chooses a checkpoint of --{prefix}from LOGDIR, which is not given")

@@ -10,9 +10,8 @@ import numpy as np
 import sentencepiece
 
 from kyu_transformer import filenames
-from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID, cut_at_end
 from kyu_transformer.data.text import DataError
-from kyu_transformer.decoding.settings import cut_at_end
 from kyu_transformer.safety.writes import staging_beside
 
 

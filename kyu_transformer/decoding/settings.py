@@ -1,15 +1,12 @@
-"""Says how to search (`SearchSettings`, one validated value for every engine and program), how
-long an output may be (`checked_max_length`) and where it ends (`cut_at_end`).
+"""Says how to search (`SearchSettings`, one validated value for every engine and program) and
+how long an output may be (`checked_max_length`).
 
-It imports no Keras or TensorFlow, so that a program checks its flags, and `data.subwords` turns
-ids into text, before TensorFlow loads.
+It imports no Keras or TensorFlow, so that a program checks its flags before TensorFlow loads.
 """
 
 import dataclasses
 
 import numpy as np
-
-from kyu_transformer.conventions import EOS_ID, PAD_ID
 
 SEED_LIMIT = 2**32 - 1
 _TINY = float(np.finfo(np.float32).tiny)
@@ -26,15 +23,6 @@ def checked_max_length(max_length, maxlen2=None):
         raise ValueError(f"`max_length` must be in [1, {maxlen2}] (the model's maxlen2), "
                          f"got {max_length}")
     return max_length
-
-
-def cut_at_end(ids):
-    """Returns an output's ids (any ints) as a list cut before its first EOS, with the padding
-    left out: the tokens the output holds. The SavedModel does the same in its graph."""
-    ids = [int(i) for i in ids]
-    if EOS_ID in ids:
-        ids = ids[:ids.index(EOS_ID)]
-    return [i for i in ids if i != PAD_ID]
 
 
 @dataclasses.dataclass(frozen=True)

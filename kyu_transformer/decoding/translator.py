@@ -2,7 +2,7 @@
 
 The front end (`Engine`) adds EOS and cuts sources (`encoder_inputs`), limits each output
 (`Engine.output_limits`), orders sentences by length (`decoding_order`), batches them
-(`Engine._batches`) and cuts outputs at EOS (`settings.cut_at_end`); an engine (`Translator`,
+(`Engine._batches`) and cuts outputs at EOS (`conventions.cut_at_end`); an engine (`Translator`,
 `export.ctranslate2.CTranslate2Translator`) decodes one batch (`_decode`). The SavedModel runs
 the TensorFlow parts of it in its graph.
 """
@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import tensorflow as tf
 
-from kyu_transformer.conventions import EOS_ID
+from kyu_transformer.conventions import EOS_ID, PAD_ID, cut_at_end
 from kyu_transformer.decoding.search import (
     NO_HYPOTHESIS_SCORE,
     length_penalty,
@@ -22,7 +22,7 @@ from kyu_transformer.decoding.search import (
     sequence_log_probs,
     strategy_for,
 )
-from kyu_transformer.decoding.settings import SearchSettings, checked_max_length, cut_at_end
+from kyu_transformer.decoding.settings import SearchSettings, checked_max_length
 
 
 def encoder_inputs(ids, maxlen1):
@@ -47,8 +47,8 @@ def ragged(sequences):
 
 
 def padded(sequences):
-    """Returns lists of ids as an int32 array `(N, L)` padded with 0."""
-    return ragged(sequences).to_tensor().numpy()
+    """Returns lists of ids as an int32 array `(N, L)` padded with `PAD_ID`."""
+    return ragged(sequences).to_tensor(default_value=PAD_ID).numpy()
 
 
 class Translations(collections.namedtuple("Translations", "hypotheses scores ended coverages "

@@ -18,9 +18,8 @@ from kyu_transformer.safety.writes import staging_beside, write_text
 from kyu_transformer.decoding.search import NO_HYPOTHESIS_SCORE
 # Named apart: `length_penalty` is also CTranslate2's own option in this module.
 from kyu_transformer.decoding.search import length_penalty as gnmt_penalty
-from kyu_transformer.cli.flags import QUANTIZATIONS
 from kyu_transformer.layers import sinusoid_table
-from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, QUANTIZATIONS, UNK_ID
 from kyu_transformer.decoding.translator import Engine
 
 # Feed-forward activations by Keras name, and CTranslate2's name of each

@@ -35,7 +35,7 @@ def import_tensorflow_text():
 
 def _cut_at_end(ids):
     """Cuts the rows of `ids` `(R, L)` before their first EOS and leaves padding out (ragged):
-    in the graph, what `settings.cut_at_end` does to one output in Python."""
+    in the graph, what `conventions.cut_at_end` does to one output in Python."""
     after_end = tf.cumsum(tf.cast(tf.equal(ids, EOS_ID), tf.int32), axis=1) > 0
     return tf.ragged.boolean_mask(ids, tf.logical_and(tf.logical_not(after_end),
                                                       tf.not_equal(ids, PAD_ID)))

@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from kyu_transformer import filenames
+from kyu_transformer.conventions import check_checkpoint_choice
 from kyu_transformer.model import Transformer
 from kyu_transformer.precision import resolve_precision, set_precision
 from kyu_transformer.safety.writes import as_out_of_space, is_out_of_space, write_text
@@ -186,11 +187,7 @@ def load_model(hparams, logdir, ckpt=None, average_last=0):
     read. A `CheckpointError` (or its subclass `UnreadableCheckpoint`) says which is missing, too
     few, unreadable, or does not fit."""
     average_last = int(average_last or 0)
-    if average_last < 0:
-        raise ValueError(f"`average_last` must be at least 0, got {average_last}")
-    if ckpt and average_last:
-        raise ValueError(f"`ckpt` ({ckpt}) and `average_last` ({average_last}) exclude each "
-                         "other: give one checkpoint, or the number of last ones to average")
+    check_checkpoint_choice(ckpt, average_last)
     model = Transformer.from_hparams(hparams, name="transformer")
     model.build()
     if average_last > 1:

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from kyu_transformer.cli.flags import STRATEGIES
+from kyu_transformer.conventions import STRATEGIES
 
 
 class WorkerDisagreement(RuntimeError):

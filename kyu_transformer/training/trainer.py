@@ -1,5 +1,5 @@
 """Holds the `Trainer`, which builds a run's parts (its `step`, `distribution`, `checkpoints`,
-`clock`, `log`, the precision) and drives them, epoch by epoch. The ``fast_paths`` hparam selects
+`clock`, `history`, the precision) and drives them, epoch by epoch. The ``fast_paths`` hparam selects
 the fused Adam, the loss's stated gradient and the loss compiled alone with XLA (``xla_loss``).
 """
 
@@ -26,7 +26,7 @@ from kyu_transformer.training.distribution import (
     is_chief,
     is_multi_worker,
 )
-from kyu_transformer.training.log import Progress, TrainingLog, Window
+from kyu_transformer.training.history import Progress, TrainingLog, Window
 from kyu_transformer.training.optimizer import make_adam
 from kyu_transformer.training.plots import plot_training
 from kyu_transformer.training.schedule import NoamSchedule
@@ -57,7 +57,8 @@ class Trainer:
     """Trains a `Transformer` under `strategy`, with checkpoints and summaries in `logdir`.
 
     ``mixed_precision`` must be a choice already made (``no``, ``bf16``, ``fp16``): a run resolves
-    ``auto`` once, with `precision.resolve_precision` (train.py; other workers take the chief's).
+    ``auto`` once, with `precision.resolve_precision` (`training.logdir.prepare_logdir` on the
+    chief; other workers take the chief's choice).
     `hooks`: ``hook(trainer, epoch, logs)``, run on the chief after each epoch (may add to
     `logs`). `initialize(trainer)` sets the starting weights when there is no checkpoint to
     resume from (fine-tuning's `fine_tuning.Source.initialize`).

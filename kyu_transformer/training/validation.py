@@ -4,7 +4,7 @@ import json
 import os
 
 from kyu_transformer import filenames
-from kyu_transformer.decoding.scoring import score
+from kyu_transformer.decoding.bleu import score
 from kyu_transformer.decoding.translator import Translator
 from kyu_transformer.safety.writes import replaced_atomically, write_text
 

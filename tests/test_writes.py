@@ -19,7 +19,7 @@ from kyu_transformer.safety.writes import (
     replaced_atomically,
     write_text,
 )
-from kyu_transformer.training.log import TrainingLog
+from kyu_transformer.training.history import TrainingLog
 
 
 def fill_dev_full():
