@@ -20,32 +20,16 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import (
-    config,  # noqa: E402
-    filenames,  # noqa: E402
-)
+from kyu_transformer import config, filenames  # noqa: E402
 from kyu_transformer.cli.flags import (  # noqa: E402
-    SAMPLING_FLAGS,
-    add_checkpoint_arguments,
-    add_precision_argument,
-    add_search_arguments,
-    check_checkpoint_arguments,
-    excluding,
-    given_search_flags,
-    refuse_clashes,
-    search_settings,
-)
+    SAMPLING_FLAGS, add_checkpoint_arguments, add_precision_argument, add_search_arguments,
+    check_checkpoint_arguments, excluding, given_search_flags, refuse_clashes, search_settings)
 from kyu_transformer.cli.startup import import_frozen  # noqa: E402
-from kyu_transformer.data.subwords import Subwords  # noqa: E402
 from kyu_transformer.data.text import (  # noqa: E402
-    DataError,
-    check_data_dir,
-    normalize_line,
-    read_lines,
-    split_files,
-)
+    DataError, check_data_dir, normalize_line, read_lines, split_files)
 from kyu_transformer.precision import AUTO  # noqa: E402
 from kyu_transformer.safety.writes import stops_cleanly_when_full, write_text  # noqa: E402
+from kyu_transformer.training.logdir import read_trained  # noqa: E402
 
 
 def parse_args(argv):
@@ -145,7 +129,7 @@ def write_lines(path, lines):
 def plot_attention(model, settings, subwords, sources, count, out_dir, name):
     """Saves heatmaps of the last decoder block's cross-attention (mean of heads); prints paths."""
     from kyu_transformer.decoding.translator import Translator
-    from kyu_transformer.training.plots import plt, save_figure
+    from kyu_transformer.training.plots import save_attention
 
     # Coverage is recorded by greedy search.
     translator = Translator(model, beam_size=1, length_margin=settings.length_margin,
@@ -156,17 +140,9 @@ def plot_attention(model, settings, subwords, sources, count, out_dir, name):
                                                         found.coverages)):
         if coverage is None:
             continue
-        source_pieces = subwords.processor.id_to_piece(ids) + ["</s>"]
-        output_pieces = subwords.processor.id_to_piece(output) + ["</s>"]
-        figure, axes = plt.subplots(figsize=(1 + 0.35 * len(source_pieces),
-                                             1 + 0.35 * len(output_pieces)))
-        axes.imshow(coverage[:len(output_pieces), :len(source_pieces)], cmap="viridis",
-                    aspect="auto")
-        axes.set_xticks(range(len(source_pieces)), source_pieces, rotation=90)
-        axes.set_yticks(range(len(output_pieces)), output_pieces)
-        axes.set(xlabel="source", ylabel="output")
         path = filenames.evaluation_file(out_dir, name, filenames.ATTENTION_PLOT.format(index + 1))
-        print(f"attention: {save_figure(figure, path, dpi=80)}")
+        pieces = [subwords.processor.id_to_piece(ids) + ["</s>"] for ids in (ids, output)]
+        print(f"attention: {save_attention(coverage, *pieces, path)}")
 
 
 def load_ctranslate2(args):
@@ -253,8 +229,7 @@ def main(argv=None):
     started = time.time()
     args = parse_args(argv)
     try:
-        hparams = config.load(os.path.join(args.logdir, filenames.HPARAMS))
-        subwords = Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
+        hparams, subwords = read_trained(args.logdir)
         inputs = None if args.src == "-" else load_inputs(args, hparams)
         translator, facts = load_translator(args, hparams)
     except (config.HParamsError, DataError) as error:

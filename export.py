@@ -17,27 +17,18 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import (
-    config,  # noqa: E402
-    filenames,  # noqa: E402
-)
+from kyu_transformer import config, filenames  # noqa: E402
 from kyu_transformer.cli.flags import (  # noqa: E402
-    SAMPLING_FLAGS,
-    SEARCH_FLAGS,
-    add_checkpoint_arguments,
-    add_precision_argument,
-    add_search_arguments,
-    check_checkpoint_arguments,
-    given_search_flags,
-    refuse_clashes,
-    search_settings,
-)
+    SAMPLING_FLAGS, SEARCH_FLAGS, add_checkpoint_arguments, add_precision_argument,
+    add_search_arguments, check_checkpoint_arguments, given_search_flags, refuse_clashes,
+    search_settings)
 from kyu_transformer.cli.startup import import_frozen  # noqa: E402
 from kyu_transformer.conventions import QUANTIZATIONS  # noqa: E402
-from kyu_transformer.data.subwords import Subwords  # noqa: E402
 from kyu_transformer.data.text import DataError  # noqa: E402
 from kyu_transformer.precision import PRECISION_POLICIES  # noqa: E402
-from kyu_transformer.safety.writes import staging_beside, stops_cleanly_when_full, write_text  # noqa: E402
+from kyu_transformer.safety.writes import (  # noqa: E402
+    replace_directory, staging_beside, stops_cleanly_when_full, write_text)
+from kyu_transformer.training.logdir import read_trained  # noqa: E402
 
 FORMATS = ("saved_model", "ctranslate2")
 EXAMPLE = "Zwei Hunde spielen im Schnee."
@@ -128,30 +119,11 @@ def check_out(out, overwrite, logdir):
                          "to replace it (the old one stays until the new export is complete)")
 
 
-def put_in_place(new, out, staging):
-    """Moves the complete export `new` (in `staging`) to `out`. The old `out` goes into `staging`
-    first, to be deleted with it, and back should the second rename fail; only a crash between the
-    renames leaves no `out` (the old one is then in `staging`)."""
-    if os.path.isdir(out) and os.listdir(out):
-        old = os.path.join(staging, "old")
-        os.rename(out, old)
-        try:
-            os.rename(new, out)
-        except OSError:
-            os.rename(old, out)
-            raise
-        return
-    if os.path.isdir(out):
-        os.rmdir(out)
-    os.rename(new, out)
-
-
 def load(args):
     """Reads ``(hparams, subwords, model, checkpoints, precision)`` from --logdir as eval.py
     does; the Keras dtype policy is set to `precision` (--mixed_precision, by default float32)."""
     try:
-        hparams = config.load(os.path.join(args.logdir, filenames.HPARAMS))
-        subwords = Subwords(os.path.join(args.logdir, filenames.SUBWORDS))
+        hparams, subwords = read_trained(args.logdir)
     except (config.HParamsError, DataError) as error:
         raise SystemExit(f"error: {error}") from None
     import_frozen()
@@ -262,7 +234,7 @@ def main(argv=None):
                 raise SystemExit(f"error: --format ctranslate2: {error}") from None
         else:
             signatures = write_saved_model(args, model, subwords, checkpoints, precision, target)
-        put_in_place(target, args.out, staging)
+        replace_directory(target, args.out, staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if args.format == "ctranslate2":

@@ -18,11 +18,7 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
-from kyu_transformer import (
-    config,  # noqa: E402
-    filenames,  # noqa: E402
-    tf1_checkpoint,
-)
+from kyu_transformer import config, filenames, tf1_checkpoint  # noqa: E402
 from kyu_transformer.cli.startup import import_frozen  # noqa: E402
 from kyu_transformer.safety.writes import staging_beside, stops_cleanly_when_full  # noqa: E402
 from kyu_transformer.tf1_checkpoint import TF1ImportError  # noqa: E402

@@ -37,6 +37,55 @@ from kyu_transformer.training.logdir import (  # noqa: E402
 STOPPED_BY_SIGNAL = 75  # after SIGTERM or SIGINT and a checkpoint (EX_TEMPFAIL: run it again)
 
 
+def main(argv=None):
+    """Runs train.py; returns its exit status (0, or 75 after a stop by a signal)."""
+    # Outside training SIGTERM acts as Ctrl-C; in it, both ask the trainer to stop after an update.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return train(argv)
+    except KeyboardInterrupt:
+        print("stopped by a signal before a checkpoint could be saved (outside training, or a "
+              "third signal); the last complete checkpoint stands. Run the same command again "
+              "to go on.", file=sys.stderr, flush=True)
+        return STOPPED_BY_SIGNAL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def train(argv):
+    """Parses, checks, prepares the logdir and corpus, trains and reports; the logdir stays
+    locked until it returns."""
+    args = parse_args(argv)
+    with contextlib.ExitStack() as held:
+        return train_locked(args, held, argv)
+
+
+def train_locked(args, held, argv):
+    """Does the work of `train` with `held`, the ExitStack that holds the logdir's lock."""
+    if args.strategy != "multi_worker":
+        check_before_tensorflow(args, held)
+    import_frozen()
+    from kyu_transformer.training.checkpoints import CheckpointError
+    from kyu_transformer.training.distribution import WorkerDisagreement, is_chief, make_strategy
+    from kyu_transformer.training.trainer import TrainingError
+
+    # Multi-worker collectives must be set up before TensorFlow runs anything else.
+    strategy = make_strategy(args.strategy)
+    chief, hparams = is_chief(strategy), {}
+    try:
+        hparams, corpus, source = prepare_run(args, strategy, chief, held)
+        trainer = make_trainer(hparams, corpus, strategy, args.deterministic, source)
+        started = time.time()
+        result = trainer.fit(corpus.train_batches, hparams["steps_per_epoch"] or None)
+    except (TrainingError, WorkerDisagreement, CheckpointError) as error:
+        raise SystemExit(f"error: {error}")
+    except Exception as error:  # pylint: disable=broad-except  (re-raised unless the disk is full)
+        if not is_out_of_space(error):
+            raise
+        raise SystemExit(out_of_space_line(error, hparams.get("logdir") or args.logdir)) from None
+    return report(result, trainer, hparams["logdir"], (time.time() - started) / 60, argv)
+
+
 def parse_args(argv):
     """Parses train.py's flags and checks them, stopping with the parser's error."""
     parser = hp.argument_parser(__doc__.splitlines()[0])
@@ -173,55 +222,6 @@ def make_trainer(hparams, corpus, strategy, deterministic, source=None):
     trainer = Trainer(hparams, strategy, hooks=hooks, initialize=source and source.initialize)
     print(f"model: {trainer.model.count_params():,} parameters")
     return trainer
-
-
-def main(argv=None):
-    """Runs train.py; returns its exit status (0, or 75 after a stop by a signal)."""
-    # Outside training SIGTERM acts as Ctrl-C; in it, both ask the trainer to stop after an update.
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        return train(argv)
-    except KeyboardInterrupt:
-        print("stopped by a signal before a checkpoint could be saved (outside training, or a "
-              "third signal); the last complete checkpoint stands. Run the same command again "
-              "to go on.", file=sys.stderr, flush=True)
-        return STOPPED_BY_SIGNAL
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def train(argv):
-    """Parses, checks, prepares the logdir and corpus, trains and reports; the logdir stays
-    locked until it returns."""
-    args = parse_args(argv)
-    with contextlib.ExitStack() as held:
-        return train_locked(args, held, argv)
-
-
-def train_locked(args, held, argv):
-    """Does the work of `train` with `held`, the ExitStack that holds the logdir's lock."""
-    if args.strategy != "multi_worker":
-        check_before_tensorflow(args, held)
-    import_frozen()
-    from kyu_transformer.training.checkpoints import CheckpointError
-    from kyu_transformer.training.distribution import WorkerDisagreement, is_chief, make_strategy
-    from kyu_transformer.training.trainer import TrainingError
-
-    # Multi-worker collectives must be set up before TensorFlow runs anything else.
-    strategy = make_strategy(args.strategy)
-    chief, hparams = is_chief(strategy), {}
-    try:
-        hparams, corpus, source = prepare_run(args, strategy, chief, held)
-        trainer = make_trainer(hparams, corpus, strategy, args.deterministic, source)
-        started = time.time()
-        result = trainer.fit(corpus.train_batches, hparams["steps_per_epoch"] or None)
-    except (TrainingError, WorkerDisagreement, CheckpointError) as error:
-        raise SystemExit(f"error: {error}")
-    except Exception as error:  # pylint: disable=broad-except  (re-raised unless the disk is full)
-        if not is_out_of_space(error):
-            raise
-        raise SystemExit(out_of_space_line(error, hparams.get("logdir") or args.logdir)) from None
-    return report(result, trainer, hparams["logdir"], (time.time() - started) / 60, argv)
 
 
 def report(result, trainer, logdir, minutes, argv):

@@ -129,3 +129,21 @@ def copy_aside(path, keep=()):
     for name in sorted(set(os.listdir(path)) - set(keep)):
         shutil.move(os.path.join(path, name), os.path.join(aside, name))
     return aside
+
+
+def replace_directory(new, out, staging):
+    """Moves the complete directory `new` (in `staging`, from `staging_beside`) to `out`. The old
+    `out` goes into `staging` first, to be deleted with it, and back should the second rename fail;
+    only a crash between the renames leaves no `out` (the old one is then in `staging`)."""
+    if os.path.isdir(out) and os.listdir(out):
+        old = os.path.join(staging, "old")
+        os.rename(out, old)
+        try:
+            os.rename(new, out)
+        except OSError:
+            os.rename(old, out)
+            raise
+        return
+    if os.path.isdir(out):
+        os.rmdir(out)
+    os.rename(new, out)

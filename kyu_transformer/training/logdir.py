@@ -10,6 +10,7 @@ import os
 from kyu_transformer import filenames
 from kyu_transformer.config import (
     CHOICES, DEFAULTS, RESUMABLE, SPEC, HParamsError, keys_of, load, save)
+from kyu_transformer.data.subwords import Subwords
 from kyu_transformer.data.text import DataError, check_data_dir, ensure_multi30k, fingerprint
 from kyu_transformer.precision import AUTO, resolve_precision
 from kyu_transformer.safety.writes import copy_aside
@@ -59,6 +60,13 @@ def settle_logdir(hparams, overwrite):
     raise LogdirError(f"{logdir} was trained with {' and '.join(problems)}. Use another "
                       "--logdir, the same settings to resume, or --overwrite to move the old "
                       "logdir aside and start afresh.")
+
+
+def read_trained(logdir):
+    """Reads what decoding with a trained `logdir` needs before its weights: returns
+    ``(hparams, subwords)``, its `hparams.json` and subword model (`HParamsError`, `DataError`)."""
+    return (load(os.path.join(logdir, filenames.HPARAMS)),
+            Subwords(os.path.join(logdir, filenames.SUBWORDS)))
 
 
 def corpus_fingerprint(hparams):

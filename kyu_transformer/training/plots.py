@@ -1,4 +1,5 @@
-"""Draws PNG plots of a training history (`history.jsonl` in the logdir)."""
+"""Draws PNG plots: a training history (`history.jsonl` in the logdir), and the cross-attention
+heatmaps of eval.py's `--plot_attention`."""
 
 import json
 import os
@@ -56,3 +57,15 @@ def plot_training(logdir):
             axes.grid(alpha=0.3)
             drawn.append(save_figure(figure, os.path.join(logdir, filenames.PLOTS[key])))
     return drawn
+
+
+def save_attention(coverage, source_pieces, output_pieces, path):
+    """Saves the heatmap of one sentence's cross-attention `coverage` `(T, S)` (output pieces down,
+    source pieces across) at `path`; returns `path`."""
+    figure, axes = plt.subplots(figsize=(1 + 0.35 * len(source_pieces),
+                                         1 + 0.35 * len(output_pieces)))
+    axes.imshow(coverage[:len(output_pieces), :len(source_pieces)], cmap="viridis", aspect="auto")
+    axes.set_xticks(range(len(source_pieces)), source_pieces, rotation=90)
+    axes.set_yticks(range(len(output_pieces)), output_pieces)
+    axes.set(xlabel="source", ylabel="output")
+    return save_figure(figure, path, dpi=80)

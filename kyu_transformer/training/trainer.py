@@ -1,6 +1,7 @@
 """Holds the `Trainer`, which builds a run's parts (its `step`, `distribution`, `checkpoints`,
-`clock`, `history`, the precision) and drives them, epoch by epoch. The ``fast_paths`` hparam selects
-the fused Adam, the loss's stated gradient and the loss compiled alone with XLA (``xla_loss``).
+`clock`, `history`, the precision) and drives them, epoch by epoch. The ``fast_paths`` hparam
+selects the fused Adam, the loss's stated gradient and the loss compiled alone with XLA
+(``xla_loss``).
 """
 
 import hashlib
