@@ -180,11 +180,17 @@ class Transformer(keras.Model):
         """
         coverage, grown = None, []  # None: a stack without blocks
         for index, block in enumerate(self.decoder_blocks):
-            x, _, coverage, *cache = block(
+            last = index == len(self.decoder_blocks) - 1  # only its mean over heads is needed
+            results = block(
                 x, memory, mask=target_mask, memory_mask=source_mask, training=training,
-                return_attention_scores=True, cache=None if caches is None else caches[index],
+                return_attention_scores=last, cache=None if caches is None else caches[index],
                 self_attention_mask=self_mask)
-            grown += cache
+            results = results if isinstance(results, tuple) else (results,)
+            if caches is not None:
+                *results, cache = results
+                grown.append(cache)
+            x, *attention = results
+            coverage = attention[-1] if attention else coverage
         logits = self.target_embedding.attend(_final_norm(self.decoder_norm, x), table=table)
         return logits, coverage, grown
 
