@@ -8,12 +8,7 @@ import keras
 import numpy as np
 
 from kyu_transformer.layers import (
-    DecoderBlock,
-    Embedding,
-    EncoderBlock,
-    Normalize,
-    PositionalEncoding,
-)
+    DecoderBlock, Embedding, EncoderBlock, Normalize, PositionalEncoding)
 
 
 def build(vocab_size=100, d_model=32, num_heads=4, d_ff=64, maxlen=20):

@@ -18,13 +18,7 @@ from keras import ops
 
 from kyu_transformer import fast_paths as fast
 from kyu_transformer.conventions import (
-    LAYER_NORM_EPSILON,
-    NORM_POSITIONS,
-    PAD_ID,
-    check_choice,
-    check_heads,
-    check_rates,
-)
+    LAYER_NORM_EPSILON, NORM_POSITIONS, PAD_ID, check_choice, check_heads, check_rates)
 
 ENCODING_STYLES = ("interleaved", "concat")
 

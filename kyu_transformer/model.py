@@ -7,22 +7,9 @@ import keras
 from keras import ops
 
 from kyu_transformer.conventions import (
-    LAYER_NORM_EPSILON,
-    NORM_POSITIONS,
-    PAD_ID,
-    check_choice,
-    check_heads,
-    check_rates,
-)
+    LAYER_NORM_EPSILON, NORM_POSITIONS, PAD_ID, check_choice, check_heads, check_rates)
 from kyu_transformer.layers import (
-    DecoderBlock,
-    Dropout,
-    Embedding,
-    EncoderBlock,
-    Normalize,
-    PositionalEncoding,
-    set_fast_paths,
-)
+    DecoderBlock, Dropout, Embedding, EncoderBlock, Normalize, PositionalEncoding, set_fast_paths)
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")

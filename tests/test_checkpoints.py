@@ -8,12 +8,7 @@ import tensorflow as tf
 
 from kyu_transformer import config
 from kyu_transformer.training.checkpoints import (
-    CheckpointError,
-    describe,
-    list_checkpoints,
-    load_model,
-    model_weights,
-)
+    CheckpointError, describe, list_checkpoints, load_model, model_weights)
 from tests.test_training import run_train
 
 pytestmark = pytest.mark.tensorflow_only("TensorFlow checkpoints written by train.py")

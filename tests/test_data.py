@@ -15,12 +15,7 @@ from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID
 from kyu_transformer.data import pipeline
 from kyu_transformer.data.subwords import Subwords, add_markers
 from kyu_transformer.data.text import (
-    MULTI30K_FILES,
-    DataError,
-    ensure_multi30k,
-    load_split,
-    read_parallel,
-)
+    MULTI30K_FILES, DataError, ensure_multi30k, load_split, read_parallel)
 from tests import programs
 
 # The first lines of Multi30k's splits, shipped with the tests (see tests/data/README.md).

@@ -15,11 +15,7 @@ import pytest
 
 from kyu_transformer import config
 from kyu_transformer.training.checkpoints import (
-    UnreadableCheckpoint,
-    list_checkpoints,
-    load_model,
-    unreadable,
-)
+    UnreadableCheckpoint, list_checkpoints, load_model, unreadable)
 from tests.programs import run
 from tests.test_data import MULTI30K
 from tests.test_training import ROOT, digest, run_train

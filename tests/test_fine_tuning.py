@@ -23,11 +23,7 @@ from kyu_transformer.data.text import load_split
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.model import Transformer
 from kyu_transformer.training.checkpoints import (
-    CheckpointError,
-    checkpoint_files,
-    load_model,
-    model_weights,
-)
+    CheckpointError, checkpoint_files, load_model, model_weights)
 from kyu_transformer.training.fine_tuning import ARCHITECTURE_KEYS, Source
 from kyu_transformer.training.trainer import Trainer
 from tests import programs

@@ -9,17 +9,8 @@ from keras import ops
 
 from kyu_transformer.conventions import LAYER_NORM_EPSILON
 from kyu_transformer.layers import (
-    DecoderBlock,
-    Dropout,
-    Embedding,
-    EncoderBlock,
-    FeedForward,
-    MultiHeadAttention,
-    Normalize,
-    PositionalEncoding,
-    label_smoothing,
-    project_heads,
-)
+    DecoderBlock, Dropout, Embedding, EncoderBlock, FeedForward, MultiHeadAttention, Normalize,
+    PositionalEncoding, label_smoothing, project_heads)
 from tests import reference
 from tests.test_fast_paths import switched
 

@@ -6,13 +6,8 @@ import pytest
 
 import hparams as hp
 from kyu_transformer.precision import (
-    BFLOAT16_MARGIN,
-    MIN_PROBE_FLOPS,
-    choose_precision,
-    probe_flops,
-    resolve_precision,
-    time_matmuls,
-)
+    BFLOAT16_MARGIN, MIN_PROBE_FLOPS, choose_precision, probe_flops, resolve_precision,
+    time_matmuls)
 from tests.programs import run
 from tests.test_training import run_train
 

@@ -5,16 +5,8 @@ import numpy as np
 import pytest
 
 from kyu_transformer.layers import (
-    DecoderBlock,
-    Dropout,
-    Embedding,
-    EncoderBlock,
-    FeedForward,
-    MultiHeadAttention,
-    Normalize,
-    PositionalEncoding,
-    ScaledDotProductAttention,
-)
+    DecoderBlock, Dropout, Embedding, EncoderBlock, FeedForward, MultiHeadAttention, Normalize,
+    PositionalEncoding, ScaledDotProductAttention)
 from tests.test_fast_paths import switched
 
 LAYERS = [

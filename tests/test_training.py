@@ -18,10 +18,7 @@ from kyu_transformer.data.subwords import Subwords
 from kyu_transformer.data.text import load_split
 from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.safety.lock import LogdirLock
-from kyu_transformer.training.checkpoints import (
-    list_checkpoints,
-    unreadable,
-)
+from kyu_transformer.training.checkpoints import list_checkpoints, unreadable
 from kyu_transformer.training.clock import UpdatePlan
 from kyu_transformer.training.distribution import replica_slices
 from kyu_transformer.training.metrics import masked_accuracy_counts

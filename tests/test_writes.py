@@ -12,13 +12,8 @@ import tensorflow as tf
 from kyu_transformer.filenames import LOCK
 from kyu_transformer.safety.lock import LogdirBusy, LogdirLock
 from kyu_transformer.safety.writes import (
-    OutOfSpace,
-    as_out_of_space,
-    drop_torn_last_line,
-    is_out_of_space,
-    replaced_atomically,
-    write_text,
-)
+    OutOfSpace, as_out_of_space, drop_torn_last_line, is_out_of_space, replaced_atomically,
+    write_text)
 from kyu_transformer.training.history import TrainingLog
 
 

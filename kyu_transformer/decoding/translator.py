@@ -15,13 +15,7 @@ import tensorflow as tf
 
 from kyu_transformer.conventions import EOS_ID, PAD_ID, cut_at_end
 from kyu_transformer.decoding.search import (
-    NO_HYPOTHESIS_SCORE,
-    length_penalty,
-    output_limit,
-    search,
-    sequence_log_probs,
-    strategy_for,
-)
+    NO_HYPOTHESIS_SCORE, length_penalty, output_limit, search, sequence_log_probs, strategy_for)
 from kyu_transformer.decoding.settings import SearchSettings, checked_max_length
 
 

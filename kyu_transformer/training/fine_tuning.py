@@ -90,12 +90,7 @@ class Source:
     def __init__(self, logdir, hparams, ckpt=None, average_last=0, optimizer=False,
                  run_precision=None):
         from kyu_transformer.training.checkpoints import (
-            CheckpointError,
-            checkpoint_files,
-            load_model,
-            model_weights,
-            resolve,
-        )
+            CheckpointError, checkpoint_files, load_model, model_weights, resolve)
 
         self.logdir, self.optimizer = logdir, optimizer
         # A source still training replaces its best.weights.h5 whole at each better model:

@@ -81,11 +81,7 @@ def prepare_logdir(hparams, overwrite, chief, source=None):
     time. A fine-tuning run's corpus is encoded with its `source`'s subword model, copied first."""
     from kyu_transformer.data.corpus import Corpus
     from kyu_transformer.training.checkpoints import (
-        list_checkpoints,
-        private_dir,
-        refuse_weights_only,
-        unreadable,
-    )
+        list_checkpoints, private_dir, refuse_weights_only, unreadable)
 
     data_dir = hparams["data_dir"]
     if default_corpus_missing(data_dir):

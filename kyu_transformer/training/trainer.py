@@ -21,12 +21,7 @@ from kyu_transformer.safety.writes import replaced_atomically
 from kyu_transformer.training.checkpoints import CheckpointError, RunCheckpoints, checkpoint_dir
 from kyu_transformer.training.clock import TimeBudget, UpdatePlan
 from kyu_transformer.training.distribution import (
-    barrier,
-    check_agreement,
-    distribute_batches,
-    is_chief,
-    is_multi_worker,
-)
+    barrier, check_agreement, distribute_batches, is_chief, is_multi_worker)
 from kyu_transformer.training.history import Progress, TrainingLog, Window
 from kyu_transformer.training.optimizer import make_adam
 from kyu_transformer.training.plots import plot_training
