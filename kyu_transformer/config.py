@@ -17,7 +17,8 @@ import difflib
 import json
 import os
 
-from kyu_transformer.conventions import LAYER_NORM_EPSILON, NORM_POSITIONS, check_decay, check_heads
+from kyu_transformer.conventions import (
+    LAYER_NORM_EPSILON, NORM_POSITIONS, check_choice, check_decay, check_heads, check_rates)
 from kyu_transformer.precision import AUTO, PRECISION_POLICIES
 from kyu_transformer.safety.writes import write_text
 
@@ -174,13 +175,14 @@ def check(hparams):
     """Returns the list of problems of a fully typed hparams dict (empty when valid)."""
     ranges = ((POSITIVE, lambda value: value > 0, "positive"),
               (NON_NEGATIVE, lambda value: value >= 0, ">= 0"),
-              (RATES, lambda value: 0.0 <= value < 1.0, "in [0, 1)"),
               (("attention_dropout",), lambda value: value == -1.0 or 0.0 <= value < 1.0,
                "in [0, 1) or -1 (as dropout_rate)"))
     problems = [f"`{name}` must be {text}, got {hparams[name]}"
                 for names, valid, text in ranges for name in names if not valid(hparams[name])]
-    problems += [f"`{name}` must be one of {', '.join(choices)}, got {hparams[name]!r}"
-                 for name, choices in CHOICES.items() if hparams[name] not in choices]
+    problems += [problem for name in RATES
+                 for problem in _broken(check_rates, **{name: hparams[name]})]
+    problems += [problem for name, choices in CHOICES.items()
+                 for problem in _broken(check_choice, name, hparams[name], choices)]
     if hparams["num_heads"] > 0:
         problems += _broken(check_heads, hparams["d_model"], hparams["num_heads"])
     if hparams["subword_alpha"] > 0 and hparams["subword_model_type"] != "unigram":
@@ -194,11 +196,11 @@ def check(hparams):
     return problems
 
 
-def _broken(rule, *args):
+def _broken(rule, *args, **kwargs):
     """Returns the message of the ValueError that `rule(*args)` raises (without its full stop) as
     a list, empty when it raises none."""
     try:
-        rule(*args)
+        rule(*args, **kwargs)
     except ValueError as error:
         return [str(error).rstrip(".")]
     return []

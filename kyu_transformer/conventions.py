@@ -35,7 +35,7 @@ def cut_at_end(ids):
 def check_choice(name, value, choices):
     """Raises ValueError unless `value` is one of `choices`."""
     if value not in choices:
-        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
+        raise ValueError(f"`{name}` must be one of {', '.join(map(str, choices))}, got {value!r}.")
 
 
 def check_rates(**rates):
