@@ -138,7 +138,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, multi30k_
 
     hparams = tiny(tmp_path, num_epochs=2)
     trainer = Trainer(hparams, hooks=[poison], verbose=False)
-    with pytest.raises(TrainingError, match=r"loss became nan at step 4.*ckpt-3"):
+    with pytest.raises(TrainingError, match=r"loss became non-finite at step 4.*ckpt-3"):
         trainer.fit(multi30k_tiny.train_batches, steps_per_epoch=3)
     saved = trainer.manager.latest_checkpoint
     assert saved.endswith("ckpt-3")
@@ -184,8 +184,9 @@ def test_trainer_fast_paths_switch_trains_the_same_steps(tmp_path):
         for _ in range(2):
             iterator = iter(trainer.distribute(lambda: fixed_batches(0)))
             for _ in range(3):
-                _, loss_sum, _, tokens, _ = trainer._train_step(iterator)
-                losses[fast_paths].append(float(loss_sum) / float(tokens))
+                trainer._train_step(iterator)
+                loss_sum, _, tokens = trainer._train_step.take_sums()
+                losses[fast_paths].append(loss_sum / tokens)
     assert losses[True][-1] < losses[True][0]  # it trains
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
 
@@ -235,13 +236,15 @@ def train_to_the_end(batches, logdir, strategy=None, **overrides):
 
     iterator, taken, losses = iter(trainer.distribute(dataset)), [], []
     while taken[-1:] != [0] and len(taken) < 10:
-        count, loss_sum, _, tokens, _ = trainer._train_step(iterator)
+        count, _, step = trainer._train_step(iterator).numpy()
+        loss_sum, _, tokens = trainer._train_step.take_sums()
         taken.append(int(count))
-        losses.append(float(loss_sum) / max(float(tokens), 1.0))
+        losses.append(loss_sum / max(tokens, 1.0))
+        assert step == trainer.global_step()
     assert trainer.global_step() == len(taken) - 1  # a step is an update
     weights = {weight.path: weight.numpy() for weight in trainer.model.weights}
     trainer._train_step.request_stop()
-    stops = float(trainer._train_step(iter(trainer.distribute(dataset)))[-1])
+    stops = float(trainer._train_step(iter(trainer.distribute(dataset)))[1])
     return taken, losses[:-1], weights, stops
 
 
@@ -442,15 +445,16 @@ for name, strategy in (("default", tf.distribute.get_strategy()),
     for epoch in range(2):
         iterator = iter(trainer.distribute(lambda: dataset(epoch)))
         for _ in batches:
-            _, loss_sum, _, tokens, _ = trainer._train_step(iterator)
-            losses.append(float(loss_sum) / float(tokens))
+            trainer._train_step(iterator)
+            loss_sum, _, tokens = trainer._train_step.take_sums()
+            losses.append(loss_sum / tokens)
     results[name] = {"replicas": strategy.num_replicas_in_sync, "losses": losses,
                      "weights": {w.path.split("/", 1)[1]: w.numpy().tolist()
                                  for w in trainer.model.weights}}
     iterator = iter(trainer.distribute(lambda: dataset(0)))
-    stops = [float(trainer._train_step(iterator)[-1])]
+    stops = [float(trainer._train_step(iterator)[1])]
     trainer._train_step.request_stop()  # what a signal to this process asks
-    stops.append(float(trainer._train_step(iterator)[-1]))
+    stops.append(float(trainer._train_step(iterator)[1]))
     results[name]["stops"] = stops
 print(json.dumps(results))
 """

@@ -81,17 +81,22 @@ class Progress:
             self.bar = keras.utils.Progbar(steps_per_epoch, unit_name="step",
                                            stateful_metrics=["loss", "acc", "run_min_left"])
 
-    def update(self, done, loss_sum, correct, tokens, estimate=None):
-        """Counts an update's sums and moves the bar; `estimate` is ``(seconds per update,
-        seconds left)`` or None."""
-        self.totals.add(loss_sum, correct, tokens)
+    def update(self, done, estimate=None):
+        """Moves the bar to `done` updates; `estimate` is ``(seconds per update, seconds left)``
+        or None. The bar's loss and accuracy are the epoch's as of the last summary."""
         self.minutes_left = None if estimate is None else estimate[1] / 60
         if self.bar is not None:
-            summary = self.totals.summary()
-            values = [("loss", summary["loss"]), ("acc", summary["accuracy"])]
+            values = []
+            if self.totals.tokens:
+                summary = self.totals.summary()
+                values = [("loss", summary["loss"]), ("acc", summary["accuracy"])]
             if self.minutes_left is not None:  # the bar's own ETA is the epoch's
                 values.append(("run_min_left", self.minutes_left))
             self.bar.update(done, values)
+
+    def add(self, window):
+        """Counts a summary's sums (a `Window`) in the epoch's totals."""
+        self.totals.add(window.loss, window.correct, window.tokens)
 
     def log(self, record):
         """Prints `record` as one line where there is no bar (the output is not a terminal)."""

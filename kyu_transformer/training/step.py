@@ -2,6 +2,11 @@
 ``MultiWorkerMirroredStrategy``, keras-team/keras#20585): the loss is summed over tokens and divided
 by the *global* batch's count; with ``accumulate_steps`` N, one update on N batches is made as on
 their union.
+
+An update asks nothing of the host but two counts (the batches it took and the stop requests):
+its sums (loss, hits, tokens) add up in variables on the device, read at log steps by
+`take_sums`, and the first update whose loss is not finite is recorded there too
+(`first_non_finite_step`), so that nothing is saved after it.
 """
 
 import keras
@@ -25,87 +30,94 @@ def loss_terms_function(loss_fn, xla=True):
 
 class TrainStep:
     """Makes one update of `accumulate_steps` batches from an iterator of `Trainer.distribute`'s:
-    ``step(iterator)`` -> ``(batches, loss_sum, correct, tokens, stops)`` (`loss_terms`: from
-    `loss_terms_function`; `jit_compile`: the whole step compiled with XLA).
+    ``step(iterator)`` -> an int64 tensor ``[batches, stops, step]`` (`loss_terms`: from
+    `loss_terms_function`; `jit_compile`: each replica's update compiled with XLA, see
+    `_compiled_on_its_device`).
 
-    ``batches`` counts the batches the update took: fewer at the end of the data, 0 (and the
-    sums 0) once it has ended. ``stops`` counts the replicas whose process called
+    ``batches`` counts the batches the update took: fewer at the end of the data, 0 (and no
+    update) once it has ended. ``stops`` counts the replicas whose process called
     `request_stop`: riding on the token count's all-reduce, it tells every worker of any stop
-    after the same update, without a collective of its own.
+    after the same update, without a collective of its own. ``step`` is the optimizer's count of
+    updates after it.
     """
 
     def __init__(self, strategy, model, optimizer, loss_terms, jit_compile=False,
                  accumulate_steps=1):
         self.strategy, self.model, self.optimizer = strategy, model, optimizer
         self.loss_terms, self.accumulate_steps = loss_terms, accumulate_steps
-        # This process's request, outside the strategy: every worker has its own.
+        # This process's request and sums, outside the strategy: every worker has its own.
         self.stop_requested = tf.Variable(0.0, trainable=False, name="stop_requested")
-        step = self._distributed_step if accumulate_steps == 1 else self._accumulated_step
+        self.sums = tf.Variable(tf.zeros([3]), trainable=False, name="sums")  # loss, hits, tokens
+        self.first_non_finite = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                            name="first_non_finite_step")  # 0: none yet
+        self.replica_update = self._replica_update
+        if jit_compile and strategy.num_replicas_in_sync == 1:
+            self.replica_update = _compiled(self._replica_update)
+        elif jit_compile:
+            self.replica_update = self._replica_update_of(_compiled_on_its_device(self._gradients))
+        step = self._one_batch_step if accumulate_steps == 1 else self._accumulated_step
         # Its conditions are tf.cond's already: AutoGraph would only parse and rewrite the source
         # of every function the step calls, in every process that starts training.
-        self.function = tf.function(step, jit_compile=jit_compile or None, reduce_retracing=True,
-                                    autograph=False)
+        self.function = tf.function(step, reduce_retracing=True, autograph=False)
 
     def __call__(self, iterator):
-        """Runs the step on `iterator`; returns ``(batches, loss_sum, correct, tokens, stops)``."""
+        """Runs the step on `iterator`; returns the int64 tensor ``[batches, stops, step]``."""
         return self.function(iterator)
 
     def request_stop(self):
         """Asks every worker to stop after the next step (see ``stops``)."""
         self.stop_requested.assign(1.0)
 
-    def _replica_step(self, features, labels):
-        replica = tf.distribute.get_replica_context()
-        with tf.GradientTape() as tape:
-            logits = self.model(features, training=True)  # (n, T, V)
-            loss_sum, correct, tokens = self.loss_terms(labels, logits)
-            tokens_and_stops = replica.all_reduce(
-                tf.distribute.ReduceOp.SUM,
-                tf.stack([tokens, tf.cast(self.stop_requested, tokens.dtype)]))  # (2,)
-            loss = loss_sum / tf.maximum(tokens_and_stops[0], 1.0)
-            scaled_loss = self._scaled(loss)
-        gradients = tape.gradient(scaled_loss, self.model.trainable_variables)
-        self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
-        return loss_sum, correct, tokens, tokens_and_stops[1]
+    def take_sums(self):
+        """Returns the ``(loss_sum, correct, tokens)`` of the updates since the last call, as
+        Python floats, and starts the next sums at 0."""
+        sums = [float(value) for value in self.sums.numpy()]
+        self.sums.assign(tf.zeros([3]))
+        return sums
 
-    def _scaled(self, loss):
-        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-            return self.optimizer.scale_loss(loss)
-        return loss
+    def first_non_finite_step(self):
+        """Returns the first update whose loss was not finite, or None."""
+        return int(self.first_non_finite.numpy()) or None
 
-    def _distributed_step(self, iterator):
-        """Runs one step on the next global batch (a bare `next()` would raise at the end only
-        after the optimizer counted one more iteration)."""
+    def _one_batch_step(self, iterator):
+        """Updates on the next global batch (a bare `next()` would raise at the end only after
+        the optimizer counted one more iteration)."""
         batch = iterator.get_next_as_optional()
-
-        def step():
-            *sums, stops = self.strategy.run(self._replica_step, args=batch.get_value())
-            # Already summed over all replicas: every replica holds the same count.
-            return (tf.constant(1), *self._summed(sums),
-                    self.strategy.experimental_local_results(stops)[0])
-
         return tf.cond(tf.logical_not(batch.has_value()),
-                       lambda: (tf.constant(0), *[tf.constant(0.0)] * 4), step)
+                       lambda: self._counts_and_step(tf.constant(0.0), tf.constant(0.0)),
+                       lambda: self._update([batch.get_value()], tf.constant(1.0)))
 
     def _accumulated_step(self, iterator):
-        """Makes one update on the next `accumulate_steps` batches of an endless iterator: their
-        tokens counted first, each batch's loss is divided by the count of all."""
+        """Makes one update on the next `accumulate_steps` batches of an endless iterator."""
         micro_batches = [next(iterator) for _ in range(self.accumulate_steps)]
         counts = self.strategy.run(self._counts, args=(micro_batches,))
         tokens_stops_rows = self.strategy.experimental_local_results(counts)[0]
         # The data ended where the batches have no rows (no real global batch is empty).
-        batches = tf.reduce_sum(tf.cast(tokens_stops_rows[2:] > 0, tf.int32))
-
-        def update():
-            sums = self.strategy.run(self._replica_update, args=(micro_batches, counts))
-            return (batches, *self._summed(sums), tokens_stops_rows[1])
-
+        batches = tf.reduce_sum(tf.cast(tokens_stops_rows[2:] > 0, tf.float32))
         return tf.cond(tf.equal(batches, 0),
-                       lambda: (batches, *[tf.constant(0.0)] * 3, tokens_stops_rows[1]), update)
+                       lambda: self._counts_and_step(batches, tokens_stops_rows[1]),
+                       lambda: self._update(micro_batches, batches, counts))
 
-    def _summed(self, values):
-        return [self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-                for value in values]
+    def _update(self, micro_batches, batches, counts=None):
+        """Updates on `micro_batches` (each replica's slices), their `counts` from `_counts`;
+        adds the sums to `sums`; returns ``[batches, stops, step]``."""
+        if counts is None:
+            counts = self.strategy.run(self._counts, args=(micro_batches,))
+        sums = self.strategy.run(self.replica_update, args=(micro_batches, counts))
+        loss_sum, correct, tokens = [
+            self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None) for value in sums]
+        self.sums.assign_add(tf.stack([loss_sum, correct, tokens]))
+        first = self.first_non_finite
+        first.assign(tf.where(tf.logical_and(tf.equal(first, 0),
+                                             tf.logical_not(tf.math.is_finite(loss_sum))),
+                              tf.cast(self.optimizer.iterations, tf.int64), first))
+        stops = self.strategy.experimental_local_results(counts)[0][1]
+        return self._counts_and_step(batches, stops)
+
+    def _counts_and_step(self, batches, stops):
+        """Returns ``[batches, stops, step]`` as one int64 tensor: the host reads it at once."""
+        return tf.stack([tf.cast(batches, tf.int64), tf.cast(stops, tf.int64),
+                         tf.cast(self.optimizer.iterations, tf.int64)])
 
     def _counts(self, micro_batches):
         """Returns ``[tokens, stops, rows of each batch]`` summed over replicas in one
@@ -118,8 +130,23 @@ class TrainStep:
             tf.stack([tokens, tf.cast(self.stop_requested, tf.float32), *rows]))
 
     def _replica_update(self, micro_batches, counts):
-        """Computes the gradients of `micro_batches` one batch after another, then applies their
-        sum once; returns the summed ``(loss_sum, correct, tokens)``."""
+        """Updates on `micro_batches` (see `_gradients`); returns their summed ``(loss_sum,
+        correct, tokens)``."""
+        return self._replica_update_of(self._gradients)(micro_batches, counts)
+
+    def _replica_update_of(self, gradients_function):
+        """Returns `_replica_update` with the gradients computed by `gradients_function`."""
+        def replica_update(micro_batches, counts):
+            gradients, sums = gradients_function(micro_batches, counts)
+            self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
+            return sums
+
+        return replica_update
+
+    def _gradients(self, micro_batches, counts):
+        """Computes the gradients of `micro_batches` one batch after another, each batch's loss
+        divided by the count of all (`counts[0]`); returns their sum and the summed
+        ``(loss_sum, correct, tokens)``."""
         variables, gradients, sums = self.model.trainable_variables, None, []
         for features, labels in micro_batches:
             if gradients is not None:  # a batch's forward pass waits for the last one's gradients
@@ -135,8 +162,36 @@ class TrainStep:
             gradients = (batch_gradients if gradients is None else
                          [_added(total, more) for total, more in zip(gradients, batch_gradients)])
             sums.append((loss_sum, correct, tokens))
-        self.optimizer.apply_gradients(zip(gradients, variables))
-        return [tf.add_n(list(column)) for column in zip(*sums)]
+        return gradients, [tf.add_n(list(column)) for column in zip(*sums)]
+
+    def _scaled(self, loss):
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            return self.optimizer.scale_loss(loss)
+        return loss
+
+
+def _compiled(function):
+    return tf.function(function, jit_compile=True, reduce_retracing=True, autograph=False)
+
+
+def _compiled_on_its_device(function):
+    """Returns `function` compiled with XLA, for one of several replicas: each call placed on the
+    replica's device.
+
+    Under several replicas only the forward and backward passes are compiled: the optimizer sums
+    the replicas' gradients by a `merge_call`, which XLA compiles only where every device is a
+    GPU. The call is placed by hand because a compiled call inside `strategy.run` is otherwise
+    placed on the first device, away from the other replicas' variables."""
+    compiled = _compiled(function)
+
+    def placed(*args):
+        context = tf.distribute.get_replica_context()
+        devices = context.strategy.extended.worker_devices  # this worker's replicas'
+        replica = tf.get_static_value(context.replica_id_in_sync_group)
+        with tf.device(devices[replica % len(devices)]):
+            return compiled(*args)
+
+    return placed
 
 
 def _added(total, more):

@@ -87,6 +87,7 @@ class Trainer:
                                           checkpoint_dir(self.logdir), hparams["keep_checkpoints"],
                                           self.chief)
         self.last_saved, self.plan, self.per_update = None, None, hparams.get("accumulate_steps", 1)
+        self.last_loss = None  # the mean loss of the updates before the last summary
         self.budget = TimeBudget(hparams["max_minutes"], self.strategy)
         self.log = TrainingLog(self.logdir, self.chief)
         self.loss_fn = LabelSmoothedCrossEntropy(hparams["smoothing"], fast_paths=fast_paths)
@@ -126,7 +127,9 @@ class Trainer:
         return path
 
     def save(self):
-        """Saves a checkpoint of the run; returns its path on the chief (else None)."""
+        """Saves a checkpoint of the run; returns its path on the chief (else None). Raises a
+        `TrainingError` instead if an update's loss was not finite."""
+        self._check_losses()
         self.last_saved = self.checkpoints.save(self.global_step(), self.budget.used())
         return self.last_saved
 
@@ -138,7 +141,8 @@ class Trainer:
         ``({"source", "target_in"}, target_out)``, the same for the same epoch (a resumed run
         skips what it has done); `steps_per_epoch` caps an epoch's updates. Returns a dict:
         ``resumed_from``, ``steps``, ``epochs``, ``stopped`` (``"done"``, ``"time"``,
-        ``"SIGTERM"``...), ``last_loss``, ``train_seconds`` (resumed runs included) and
+        ``"SIGTERM"``...), ``last_loss`` (the mean of the updates since the last summary),
+        ``train_seconds`` (resumed runs included) and
         ``checkpoint`` (the last saved, on the chief).
         """
         self._train_step.stop_requested.assign(0.0)
@@ -149,16 +153,16 @@ class Trainer:
             if self.chief and self.verbose:
                 print(self.plan.line(self.budget.minutes, self.schedule.decay_steps), flush=True)
             # A run killed after its budget was spent (and saved) trains no further.
-            stopped, last_loss = ("time" if self.budget.spent() else "done"), None
+            stopped = "time" if self.budget.spent() else "done"
             while int(self.epoch.numpy()) < self.hparams["num_epochs"] and stopped == "done":
-                stopped, last_loss = self._train_epoch(make_epoch_batches, steps_per_epoch)
+                stopped = self._train_epoch(make_epoch_batches, steps_per_epoch)
             if self.chief and stopped in ("done", "time"):
                 with replaced_atomically(os.path.join(self.logdir, filenames.MODEL)) as temporary:
                     self.model.save(temporary)
                 plot_training(self.logdir)
         self.checkpoints.discard_private()
         return {"resumed_from": resumed_from, "steps": self.global_step(),
-                "epochs": int(self.epoch.numpy()), "stopped": stopped, "last_loss": last_loss,
+                "epochs": int(self.epoch.numpy()), "stopped": stopped, "last_loss": self.last_loss,
                 "train_seconds": self.budget.used(), "checkpoint": self.last_saved}
 
     def _resume(self):
@@ -172,7 +176,7 @@ class Trainer:
         return resumed_from
 
     def _train_epoch(self, make_epoch_batches, steps_per_epoch):
-        """Trains the current epoch from where it stopped; returns ``(stopped, last_loss)``."""
+        """Trains the current epoch from where it stopped; returns how it stopped."""
         epoch, skip = int(self.epoch.numpy()), int(self.step_in_epoch.numpy())
 
         def batches():
@@ -182,7 +186,7 @@ class Trainer:
         iterator = iter(self.distribute(batches))
         progress = Progress(epoch, self.hparams["num_epochs"], math.ceil(skip / self.per_update),
                             steps_per_epoch, enabled=self.verbose and self.chief)
-        stopped, last_loss = self._run_steps(iterator, epoch, skip, progress)
+        stopped = self._run_steps(iterator, epoch, skip, progress)
         if stopped == "done":
             self.epoch.assign_add(1)
             self.step_in_epoch.assign(0)
@@ -192,50 +196,63 @@ class Trainer:
             for hook in self.hooks:
                 hook(self, epoch + 1, logs)
             self.log.write(logs)
-        return stopped, last_loss
+        return stopped
 
     def _run_steps(self, iterator, epoch, done, progress):
-        """Steps until the data or the budget ends; returns ``(stopped, last_loss)``."""
-        hparams, window, last_loss = self.hparams, Window(), None
+        """Steps until the data or the budget ends; returns how it stopped (`fit`'s ``stopped``).
+
+        An update's one read by the host is its ``[batches, stops, step]``; the sums stay on the
+        device until a log step, a save (`save` checks the losses first) or the epoch's end."""
+        window = Window()
         while True:
             if self._stop_requests.received:  # the next step tells every worker
                 self._train_step.request_stop()
-            batches, *sums, stops = self._train_step(iterator)
-            if not int(batches):
+            batches, stops, step = (int(value) for value in self._train_step(iterator).numpy())
+            if not batches:
+                self._summarize(window, progress, step, epoch, record=False)
                 progress.finish()
-                return "done", last_loss
-            loss_sum, correct, tokens = (float(value) for value in sums)
-            step, done = self.global_step(), done + int(batches)  # `done`: the epoch's batches
+                return "done"
+            done += batches  # the epoch's batches
             self.step_in_epoch.assign(done)
-            last_loss = self._checked_loss(loss_sum, tokens, step)
-            window.add(loss_sum, correct, tokens)
             estimate = self.plan.seconds_left(step, self.budget.left())
-            progress.update(math.ceil(done / self.per_update), loss_sum, correct, tokens, estimate)
+            progress.update(math.ceil(done / self.per_update), estimate)
             if line := self.plan.estimate_line(step, estimate, self.budget.left()):
                 progress.finish(line)
-            if step % hparams["log_every"] == 0:
-                record = {"kind": "train", "step": step, "epoch": epoch + 1,
-                          **window.summary(), "lr": float(self.schedule(step - 1))}
-                self.log.write(record)
-                progress.log(record)
-                window = Window()
-            if float(stops):
+            if step % self.hparams["log_every"] == 0:
+                self._summarize(window, progress, step, epoch)
+                window = Window()  # a summary's tokens per second are its own
+            if stops:
+                self._summarize(window, progress, step, epoch, record=False)
                 progress.finish(f"stopping after step {step}: "
                                 f"{self._stop_requests.received or 'another worker'} received")
-                return self._stop_requests.received or "a signal to another worker", last_loss
-            if hparams["checkpoint_every"] and step % hparams["checkpoint_every"] == 0:
+                return self._stop_requests.received or "a signal to another worker"
+            if self.hparams["checkpoint_every"] and step % self.hparams["checkpoint_every"] == 0:
                 self.save()
             if self.budget.spent():
+                self._summarize(window, progress, step, epoch, record=False)
                 progress.finish(f"stopping: the budget of {self.budget.minutes} minutes is used")
-                return "time", last_loss
+                return "time"
 
-    def _checked_loss(self, loss_sum, tokens, step):
-        """Returns the step's mean loss; raises a `TrainingError` (nothing saved) when it is not
-        finite."""
-        loss = loss_sum / max(tokens, 1.0)
-        if not math.isfinite(loss):
+    def _summarize(self, window, progress, step, epoch, record=True):
+        """Adds the device's sums since the last summary to `window` and the epoch's totals;
+        with `record`, logs the window. Its mean loss becomes `last_loss`. Raises a
+        `TrainingError` if an update's loss was not finite."""
+        self._check_losses()
+        window.add(*self._train_step.take_sums())
+        progress.add(window)
+        if window.tokens:
+            self.last_loss = window.loss / window.tokens
+        if record and window.tokens:
+            record = {"kind": "train", "step": step, "epoch": epoch + 1, **window.summary(),
+                      "lr": float(self.schedule(step - 1))}
+            self.log.write(record)
+            progress.log(record)
+
+    def _check_losses(self):
+        """Raises a `TrainingError` (nothing saved) if an update's loss was not finite."""
+        step = self._train_step.first_non_finite_step()
+        if step is not None:
             raise TrainingError(
-                f"the training loss became {loss} at step {step}; stopping without "
+                f"the training loss became non-finite at step {step}; stopping without "
                 f"saving. The last good checkpoint is {self.manager.latest_checkpoint}. "
                 "Lower `lr`, raise `warmup_steps`, or check the data.")
-        return loss
