@@ -1,10 +1,18 @@
-"""Provides Adam with a fast path for its update: one fused TensorFlow kernel per variable.
+"""Provides Adam with a fast path for its update (one fused TensorFlow kernel per variable), and
+float16's loss scaling with one verdict on the gradients for all replicas.
 
 Keras' Adam makes several element-wise passes per variable; ``ResourceApplyAdam`` makes one,
 with Keras' formula (the paper's with the "epsilon hat" of its section 2:
 ``variable -= lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) * m / (sqrt(v) + epsilon)``), so
 checkpoints, schedules, loss scaling and strategies work as with Keras' Adam, whose own update
 runs with another backend or AMSGrad.
+
+Keras' `LossScaleOptimizer` asks each replica whether its own gradients are finite, before they
+are summed over the replicas, and acts on the first local replica's answer alone: an overflow on
+another replica reaches every replica's weights through the sum (`MirroredStrategy`), or workers
+that answer differently wait for ever on each other's collectives (`MultiWorkerMirroredStrategy`).
+`LossScaleOptimizer` here sums the replicas' answers first, so that all skip an update (and halve
+the scale) together.
 """
 
 import functools
@@ -49,3 +57,24 @@ def _handle(variable):
     if isinstance(variable, keras.Variable):
         variable = variable.value
     return variable.handle
+
+
+@keras.saving.register_keras_serializable(package="kyu_transformer")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Scales the loss and skips updates as `keras.optimizers.LossScaleOptimizer` does (same
+    arguments and state: either restores the other's checkpoints), deciding for every replica at
+    once: an update is skipped on all when any replica's gradients are not finite."""
+
+    def check_finite(self, grads):
+        """Returns whether `grads` are finite on every replica (this replica's verdict alone
+        outside a replica context or with one replica)."""
+        finite = super().check_finite(grads)
+        replica = tf.distribute.get_replica_context()
+        if replica is None or replica.num_replicas_in_sync == 1:
+            return finite
+        # A collective that every replica meets: Keras' `apply` calls this on each replica once
+        # an update, whatever its gradients, before the condition that skips. The flags are
+        # floats, which every device's and worker's all-reduce sums.
+        non_finite = replica.all_reduce(tf.distribute.ReduceOp.SUM,
+                                        tf.cast(tf.logical_not(finite), tf.float32))
+        return tf.equal(non_finite, 0.0)

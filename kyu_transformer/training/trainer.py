@@ -23,7 +23,7 @@ from kyu_transformer.training.clock import TimeBudget, UpdatePlan
 from kyu_transformer.training.distribution import (
     barrier, check_agreement, distribute_batches, is_chief, is_multi_worker)
 from kyu_transformer.training.history import Progress, TrainingLog, Window
-from kyu_transformer.training.optimizer import make_adam
+from kyu_transformer.training.optimizer import LossScaleOptimizer, make_adam
 from kyu_transformer.training.plots import plot_training
 from kyu_transformer.training.schedule import NoamSchedule
 from kyu_transformer.training.step import TrainStep, loss_terms_function
@@ -81,7 +81,7 @@ class Trainer:
             self.optimizer = make_adam(self.schedule, fast_paths=fast_paths, beta_1=0.9,
                                        beta_2=0.98, epsilon=1e-9)
             if hparams["mixed_precision"] == "fp16":
-                self.optimizer = keras.optimizers.LossScaleOptimizer(self.optimizer)
+                self.optimizer = LossScaleOptimizer(self.optimizer)
             self.optimizer.build(self.model.trainable_variables)
         self.checkpoints = RunCheckpoints(self.strategy, self.model, self.optimizer,
                                           checkpoint_dir(self.logdir), hparams["keep_checkpoints"],
