@@ -169,8 +169,12 @@ def load_ctranslate2(args):
         raise DataError(str(error)) from None
     except RuntimeError as error:  # CTranslate2's own: a missing or broken model.bin
         raise DataError(f"{model_dir}: CTranslate2 cannot load it ({error})") from None
+    loaded = translator.load()  # where CTranslate2 decodes, and in which types
+    print(f"devices: CTranslate2 on {loaded.device} (compute type {loaded.compute_type})",
+          file=sys.stderr)
     return translator, {"engine": "ctranslate2", "model_dir": model_dir,
-                        "quantization": translator.quantization}
+                        "quantization": translator.quantization, "device": loaded.device,
+                        "compute_type": loaded.compute_type}
 
 
 def load_translator(args, hparams):
