@@ -24,7 +24,7 @@ from kyu_transformer import config, filenames  # noqa: E402
 from kyu_transformer.cli.flags import (  # noqa: E402
     SAMPLING_FLAGS, add_checkpoint_arguments, add_precision_argument, add_search_arguments,
     check_checkpoint_arguments, excluding, given_search_flags, refuse_clashes, search_settings)
-from kyu_transformer.cli.startup import import_frozen  # noqa: E402
+from kyu_transformer.cli.startup import start_tensorflow  # noqa: E402
 from kyu_transformer.data.text import (  # noqa: E402
     DataError, check_data_dir, normalize_line, read_lines, split_files)
 from kyu_transformer.precision import AUTO  # noqa: E402
@@ -156,7 +156,7 @@ def load_ctranslate2(args):
     if os.path.isfile(copied) and not filecmp.cmp(copied, ours, shallow=False):
         raise DataError(f"{model_dir} was converted with another subword model than {ours}: "
                         "convert this logdir's model, or give the logdir it came from")
-    import_frozen()
+    start_tensorflow()  # which the conversion's module imports
     from kyu_transformer.export.ctranslate2 import CTranslate2Translator, ExportError
 
     try:
@@ -169,8 +169,12 @@ def load_ctranslate2(args):
         raise DataError(str(error)) from None
     except RuntimeError as error:  # CTranslate2's own: a missing or broken model.bin
         raise DataError(f"{model_dir}: CTranslate2 cannot load it ({error})") from None
+    loaded = translator.load()  # where CTranslate2 decodes, and in which types
+    print(f"devices: CTranslate2 on {loaded.device} (compute type {loaded.compute_type})",
+          file=sys.stderr)
     return translator, {"engine": "ctranslate2", "model_dir": model_dir,
-                        "quantization": translator.quantization}
+                        "quantization": translator.quantization, "device": loaded.device,
+                        "compute_type": loaded.compute_type}
 
 
 def load_translator(args, hparams):
@@ -178,7 +182,10 @@ def load_translator(args, hparams):
     the json)``."""
     if args.ctranslate2:
         return load_ctranslate2(args)
-    import_frozen()
+    devices = start_tensorflow()
+    # On standard error, as the precision's line: with `--src -` standard output holds
+    # translations only.
+    print(f"devices: {devices}", file=sys.stderr)
     from kyu_transformer.decoding.translator import Translator
     from kyu_transformer.training.checkpoints import CheckpointError, describe, load_trained
 
@@ -195,7 +202,7 @@ def load_translator(args, hparams):
         raise DataError(str(error)) from None
     return Translator(model, args.settings), {
         "engine": "keras", "checkpoint": describe(checkpoints), "checkpoints": checkpoints,
-        "mixed_precision": precision, **choice}
+        "mixed_precision": precision, "device": devices, **choice}
 
 
 def write_scores(translator, subwords, sources, targets, out_dir, name):

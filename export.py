@@ -22,7 +22,7 @@ from kyu_transformer.cli.flags import (  # noqa: E402
     SAMPLING_FLAGS, SEARCH_FLAGS, add_checkpoint_arguments, add_precision_argument,
     add_search_arguments, check_checkpoint_arguments, given_search_flags, refuse_clashes,
     search_settings)
-from kyu_transformer.cli.startup import import_frozen  # noqa: E402
+from kyu_transformer.cli.startup import start_tensorflow  # noqa: E402
 from kyu_transformer.conventions import QUANTIZATIONS  # noqa: E402
 from kyu_transformer.data.text import DataError  # noqa: E402
 from kyu_transformer.precision import PRECISION_POLICIES  # noqa: E402
@@ -126,7 +126,7 @@ def load(args):
         hparams, subwords = read_trained(args.logdir)
     except (config.HParamsError, DataError) as error:
         raise SystemExit(f"error: {error}") from None
-    import_frozen()
+    print(f"devices: {start_tensorflow()}")
     from kyu_transformer.training.checkpoints import CheckpointError, load_trained
 
     try:

@@ -19,7 +19,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
 from kyu_transformer import config, filenames, tf1_checkpoint  # noqa: E402
-from kyu_transformer.cli.startup import import_frozen  # noqa: E402
+from kyu_transformer.cli.startup import start_tensorflow  # noqa: E402
 from kyu_transformer.safety.writes import staging_beside, stops_cleanly_when_full  # noqa: E402
 from kyu_transformer.tf1_checkpoint import TF1ImportError  # noqa: E402
 
@@ -125,7 +125,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         hparams, subword_model = check_before_tensorflow(args)
-        import_frozen()
+        start_tensorflow()
         weights, step, prefix, biases, skipped = read_weights(args, hparams)
     except (TF1ImportError, config.HParamsError) as error:
         raise SystemExit(f"error: {error}") from None

@@ -22,7 +22,7 @@ import hparams as hp  # noqa: E402
 from kyu_transformer import filenames  # noqa: E402
 from kyu_transformer.cli.flags import (  # noqa: E402
     add_checkpoint_arguments, check_checkpoint_arguments, refuse_clashes)
-from kyu_transformer.cli.startup import import_frozen  # noqa: E402
+from kyu_transformer.cli.startup import start_tensorflow  # noqa: E402
 from kyu_transformer.config import HParamsError, load, resolve  # noqa: E402
 from kyu_transformer.conventions import STRATEGIES  # noqa: E402
 from kyu_transformer.data.text import DataError, check_data_dir  # noqa: E402
@@ -64,13 +64,14 @@ def train_locked(args, held, argv):
     """Does the work of `train` with `held`, the ExitStack that holds the logdir's lock."""
     if args.strategy != "multi_worker":
         check_before_tensorflow(args, held)
-    import_frozen()
+    devices = start_tensorflow()
     from kyu_transformer.training.checkpoints import CheckpointError
     from kyu_transformer.training.distribution import WorkerDisagreement, is_chief, make_strategy
     from kyu_transformer.training.trainer import TrainingError
 
     # Multi-worker collectives must be set up before TensorFlow runs anything else.
     strategy = make_strategy(args.strategy)
+    print(f"devices: {devices}", flush=True)  # each worker's own
     chief, hparams = is_chief(strategy), {}
     try:
         hparams, corpus, source = prepare_run(args, strategy, chief, held)

@@ -1,7 +1,9 @@
 """Sets a run's numeric precision, the global Keras dtype policy, and makes `auto`'s choice of it.
 
 On a CPU bfloat16 pays only with fast units (AMX, AVX512-BF16), so ``auto`` times the model's
-matrix products in both dtypes. Keras (and TensorFlow) loads only to set a policy or time them.
+matrix products in both dtypes. On a GPU its compute capability decides: bfloat16 from 8.0,
+float16 from 7.0 (tensor cores), float32 below, where float16 arithmetic gains no speed. Keras
+(and TensorFlow) loads only to set a policy or time them.
 """
 
 import time
@@ -11,6 +13,9 @@ import numpy as np
 # The `mixed_precision` hparam's values and the Keras dtype policies they name.
 PRECISION_POLICIES = {"no": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 AUTO = "auto"
+# GPUs of at least these compute capabilities multiply in bfloat16 / float16 on tensor cores.
+NATIVE_BFLOAT16 = (8, 0)
+TENSOR_CORES = (7, 0)
 # Below this speedup, the casts and float32 parts of a mixed step eat bfloat16's gain.
 BFLOAT16_MARGIN = 1.2
 PROBE_ROWS = 512  # rows of the probe's products: tokens of a small batch
@@ -36,10 +41,7 @@ def choose_precision(hparams, gpus=None, timings=None):
                       f"pay ({flops / 1e6:.0f} MFLOP a probe, under {MIN_PROBE_FLOPS / 1e6:.0f})")
     gpus = detect_gpus() if gpus is None else gpus
     if gpus:
-        if all(capability >= (8, 0) for capability in gpus):
-            return "bf16", f"GPU of compute capability {gpus[0][0]}.{gpus[0][1]}: native bfloat16"
-        return "fp16", (f"GPU of compute capability {min(gpus)[0]}.{min(gpus)[1]}: no native "
-                        "bfloat16, float16 with loss scaling")
+        return choose_gpu_precision(min(gpus))  # the weakest GPU sets every replica's pace
     timings = timings or time_matmuls(hparams)
     speedup = timings["float32"] / timings["bfloat16"]
     value = "bf16" if speedup >= BFLOAT16_MARGIN else "no"
@@ -48,9 +50,22 @@ def choose_precision(hparams, gpus=None, timings=None):
                    f"ms ({speedup:.2f}x; bfloat16 needs {BFLOAT16_MARGIN}x)")
 
 
+def choose_gpu_precision(capability):
+    """Returns ``(value, reason)`` for GPUs of compute capability `capability` (``(major,
+    minor)``): bfloat16 where native, float16 with tensor cores, else float32."""
+    named = f"GPU of compute capability {capability[0]}.{capability[1]}"
+    if capability >= NATIVE_BFLOAT16:
+        return "bf16", f"{named}: native bfloat16"
+    if capability >= TENSOR_CORES:
+        return "fp16", f"{named}: no native bfloat16, float16 with loss scaling"
+    return "no", (f"{named}: no tensor cores (from {TENSOR_CORES[0]}.{TENSOR_CORES[1]}), "
+                  "float16 would gain no speed over float32")
+
+
 def scales_the_loss(value, hparams):
     """Returns whether a run of `mixed_precision` `value` has float16's loss-scale optimizer (whose
-    state other precisions lack): ``fp16``, or ``auto`` on a GPU without native bfloat16."""
+    state other precisions lack): ``fp16``, or ``auto`` where it chooses float16 (a GPU with tensor
+    cores and without native bfloat16)."""
     if value != AUTO:
         return value == "fp16"
     gpus = detect_gpus()
@@ -69,13 +84,21 @@ def resolve_precision(value, hparams, log=print):
 
 def detect_gpus():
     """Returns the compute capabilities of the visible GPUs (TensorFlow's view; [] elsewhere)."""
+    return [capability for _, capability in gpu_details()]
+
+
+def gpu_details():
+    """Returns ``(name, (major, minor) compute capability)`` of each visible GPU in TensorFlow's
+    order ([] without TensorFlow); a detail the driver does not give reads ``"unnamed GPU"`` and
+    ``(0, 0)``."""
     try:
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
     except ImportError:
         return []
     details = [tf.config.experimental.get_device_details(device)
                for device in tf.config.list_physical_devices("GPU")]
-    return [tuple(detail.get("compute_capability", (0, 0))) for detail in details]
+    return [(detail.get("device_name", "unnamed GPU"),
+             tuple(detail.get("compute_capability", (0, 0)))) for detail in details]
 
 
 def probe_shapes(hparams):

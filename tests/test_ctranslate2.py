@@ -19,9 +19,11 @@ from kyu_transformer.data.subwords import Subwords  # noqa: E402
 from kyu_transformer.data.text import load_split  # noqa: E402
 from kyu_transformer.decoding.search import output_limit, sequence_log_probs  # noqa: E402
 from kyu_transformer.decoding.translator import Translator  # noqa: E402
-from kyu_transformer.export.ctranslate2 import CTranslate2Translator, ExportError, convert  # noqa: E402
+from kyu_transformer.export.ctranslate2 import (  # noqa: E402
+    CTranslate2Translator, ExportError, convert, device_options)
 from kyu_transformer.model import Transformer  # noqa: E402
-from tests.conftest import load_logdir  # noqa: E402
+from tests.conftest import copy_of_logdir, load_logdir  # noqa: E402
+from tests.programs import run  # noqa: E402
 from tests.test_data import MULTI30K  # noqa: E402
 
 # Characters that no Multi30k sentence holds: the subword model maps them to <unk>.
@@ -513,3 +515,64 @@ def test_sampling_repeats_with_its_seed_and_top_k_one_is_greedy(varied, exported
     greedy = CTranslate2Translator(exported, sampling_topk=1, beam_size=1).translate_ids(
         sources, seed=4)
     assert greedy.outputs == greedy_results["ours"]
+
+
+# ------------------------------------------------------------------ the device
+
+# What CTranslate2 lists for the GPU of each compute capability (tensor cores from 7.0).
+TENSOR_CORES = {"float32", "int8", "int8_float32", "int8_float16", "float16"}
+NO_TENSOR_CORES = {"float32", "int8", "int8_float32"}
+
+
+@pytest.fixture
+def cuda_devices(monkeypatch):
+    """Makes CTranslate2 see `cuda_devices(count, supported)` GPUs listing the compute types
+    `supported` (there is none here)."""
+    def install(count, supported=frozenset()):
+        monkeypatch.setattr(ctranslate2, "get_cuda_device_count", lambda: count)
+        monkeypatch.setattr(ctranslate2, "get_supported_compute_types",
+                            lambda device, device_index=0: set(supported) if device == "cuda"
+                            else {"float32", "int8", "int8_float32"})
+    return install
+
+
+@pytest.mark.parametrize("count, supported, quantization, options", [
+    (0, (), "float32", {"device": "cpu"}),  # in the model's own types, as always
+    (0, (), "int8", {"device": "cpu"}),
+    (1, TENSOR_CORES, "float32", {"device": "cuda", "compute_type": "float16"}),
+    (2, TENSOR_CORES | {"bfloat16", "int8_bfloat16"}, None,
+     {"device": "cuda", "compute_type": "float16"}),
+    (1, TENSOR_CORES, "int8", {"device": "cuda", "compute_type": "int8_float16"}),
+    (1, TENSOR_CORES, "int8_float32", {"device": "cuda", "compute_type": "int8_float16"}),
+    (1, NO_TENSOR_CORES, "float32", {"device": "cuda"}),  # the model's types, in float32
+])
+def test_the_device_is_a_gpu_where_ctranslate2_sees_one(cuda_devices, count, supported,
+                                                        quantization, options):
+    cuda_devices(count, supported)
+    assert device_options(ctranslate2, quantization) == options
+
+
+def test_the_translator_asks_for_the_gpu_unless_told_a_device(random_export, cuda_devices):
+    cuda_devices(1, TENSOR_CORES)
+    translator = CTranslate2Translator(random_export)  # not loaded: there is no GPU here
+    assert translator.translator is None
+    assert translator.translator_options == {"device": "cuda", "compute_type": "float16"}
+    assert CTranslate2Translator(random_export, translator_options={"compute_type": "float32"}) \
+        .translator_options == {"device": "cuda", "compute_type": "float32"}
+    told = CTranslate2Translator(random_export, translator_options={"device": "cpu"})
+    assert told.translator_options == {"device": "cpu"}
+    assert (told.load().device, told.load().compute_type) == ("cpu", "float32")
+
+
+@pytest.mark.slow
+def test_eval_records_the_device_it_decoded_on(varied_tiny_logdir, exported, tmp_path_factory):
+    logdir = copy_of_logdir(varied_tiny_logdir, tmp_path_factory, "device")
+    val, references, _ = load_split(MULTI30K, "val")
+    (logdir.parent / "a.de").write_text("\n".join(val[:3]) + "\n", encoding="utf-8")
+    (logdir.parent / "a.en").write_text("\n".join(references[:3]) + "\n", encoding="utf-8")
+    result = run("eval.py", "--logdir", logdir, "--ctranslate2", exported, "--src",
+                 logdir.parent / "a.de", "--ref", logdir.parent / "a.en", "--beam_size", 1)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    recorded = json.loads((logdir / filenames.EVAL / "a.json").read_text())
+    assert (recorded["device"], recorded["compute_type"]) == ("cpu", "float32")
+    assert "devices: CTranslate2 on cpu (compute type float32)\n" in result.stderr

@@ -7,7 +7,8 @@ import pytest
 import hparams as hp
 from kyu_transformer.precision import (
     BFLOAT16_MARGIN, MIN_PROBE_FLOPS, choose_precision, probe_flops, resolve_precision,
-    time_matmuls)
+    scales_the_loss, time_matmuls)
+from tests import gpus
 from tests.programs import run
 from tests.test_training import run_train
 
@@ -41,6 +42,28 @@ def test_on_a_gpu_bfloat16_where_native_else_float16():
     value, reason = choose_precision(SMALL, gpus=[(7, 5)])
     assert value == "fp16" and "compute capability 7.5" in reason
     assert choose_precision(SMALL, gpus=[(8, 0), (7, 0)])[0] == "fp16"  # the weakest decides
+    assert choose_precision(SMALL, gpus=[(7, 0)])[0] == "fp16"
+
+
+def test_on_a_gpu_without_tensor_cores_float32():
+    value, reason = choose_precision(SMALL, gpus=[(6, 1)])
+    assert (value, reason) == ("no", "GPU of compute capability 6.1: no tensor cores (from 7.0), "
+                               "float16 would gain no speed over float32")
+    assert choose_precision(SMALL, gpus=[(8, 0), (6, 0)])[0] == "no"  # the weakest decides
+
+
+@pytest.mark.parametrize("gpu, chosen, scaled", [
+    ({"device_name": "Tesla P40", "compute_capability": (6, 1)}, "no", False),
+    (gpus.T4, "fp16", True), (gpus.A100, "bf16", False)])
+def test_auto_on_the_gpu_tensorflow_lists_and_its_loss_scaling(monkeypatch, gpu, chosen, scaled):
+    gpus.faker(monkeypatch)(gpu, gpu)
+    lines = []
+    assert resolve_precision("auto", SMALL, log=lines.append) == chosen
+    major, minor = gpu["compute_capability"]
+    assert lines == [f"mixed_precision auto: {chosen} ({choose_precision(SMALL)[1]})"]
+    assert f"GPU of compute capability {major}.{minor}: " in lines[0]
+    assert scales_the_loss("auto", SMALL) is scaled  # float16's loss-scale optimizer
+    assert scales_the_loss("fp16", SMALL) and not scales_the_loss("bf16", SMALL)
 
 
 def test_the_probe_times_both_dtypes_and_auto_says_its_choice():

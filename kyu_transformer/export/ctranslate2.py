@@ -253,6 +253,19 @@ def convert(model, hparams, subwords, out_dir, quantization="float32"):
     return out_dir
 
 
+def device_options(ctranslate2, quantization):
+    """Returns the ``ctranslate2.Translator`` options of the device to decode on: CTranslate2's
+    first GPU where it sees one, its float parts in float16 where the GPU computes that fast
+    (tensor cores; int8 weights stay int8), else the CPU, in the model's own types."""
+    if ctranslate2.get_cuda_device_count() == 0:
+        return {"device": "cpu"}
+    # CTranslate2 lists float16 for a GPU only where it has tensor cores (compute capability 7.0).
+    wanted = "float16" if quantization in (None, "float32") else "int8_float16"
+    if wanted in ctranslate2.get_supported_compute_types("cuda"):
+        return {"device": "cuda", "compute_type": wanted}
+    return {"device": "cuda"}  # the model's own types, which CTranslate2 converts where needed
+
+
 def _log_softmax(logits):
     logits = np.asarray(logits, dtype=np.float64)
     shifted = logits - logits.max()
@@ -269,7 +282,8 @@ class CTranslate2Translator(Engine):
     docs/export.md) and come in its order, scored as ours; greedy ones do not differ. Sampling
     reloads the model after setting the seed (its worker threads seed their generators at
     their first draw): the same seed and batches repeat the samples, sorted here by score.
-    `translator_options` go to ``ctranslate2.Translator`` (default the CPU).
+    `translator_options` go to ``ctranslate2.Translator``; without a ``device`` among them,
+    `device_options` chooses it.
     """
 
     log_probs = True
@@ -284,7 +298,9 @@ class CTranslate2Translator(Engine):
             ours = json.load(handle)
         super().__init__(ours["maxlen1"], ours["maxlen2"], settings, **fields)
         self.model_dir, self.quantization = model_dir, ours.get("quantization")
-        self.translator_options = {"device": "cpu", **(translator_options or {})}
+        given = translator_options or {}  # a device given takes CTranslate2's defaults on it
+        self.translator_options = {**({} if "device" in given else device_options(
+            self._ctranslate2, self.quantization)), **given}
         self.translator = None
         with open(os.path.join(model_dir, filenames.CTRANSLATE2_VOCABULARY),
                   encoding="utf-8") as handle:
