@@ -10,9 +10,10 @@ Keras runs on JAX whatever KERAS_BACKEND says. Our model is `Transformer.from_hp
 `--hparams` preset (hparams.py); the peer is keras-hub's `TransformerEncoder` /
 `TransformerDecoder` model of the same vocabulary, width, inner width, blocks and heads, with
 the preset's dropout (`train_comparison.keras_hub_model`, as `train_throughput.py` builds it;
-install with `pip install -e .[bench]`). Both are compiled with Keras' Adam and the project's
-`LabelSmoothedCrossEntropy` and fit on synthetic batches of fixed shape (`--batch` pairs of
-`--length` source and target tokens, random ids, no padding): no corpus, no tf.data.
+benchmarks/RESULTS.md says how to install keras-hub without TensorFlow). Both are compiled
+with Keras' Adam and the project's `LabelSmoothedCrossEntropy` and fit on synthetic batches of
+fixed shape (`--batch` pairs of `--length` source and target tokens, random ids, no padding):
+no corpus, no tf.data.
 
 Each model and precision (`--precisions`: the `mixed_precision` hparam's values, Keras dtype
 policies) trains in a fresh process of its own, so that its peak memory is its own: the GPU's
@@ -273,7 +274,8 @@ def main():
     args = parse_args()
     hparams = model_hparams(args)
     if not args.skip_peer:
-        require("keras_hub")
+        require("keras_hub", hint=" (or --skip_peer; without TensorFlow: see "
+                                  "benchmarks/RESULTS.md)")
     shape = {key: hparams[key] for key in SHAPE_KEYS}
     results, (peaks, peak_source), flops = run_all(args, hparams)
     done = [result for result in results if "error" not in result]
