@@ -43,6 +43,7 @@ import tensorflow as tf  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from prerequisites import require, tree_at  # noqa: E402
+from train_comparison import keras_hub_model, training_flops  # noqa: E402
 
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
 from kyu_transformer.model import Transformer  # noqa: E402
@@ -100,24 +101,6 @@ def package_at(revision):
                            LabelSmoothedCrossEntropy=module("losses").LabelSmoothedCrossEntropy)
 
 
-def keras_hub_model():
-    import keras_hub
-
-    source = keras.Input((None,), dtype="int32", name="source")
-    target = keras.Input((None,), dtype="int32", name="target_in")
-    embed = dict(vocabulary_size=SHAPE["vocab_size"], sequence_length=64,
-                 embedding_dim=SHAPE["d_model"])
-    x = keras_hub.layers.TokenAndPositionEmbedding(**embed)(source)
-    for _ in range(SHAPE["num_blocks"]):
-        x = keras_hub.layers.TransformerEncoder(SHAPE["d_ff"], SHAPE["num_heads"], dropout=0.1)(x)
-    y = keras_hub.layers.TokenAndPositionEmbedding(**embed)(target)
-    for _ in range(SHAPE["num_blocks"]):
-        y = keras_hub.layers.TransformerDecoder(SHAPE["d_ff"], SHAPE["num_heads"],
-                                                dropout=0.1)(y, x)
-    logits = keras.layers.Dense(SHAPE["vocab_size"])(y)
-    return keras.Model({"source": source, "target_in": target}, logits, name="keras_hub")
-
-
 def batch():
     rng = np.random.default_rng(0)
     features = {"source": rng.integers(4, SHAPE["vocab_size"], (BATCH, SOURCE_LEN), "int32"),
@@ -148,19 +131,6 @@ def make_step(model, jit_compile, optimizer_class, xla_loss=False, package=CURRE
         return loss
 
     return step
-
-
-def training_flops_per_step():
-    """Matrix-multiply FLOPs of one training step (forward x 3), analytic."""
-    d, d_ff, v, s, t = (SHAPE["d_model"], SHAPE["d_ff"], SHAPE["vocab_size"], SOURCE_LEN,
-                        TARGET_LEN)
-    encoder_token = 8 * d * d + 4 * d * d_ff + 4 * s * d
-    decoder_token = (8 * d * d + 4 * t * d) + (4 * d * d + 4 * s * d) + 4 * d * d_ff
-    cross_kv_per_source_token = 4 * d * d
-    forward = BATCH * (SHAPE["num_blocks"] * (s * encoder_token + t * decoder_token
-                                              + s * cross_kv_per_source_token)
-                       + t * 2 * d * v)
-    return 3 * forward
 
 
 def matmul_peak(dtype, size=2048, repeats=20):
@@ -261,7 +231,8 @@ def main():
     if not args.skip_peer:
         keras.config.set_dtype_policy("float32")
         keras.utils.set_random_seed(0)
-        steps_by_name["keras-hub"] = make_step(keras_hub_model(), True, keras.optimizers.Adam)
+        steps_by_name["keras-hub"] = make_step(keras_hub_model(SHAPE, 64, 0.1), True,
+                                               keras.optimizers.Adam)
     packages = {"ours": CURRENT}
     if args.baseline:
         baseline_label = f"at-{args.baseline}"
@@ -283,7 +254,7 @@ def main():
     rates = measure(steps_by_name, features, labels, args.steps, args.repeats)
     results = {name: statistics.median(values) for name, values in rates.items()}
 
-    flops = training_flops_per_step()
+    flops = training_flops(SHAPE, BATCH, SOURCE_LEN, TARGET_LEN)
     peaks = {"float32": matmul_peak(tf.float32)}
     if "bfloat16" in dtypes.values():
         peaks["bfloat16"] = matmul_peak(tf.bfloat16)

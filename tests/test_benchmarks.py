@@ -205,3 +205,119 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
     assert rescored.returncode == 0, rescored.stderr[-3000:]
     record = json.loads((tmp_path / "c" / "search.json").read_text())
     assert record["decoded_in"] == "no" and "test" not in record and record["steps"] == 60
+
+
+# A `sitecustomize` that makes `import tensorflow` fail, as where TensorFlow is not installed: on
+# a program's PYTHONPATH it runs before the program, and before each process the program spawns.
+NO_TENSORFLOW = '''import importlib.abc
+import sys
+
+
+class NoTensorFlow(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "tensorflow" or name.startswith("tensorflow."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NoTensorFlow())
+'''
+
+
+def _matrix_product_flops(batch, source, target, shape):
+    """A training step's matrix-product FLOPs, product by product (3x the forward's, 2mkn each)."""
+    d, d_ff, v = shape["d_model"], shape["d_ff"], shape["vocab_size"]
+    products = []  # (m, k, n)
+    for _ in range(shape["num_blocks"]):
+        products += [(batch * source, d, d)] * 4  # encoder: Q, K, V, output projections
+        products += [(batch * source, d, source), (batch * source, source, d)]  # QK^T, AV
+        products += [(batch * source, d, d_ff), (batch * source, d_ff, d)]  # feed-forward
+        products += [(batch * target, d, d)] * 4  # decoder self-attention's projections
+        products += [(batch * target, d, target), (batch * target, target, d)]
+        products += [(batch * target, d, d)] * 2 + [(batch * source, d, d)] * 2  # cross: Q, O; K, V
+        products += [(batch * target, d, source), (batch * target, source, d)]
+        products += [(batch * target, d, d_ff), (batch * target, d_ff, d)]
+    products.append((batch * target, d, v))  # output layer
+    return 3 * sum(2 * m * k * n for m, k, n in products)
+
+
+def test_the_jax_benchmark_knows_the_peaks_of_gpus_by_name(monkeypatch):
+    """`jax_throughput.device_peaks`: a GPU's dense peaks by its JAX `device_kind` (the first
+    pattern that matches, so that an H100 PCIe is not taken for an SXM, nor an L40S for an L4);
+    none for a CPU or an unknown device; `--peak_tflops` over any."""
+    import keras
+
+    # Restored after the test: importing the benchmark sets KERAS_BACKEND to "jax".
+    monkeypatch.setenv("KERAS_BACKEND", keras.backend.backend())
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import jax_throughput
+
+    peaks = {kind: jax_throughput.device_peaks(kind, "gpu")[0] for kind in [
+        "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200",
+        "NVIDIA A100-SXM4-40GB", "NVIDIA L4", "NVIDIA L40S", "Tesla T4", "Tesla V100-SXM2-16GB",
+        "Tesla V100-PCIE-32GB"]}
+    assert peaks == {
+        "NVIDIA H100 80GB HBM3": {"float32": 494.7, "16-bit": 989.4},
+        "NVIDIA H100 PCIe": {"float32": 378.0, "16-bit": 756.5},
+        "NVIDIA H100 NVL": {"float32": 417.5, "16-bit": 835.5},
+        "NVIDIA H200": {"float32": 494.7, "16-bit": 989.4},
+        "NVIDIA A100-SXM4-40GB": {"float32": 156.0, "16-bit": 312.0},
+        "NVIDIA L4": {"float32": 60.0, "16-bit": 121.0},
+        "NVIDIA L40S": None,
+        "Tesla T4": {"float32": 8.1, "16-bit": 65.0},
+        "Tesla V100-SXM2-16GB": {"float32": 15.7, "16-bit": 125.0},
+        "Tesla V100-PCIE-32GB": {"float32": 14.0, "16-bit": 112.0}}
+    assert jax_throughput.device_peaks("NVIDIA H100 PCIe", "gpu")[1] == "PEAK_TFLOPS"
+    assert jax_throughput.device_peaks("cpu", "cpu") == (None, None)
+    assert jax_throughput.device_peaks("cpu", "cpu", [1.5, 3.0]) == (
+        {"float32": 1.5, "16-bit": 3.0}, "--peak_tflops")
+
+
+@pytest.mark.slow  # four processes, each compiling a training step on JAX
+def test_the_jax_benchmark_times_both_models_in_both_precisions_without_tensorflow(tmp_path):
+    """`jax_throughput.py` where TensorFlow cannot be imported: each model in float32 and
+    mixed bfloat16, its figures printed and in --json, consistent with the step time, the
+    FLOPs counted product by product and the peaks given."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(NO_TENSORFLOW)
+    env = programs.environment(PYTHONPATH=os.pathsep.join(
+        filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])))
+    blocked = programs.run("-c", "import tensorflow", env=env, fresh=True, timeout=120)
+    assert "No module named 'tensorflow'" in blocked.stderr and blocked.returncode != 0
+    path = tmp_path / "figures.json"
+    result = programs.run("benchmarks/jax_throughput.py", "--hparams", "tiny", "--batch", "8",
+                          "--length", "6", "--warmup", "1", "--steps", "2", "--peak_tflops",
+                          "0.5", "2", "--json", str(path), env=env, fresh=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    figures = json.loads(path.read_text())
+    shape = dict(vocab_size=400, d_model=32, d_ff=64, num_blocks=1, num_heads=2)  # tiny's
+    assert figures["shape"] == shape and figures["batch"] == 8 and figures["length"] == 6
+    assert figures["flops_per_step"] == _matrix_product_flops(8, 6, 6, shape)
+    assert figures["peak_source"] == "--peak_tflops"
+    results = figures["results"]
+    assert [(r["model"], r["policy"]) for r in results] == [
+        ("ours", "float32"), ("keras-hub", "float32"), ("ours", "mixed_bfloat16"),
+        ("keras-hub", "mixed_bfloat16")]
+    for r in results:
+        assert r["target_tokens_per_s"] == pytest.approx(8 * 6 / r["step_seconds"])
+        assert r["tflops_per_s"] == pytest.approx(
+            figures["flops_per_step"] / r["step_seconds"] / 1e12)
+        assert r["mfu"] == pytest.approx(r["tflops_per_s"] / (0.5 if r["policy"] == "float32"
+                                                              else 2.0))
+        assert 5.0 < r["loss"] < 7.0  # about ln(400): untrained
+        assert r["memory"] == ("process RSS" if r["platform"] == "cpu" else "device")
+        assert r["peak_memory_bytes"] > 2**26
+        assert (f"{r['model']:9s} {r['policy']:14s} median {r['target_tokens_per_s']:10,.0f} "
+                f"target tokens/s ({r['step_seconds'] * 1e3:.2f} ms/step), "
+                f"{r['tflops_per_s']:.3f} TFLOP/s, MFU {r['mfu']:.1%}, peak memory "
+                f"{r['peak_memory_bytes'] / 2**30:.2f} GiB ({r['memory']})\n") in result.stdout
+    rates = {(r["model"], r["precision"]): r["target_tokens_per_s"] for r in results}
+    for precision, policy in [("no", "float32"), ("bf16", "mixed_bfloat16")]:
+        ratio = rates[("ours", precision)] / rates[("keras-hub", precision)]
+        assert figures["ratios"][precision] == pytest.approx(ratio)
+        assert f"ratio ours / keras-hub, {policy}: {ratio:.2f}x\n" in result.stdout
+    rejected = programs.run("benchmarks/jax_throughput.py", "--hparams", "tiny", "--length",
+                            "49", env=env, fresh=True, timeout=120)
+    assert rejected.returncode == 1 and "Traceback" not in rejected.stderr
+    assert rejected.stderr.strip().splitlines()[-1] == (
+        "error: --length 49 is over the model's maxlen1/maxlen2 (48); raise them in --hparams")
