@@ -1,3 +1,4 @@
+import functools
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -5,6 +6,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # -m pytest -q tests` runs every test that does not need TensorFlow itself on
 # JAX (the others skip, see TENSORFLOW_ONLY_MODULES and `tensorflow_only`).
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# cuBLAS and cuDNN read this in every process that loads them, the programs the tests start
+# included: float32 products keep float32's mantissa instead of TensorFloat-32's 10 bits, so
+# that float32 tolerances hold on a GPU. Nothing reads it on a machine without an NVIDIA GPU.
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 # pytest-xdist's workers share the machine's cores: each worker, and every program it starts,
 # splits a TensorFlow op over its share of them only. Split over more threads than there are
 # free cores, an op's threads wait for cores the other worker's ops hold (TensorFlow's pool
@@ -23,6 +28,24 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 BACKEND = keras.backend.backend()
+
+
+def float32_products_in_float32():
+    """Turns TensorFloat-32 off in this process's backend, as `NVIDIA_TF32_OVERRIDE` does in
+    the libraries (XLA's own kernels read the backend's setting): on a GPU, products of float32
+    tensors then round as float32's do, which the tests' tolerances assume. A CPU computes them
+    in float32 either way."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+    elif BACKEND == "jax":
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "highest")
+
+
+float32_products_in_float32()
 
 # Modules built on TensorFlow itself (tf.data, tf.distribute, tf.train
 # checkpoints, the training and decoding programs): under another backend they
@@ -62,6 +85,55 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "tensorflow_only(reason): the test needs TensorFlow itself; skipped on "
         "other backends with that reason")
+
+
+# Set to 1, it runs the tests marked `cpu_exact` on a GPU too (docs/testing.md).
+EXACT_ON_GPU = "KYU_EXACT_ON_GPU"
+
+
+@functools.lru_cache(maxsize=None)
+def gpus():
+    """The names of the GPUs the Keras backend computes on, asked once a process (none on a
+    machine without one, or on another backend than TensorFlow and JAX)."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tuple(device.name for device in tf.config.list_physical_devices("GPU"))
+    if BACKEND == "jax":
+        import jax
+
+        return tuple(str(device) for device in jax.devices() if device.platform != "cpu")
+    return ()
+
+
+def pytest_runtest_setup(item):
+    """Skips a test marked `cpu_exact` where the backend sees a GPU, unless KYU_EXACT_ON_GPU=1:
+    it compares exactly, or to a CPU's rounding, what two kernels compute (for other batch
+    shapes, a cache and a recomputation, another engine or device); a GPU's kernels round
+    otherwise and may tip a near-tie. (Asked as the test starts, its output captured.)"""
+    if (item.get_closest_marker("cpu_exact") is not None
+            and os.environ.get(EXACT_ON_GPU) != "1" and gpus()):
+        pytest.skip(f"cpu_exact: assumes a CPU's rounding, and the backend sees "
+                    f"{', '.join(gpus())}; {EXACT_ON_GPU}=1 runs it")
+
+
+@pytest.fixture(autouse=True)
+def _op_determinism(request):
+    """Runs a test marked `op_determinism` with TensorFlow's deterministic ops (as train.py
+    --deterministic): on a GPU, sums of scattered rows otherwise add in any order."""
+    if request.node.get_closest_marker("op_determinism") is None or BACKEND != "tensorflow":
+        yield
+        return
+    # tf.config has no public switch back; the next tests run as they would have.
+    from tensorflow.python.framework import config as tf_config
+
+    enabled = tf_config.is_op_determinism_enabled()
+    tf_config.enable_op_determinism()
+    try:
+        yield
+    finally:
+        if not enabled:
+            tf_config.disable_op_determinism()
 
 
 # Fixtures of logdirs (trained by train.py, or written with set weights): the tests

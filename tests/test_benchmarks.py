@@ -48,6 +48,7 @@ def _skip_unless_git_checkout():
 
 
 @pytest.mark.slow  # traces two training steps
+@pytest.mark.op_determinism
 def test_a_baseline_revision_trains_beside_the_current_package(monkeypatch):
     """`train_throughput.py --baseline REV`: the package at REV trains in the same process.
 
@@ -55,7 +56,8 @@ def test_a_baseline_revision_trains_beside_the_current_package(monkeypatch):
     name, so its first two training steps, the second after its own Adam's
     update, give the current package's losses exactly (on a smaller model than
     the benchmark's: what is compared is the code; the end-to-end test below
-    runs a small one too, through `--shape`).
+    runs a small one too, through `--shape`). Exact on any device: both steps run on this
+    process's device with TensorFlow's deterministic ops (`op_determinism`).
     """
     _skip_unless_git_checkout()
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

@@ -92,7 +92,9 @@ def test_kills_signals_and_a_second_run_lose_nothing(tmp_path):
 
     Resumption restores the weights, the optimizer, the data position and the
     dropout layers' random states (dropout is on): the masks of a resumed step are
-    those the uninterrupted run draws at that step, so the weights end bit-identical."""
+    those the uninterrupted run draws at that step, so the weights end bit-identical.
+    Exact on any device: both runs pass --deterministic (TensorFlow's deterministic ops) and
+    compute on one machine's same device, TensorFloat-32 off or on in both."""
     logdir = tmp_path / "log"
     checkpoints = logdir / "checkpoints"
     # Three epochs: the signals come in the second, and the run has a third still to train
@@ -162,7 +164,9 @@ def test_a_run_with_every_regularizer_killed_within_an_accumulated_update_resume
     fall between updates): a run killed after a checkpoint inside its first epoch retakes the
     update it was in, resumes into the same segmentations, masks and rates, and ends as the
     uninterrupted run, bit for bit, and with the same loss at every logged step (the steps
-    retaken too); another seed ends elsewhere. Steps, the cap and the plan count updates."""
+    retaken too); another seed ends elsewhere. Steps, the cap and the plan count updates.
+    Exact on any device: both runs pass --deterministic (TensorFlow's deterministic ops) and
+    compute on one machine's same device, TensorFloat-32 off or on in both."""
     flags = ["--num_epochs", "2", "--steps_per_epoch", "12", "--accumulate_steps", "2",
              "--checkpoint_every", "3", "--log_every", "3", "--deterministic"]
     regularizers = ["--dropout_rate", "0.2", "--attention_dropout", "0.1", "--relu_dropout",

@@ -71,6 +71,10 @@ def digests(results):
 
 
 def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_path):
+    """Two workers end with the same weights; only the chief writes the logdir.
+
+    Exact on any device: both workers apply the same all-reduced gradients (an all-reduce
+    gives every worker the same bits) by elementwise updates."""
     logdir = tmp_path / "log"
     results = run_workers(tmp_path, [logdir, logdir], two_seeds=True)
     for code, output in results:
@@ -127,6 +131,11 @@ def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_pa
 
 
 def test_a_signal_to_one_worker_stops_both_after_the_same_update_with_a_checkpoint(tmp_path):
+    """SIGTERM to one worker stops both after the same update, with a checkpoint; both resume
+    to the same weights.
+
+    Exact on any device: both workers apply the same all-reduced gradients (an all-reduce
+    gives every worker the same bits) by elementwise updates."""
     logdir = tmp_path / "log"
     flags = ("--steps_per_epoch", "40", "--log_every", "2", "--checkpoint_every", "0")
 
@@ -194,7 +203,10 @@ def test_workers_that_disagree_with_the_chief_stop_and_name_the_difference(tmp_p
 
 def test_two_workers_fine_tune_alike_and_a_failure_on_one_stops_both(tmp_path):
     """Fine-tuning on two workers; then faults that reach one worker only (a logdir the other
-    does not see, checkpoints only the chief refuses) stop both with one line, none waiting."""
+    does not see, checkpoints only the chief refuses) stop both with one line, none waiting.
+
+    Exact on any device: both workers apply the same all-reduced gradients (an all-reduce
+    gives every worker the same bits) by elementwise updates."""
     source, logdir = tmp_path / "source", tmp_path / "log"
     trained = run_train(source, "--num_epochs", "1", "--steps_per_epoch", "4")
     assert trained.returncode == 0, trained.stdout + trained.stderr

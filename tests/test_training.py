@@ -290,11 +290,16 @@ for fast_paths in (True, False):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_exact
 def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
     """`accumulate_steps` 2: each update is the one of its two batches joined (the last, of
     the one batch left), with the fused Adam and with Keras' (`fast_paths` off), on one device
     and under `MirroredStrategy` on two logical CPUs (in a process of its own, run meanwhile;
-    one replica's slice of the one-row batch is empty)."""
+    one replica's slice of the one-row batch is empty).
+
+    Assumes a CPU: the joined batches train on the GPU where one is seen, and its kernels
+    round otherwise than the two logical CPUs' (a tolerance of CPUs' rounding, which Adam
+    magnifies where a gradient is near 0)."""
     mirrored = programs.start("-c", ACCUMULATION_SCRIPT, ROOT, tmp_path)
     batches, joined = micro_batches(), {}
     tolerance = adam_rounding_tolerance(updates=3)
@@ -461,7 +466,13 @@ print(json.dumps(results))
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_exact
 def test_mirrored_two_devices_equals_default_strategy(tmp_path):
+    """Two replicas on two logical CPUs train as the default strategy does, step by step.
+
+    Assumes a CPU: the default strategy trains on the GPU where one is seen, whose kernels
+    round otherwise than the CPUs' (a tolerance of CPUs' rounding, which Adam magnifies where
+    a gradient is near 0)."""
     output = programs.run("-c", MIRRORED_SCRIPT, ROOT, tmp_path, timeout=300)
     assert output.returncode == 0, output.stderr[-3000:]
     results = json.loads(output.stdout.strip().splitlines()[-1])
