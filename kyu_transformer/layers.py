@@ -2,7 +2,7 @@
 ``modules.py``.
 
 Where the original was wrong the default is corrected (see each layer): the sinusoid exponent,
-padding told by `PAD_ID`, linear Q/K/V projections, a masking score that fits float16. A sub-layer
+padding told by `PAD_ID`, linear Q/K/V projections, masking that holds in float16. A sub-layer
 `F` (attention, feed-forward) sits in a residual connection as the paper's section 3.1 says:
 ``"post"`` (the original) computes ``LN(x + Dropout(F(x)))``, ``"pre"`` ``x + Dropout(F(LN(x)))``.
 Shapes in comments: ``N`` batch, ``T_q``/``T_k`` query/key steps, ``C`` width, ``h`` heads,
@@ -238,6 +238,7 @@ class PositionalEncoding(keras.layers.Layer):
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class ScaledDotProductAttention(keras.layers.Layer):
     """Computes ``softmax(Q K^T / sqrt(d_k)) V`` for every head: `MultiHeadAttention`'s attention.
+    In float16 the softmax is computed in float32 (the weights returned in float16).
 
     Args:
       dropout_rate: Dropout on the attention weights, in training only.
@@ -259,22 +260,28 @@ class ScaledDotProductAttention(keras.layers.Layer):
         self.dropout = Dropout(self.dropout_rate)
 
     def call(self, q, k, v, mask=None, training=None):
-        # Scaled after the product: the scores are smaller than the queries when T_k < d_k,
-        # and oneDNN fuses the product, the scaling and the mask's addition into one kernel.
+        # The queries are scaled before the product, so that the product is the score: formed
+        # first, it is sqrt(d_k) times larger and overflows float16 (largest 65504) to Inf
+        # where the score would not.
+        q = q * ops.cast(1.0 / math.sqrt(q.shape[-1]), q.dtype)
         scores = ops.matmul(q, ops.swapaxes(k, -1, -2))  # (N, h, T_q, T_k)
-        scores = scores * ops.cast(1.0 / math.sqrt(q.shape[-1]), scores.dtype)
+        if keras.backend.standardize_dtype(scores.dtype) == "float16":
+            # float16's softmax is computed in float32: no float16 bias hides a key whose score
+            # may be near +65504 (the sum would need a bias below -131008), and a bias added to
+            # a score near -65504 overflows to -inf (a row of -inf gives NaN).
+            scores = ops.cast(scores, "float32")
         if mask is not None:
             # A bias (N|1, 1, T_q|1, T_k) added, not a selection: it is built at the mask's
-            # size, and an addition passes its gradient through unchanged. The hidden score is
-            # finite in every dtype (the original's -2**32+1 overflows float16).
-            float16 = keras.backend.standardize_dtype(scores.dtype) == "float16"
-            hidden_score = ops.cast(-3.0e4 if float16 else -1.0e9, scores.dtype)
+            # size, and an addition passes its gradient through unchanged. In float32 (or
+            # bfloat16) it lies far below every score, so its key's weight is exactly zero.
+            hidden_score = ops.cast(-1.0e9, scores.dtype)
             scores = scores + ops.where(mask, ops.zeros_like(hidden_score), hidden_score)
         weights = ops.softmax(scores, axis=-1)  # (N, h, T_q, T_k)
         if mask is not None:
             # A query that sees no key came out uniform: make its row exactly zero.
             sees_a_key = ops.any(mask, axis=-1, keepdims=True)  # (N|1, 1, T_q|1, 1)
             weights = weights * ops.cast(sees_a_key, weights.dtype)
+        weights = ops.cast(weights, q.dtype)
         outputs = ops.matmul(self.dropout(weights, training=training), v)  # (N, h, T_q, d_v)
         return outputs, weights
 
