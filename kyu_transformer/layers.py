@@ -19,6 +19,7 @@ from keras import ops
 from kyu_transformer import fast_paths as fast
 from kyu_transformer.conventions import (
     LAYER_NORM_EPSILON, NORM_POSITIONS, PAD_ID, check_choice, check_heads, check_rates)
+from kyu_transformer.replicas import replica_seeds
 
 ENCODING_STYLES = ("interleaved", "concat")
 
@@ -687,7 +688,8 @@ class DecoderBlock(_Block):
 class Dropout(keras.layers.Dropout):
     """Drops a `rate` of its inputs in training: Keras' ``Dropout`` (options and config),
     computed by `fast_paths.dropout` (16-bit random draws) when the fast-paths switch was on as
-    the layer was made and there is no `noise_shape`.
+    the layer was made and there is no `noise_shape`. Under `tf.distribute` each replica draws
+    its own mask (`replicas.replica_seeds`).
 
     Args:
       rate: Fraction of the inputs to drop, in [0, 1); noise_shape, seed: as Keras'.
@@ -704,9 +706,14 @@ class Dropout(keras.layers.Dropout):
         self.fast_paths = fast.enabled()
 
     def call(self, inputs, training=False):
-        if self.fast_paths and training and self.rate > 0 and self.noise_shape is None:
-            return fast.dropout(inputs, self.rate, self.seed_generator)
-        return super().call(inputs, training=training)
+        if not training or self.rate == 0:
+            return inputs
+        # Each replica of a distributed step draws its own mask (the layer's seeds with the
+        # replica's id folded in); replica 0 and a single device draw the layer's own.
+        seeds = replica_seeds(self.seed_generator)
+        if self.fast_paths and self.noise_shape is None:
+            return fast.dropout(inputs, self.rate, seeds)
+        return keras.random.dropout(inputs, self.rate, noise_shape=self.noise_shape, seed=seeds)
 
 
 def set_fast_paths(layer, on):
