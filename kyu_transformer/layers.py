@@ -2,7 +2,7 @@
 ``modules.py``.
 
 Where the original was wrong the default is corrected (see each layer): the sinusoid exponent,
-padding told by `PAD_ID`, linear Q/K/V projections, a masking score that fits float16. A sub-layer
+padding told by `PAD_ID`, linear Q/K/V projections, masking that holds in float16. A sub-layer
 `F` (attention, feed-forward) sits in a residual connection as the paper's section 3.1 says:
 ``"post"`` (the original) computes ``LN(x + Dropout(F(x)))``, ``"pre"`` ``x + Dropout(F(LN(x)))``.
 Shapes in comments: ``N`` batch, ``T_q``/``T_k`` query/key steps, ``C`` width, ``h`` heads,
@@ -19,6 +19,7 @@ from keras import ops
 from kyu_transformer import fast_paths as fast
 from kyu_transformer.conventions import (
     LAYER_NORM_EPSILON, NORM_POSITIONS, PAD_ID, check_choice, check_heads, check_rates)
+from kyu_transformer.replicas import replica_seeds
 
 ENCODING_STYLES = ("interleaved", "concat")
 
@@ -238,6 +239,7 @@ class PositionalEncoding(keras.layers.Layer):
 @keras.saving.register_keras_serializable(package="kyu_transformer")
 class ScaledDotProductAttention(keras.layers.Layer):
     """Computes ``softmax(Q K^T / sqrt(d_k)) V`` for every head: `MultiHeadAttention`'s attention.
+    In float16 the softmax is computed in float32 (the weights returned in float16).
 
     Args:
       dropout_rate: Dropout on the attention weights, in training only.
@@ -259,22 +261,28 @@ class ScaledDotProductAttention(keras.layers.Layer):
         self.dropout = Dropout(self.dropout_rate)
 
     def call(self, q, k, v, mask=None, training=None):
-        # Scaled after the product: the scores are smaller than the queries when T_k < d_k,
-        # and oneDNN fuses the product, the scaling and the mask's addition into one kernel.
+        # The queries are scaled before the product, so that the product is the score: formed
+        # first, it is sqrt(d_k) times larger and overflows float16 (largest 65504) to Inf
+        # where the score would not.
+        q = q * ops.cast(1.0 / math.sqrt(q.shape[-1]), q.dtype)
         scores = ops.matmul(q, ops.swapaxes(k, -1, -2))  # (N, h, T_q, T_k)
-        scores = scores * ops.cast(1.0 / math.sqrt(q.shape[-1]), scores.dtype)
+        if keras.backend.standardize_dtype(scores.dtype) == "float16":
+            # float16's softmax is computed in float32: no float16 bias hides a key whose score
+            # may be near +65504 (the sum would need a bias below -131008), and a bias added to
+            # a score near -65504 overflows to -inf (a row of -inf gives NaN).
+            scores = ops.cast(scores, "float32")
         if mask is not None:
             # A bias (N|1, 1, T_q|1, T_k) added, not a selection: it is built at the mask's
-            # size, and an addition passes its gradient through unchanged. The hidden score is
-            # finite in every dtype (the original's -2**32+1 overflows float16).
-            float16 = keras.backend.standardize_dtype(scores.dtype) == "float16"
-            hidden_score = ops.cast(-3.0e4 if float16 else -1.0e9, scores.dtype)
+            # size, and an addition passes its gradient through unchanged. In float32 (or
+            # bfloat16) it lies far below every score, so its key's weight is exactly zero.
+            hidden_score = ops.cast(-1.0e9, scores.dtype)
             scores = scores + ops.where(mask, ops.zeros_like(hidden_score), hidden_score)
         weights = ops.softmax(scores, axis=-1)  # (N, h, T_q, T_k)
         if mask is not None:
             # A query that sees no key came out uniform: make its row exactly zero.
             sees_a_key = ops.any(mask, axis=-1, keepdims=True)  # (N|1, 1, T_q|1, 1)
             weights = weights * ops.cast(sees_a_key, weights.dtype)
+        weights = ops.cast(weights, q.dtype)
         outputs = ops.matmul(self.dropout(weights, training=training), v)  # (N, h, T_q, d_v)
         return outputs, weights
 
@@ -680,7 +688,8 @@ class DecoderBlock(_Block):
 class Dropout(keras.layers.Dropout):
     """Drops a `rate` of its inputs in training: Keras' ``Dropout`` (options and config),
     computed by `fast_paths.dropout` (16-bit random draws) when the fast-paths switch was on as
-    the layer was made and there is no `noise_shape`.
+    the layer was made and there is no `noise_shape`. Under `tf.distribute` each replica draws
+    its own mask (`replicas.replica_seeds`).
 
     Args:
       rate: Fraction of the inputs to drop, in [0, 1); noise_shape, seed: as Keras'.
@@ -697,9 +706,14 @@ class Dropout(keras.layers.Dropout):
         self.fast_paths = fast.enabled()
 
     def call(self, inputs, training=False):
-        if self.fast_paths and training and self.rate > 0 and self.noise_shape is None:
-            return fast.dropout(inputs, self.rate, self.seed_generator)
-        return super().call(inputs, training=training)
+        if not training or self.rate == 0:
+            return inputs
+        # Each replica of a distributed step draws its own mask (the layer's seeds with the
+        # replica's id folded in); replica 0 and a single device draw the layer's own.
+        seeds = replica_seeds(self.seed_generator)
+        if self.fast_paths and self.noise_shape is None:
+            return fast.dropout(inputs, self.rate, seeds)
+        return keras.random.dropout(inputs, self.rate, noise_shape=self.noise_shape, seed=seeds)
 
 
 def set_fast_paths(layer, on):

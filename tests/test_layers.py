@@ -10,7 +10,7 @@ from keras import ops
 from kyu_transformer.conventions import LAYER_NORM_EPSILON
 from kyu_transformer.layers import (
     DecoderBlock, Dropout, Embedding, EncoderBlock, FeedForward, MultiHeadAttention, Normalize,
-    PositionalEncoding, label_smoothing, project_heads)
+    PositionalEncoding, ScaledDotProductAttention, label_smoothing, project_heads)
 from tests import reference
 from tests.test_fast_paths import switched
 
@@ -522,6 +522,85 @@ def test_fully_masked_row_is_finite(rng, value_and_gradients, policy):
 
     _, gradients = value_and_gradients(total, [queries * 50], layer.trainable_variables)
     assert len(gradients) == 1 + len(layer.trainable_variables)
+    assert all(np.all(np.isfinite(np.asarray(ops.cast(g, "float32")))) for g in gradients)
+
+
+
+def float16_attention_reference(q, k, v, mask=None):
+    """``(outputs, weights)`` of float16 `q`, `k`, `v` `(N, h, T, d_k)` in float64, hidden keys
+    (`mask` False) at weight 0, a query that sees no key at all-zero weights."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    scores = q @ k.swapaxes(-1, -2) / np.sqrt(q.shape[-1])
+    mask = np.ones(scores.shape, bool) if mask is None else np.broadcast_to(mask, scores.shape)
+    weights = np.where(mask, reference.softmax(np.where(mask, scores, -1e30)), 0.0)
+    return weights @ v, weights
+
+
+def test_float16_attention_forms_no_product_above_its_largest_number(rng, value_and_gradients):
+    """Queries of +-16 and keys of about 64 (d_k 64) have products q.k about +-65600, beyond
+    float16's 65504; their scores, 8 times smaller, are not. The numbers are chosen so that
+    float16 holds every partial sum exactly (multiples of 8 below 16384): the outputs, weights
+    and gradients equal float64's to float16's rounding. Scores tie at the top (three keys at
+    8208) and lie 8 apart, so the weights are far from one-hot."""
+    signs = rng.choice([-1.0, 1.0], size=(1, 2, 1, 64))  # (N, h, 1, d_k), a sign per head
+    q = np.concatenate([16 * signs, -16 * signs], axis=2)  # (1, 2, 2, 64)
+    steps = rng.integers(-3, 4, size=(1, 2, 5, 64))
+    steps[..., -1] = np.array([2, 2, 1, 2, 0]) - steps[..., :-1].sum(-1)
+    k = signs * (64 + 4 * steps)  # scores 8192 + 8 * [2, 2, 1, 2, 0], exactly
+    v = rng.uniform(-1, 1, size=(1, 2, 5, 16))
+    q, k, v = (x.astype("float16") for x in (q, k, v))
+    assert np.all(np.abs(q.astype(np.float64) @ k.astype(np.float64).swapaxes(-1, -2)) > 65504)
+    upstream = rng.normal(size=(1, 2, 2, 16)).astype("float32")
+    keras.config.set_dtype_policy("float16")  # the layer and its dropout
+    layer = ScaledDotProductAttention()
+
+    def loss(q, k, v):
+        outputs, weights = layer(q, k, v)
+        return ops.sum(ops.cast(outputs, "float32") * upstream), (outputs, weights)
+
+    (outputs, weights), gradients = value_and_gradients(loss, [q, k, v])
+    assert outputs.dtype == weights.dtype == "float16"
+    expected, expected_weights = float16_attention_reference(q, k, v)
+    np.testing.assert_allclose(np.asarray(weights, np.float64), expected_weights, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(outputs, np.float64), expected, atol=2e-3)
+    # d outputs / d (q, k, v) of float64, through the softmax's Jacobian
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+    weights_grad = upstream @ v64.swapaxes(-1, -2)  # (1, 2, 2, 5)
+    scores_grad = expected_weights * (
+        weights_grad - (weights_grad * expected_weights).sum(-1, keepdims=True)) / 8
+    for got, want in zip(gradients, [scores_grad @ k64, scores_grad.swapaxes(-1, -2) @ q64,
+                                     expected_weights.swapaxes(-1, -2) @ upstream]):
+        got = np.asarray(ops.cast(got, "float32"), np.float64)
+        np.testing.assert_allclose(got, want, atol=1e-2 * np.abs(want).max())
+
+
+def test_float16_masking_hides_a_key_beside_the_largest_scores(rng, value_and_gradients):
+    """Scores near float16's largest (+-61440 of 65504): a hidden key scored 61440 beside kept
+    ones of 1024 and 1023 gets weight 0 (a float16 bias of -3e4 left it 31440, the row's
+    largest), and a query that sees no key, all its scores -61440, gets zero weights, finite
+    outputs and gradients (-61440 - 3e4 overflowed to -inf in float16, its softmax NaN)."""
+    q = np.full((2, 1, 1, 64), 16.0)  # (N, h, T_q, d_k): scaled to 2
+    k = np.stack([np.stack([np.full(64, 480.0), np.full(64, 8.0), np.full(64, 8.0)]),
+                  np.full((3, 64), -480.0)])[:, None]  # (N, h, T_k, d_k)
+    k[0, 0, 2, 0] = 7.5  # scores [61440, 1024, 1023] and [-61440] * 3
+    v = rng.uniform(-1, 1, size=(2, 1, 3, 8))
+    q, k, v = (x.astype("float16") for x in (q, k, v))
+    mask = np.array([[False, True, True], [False, False, False]])[:, None, None]  # (N, 1, 1, T_k)
+    keras.config.set_dtype_policy("float16")  # the layer and its dropout
+    layer = ScaledDotProductAttention()
+
+    def loss(q, k, v):
+        outputs, weights = layer(q, k, v, mask)
+        return ops.sum(ops.cast(outputs, "float32")), (outputs, weights)
+
+    (outputs, weights), gradients = value_and_gradients(loss, [q, k, v])
+    assert outputs.dtype == weights.dtype == "float16"
+    weights = np.asarray(weights, np.float64)
+    expected, expected_weights = float16_attention_reference(q, k, v, mask)
+    assert weights[0, 0, 0, 0] == 0.0 and np.all(weights[1] == 0.0)
+    np.testing.assert_allclose(weights, expected_weights, atol=1e-3)
+    np.testing.assert_allclose(expected_weights[0, 0, 0, 1:], [0.7311, 0.2689], atol=1e-4)
+    np.testing.assert_allclose(np.asarray(outputs, np.float64), expected, atol=2e-3)
     assert all(np.all(np.isfinite(np.asarray(ops.cast(g, "float32")))) for g in gradients)
 
 

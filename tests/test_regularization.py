@@ -2,6 +2,7 @@
 inner activations and of whole token embeddings, a schedule that decays to the end of the run,
 and subword regularization (sampled segmentations of the training side)."""
 
+import json
 import math
 
 import numpy as np
@@ -17,6 +18,7 @@ from kyu_transformer.model import Transformer
 from kyu_transformer.training.schedule import NoamSchedule
 from tests import programs
 from tests.test_data import MULTI30K
+from tests.test_multi_worker import free_ports
 
 SIZE = dict(vocab_size=60, d_model=16, d_ff=32, num_blocks=1, num_heads=2, maxlen1=64,
             maxlen2=64)
@@ -173,6 +175,103 @@ def test_bad_settings_are_refused(overrides, message):
     with pytest.raises(config.HParamsError) as error:
         hp.parse("tiny", overrides)
     assert message in str(error.value)
+
+
+
+# Dropout under MirroredStrategy on two logical CPUs, and the same layers on one device; the
+# masks go to sys.argv[2] as ``{name}-{call}-{where}`` (where: one device, replica 0, 1).
+REPLICAS_SCRIPT = r"""
+import sys
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+sys.path.insert(0, sys.argv[1])
+from kyu_transformer import fast_paths
+from kyu_transformer.layers import Dropout
+
+mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+x = tf.ones((8, 16, 32))
+masks = {}
+for name, fast, noise_shape in (("fast", True, None), ("plain", False, None),
+                                ("words", True, (None, None, 1))):
+    fast_paths.set_enabled(fast)
+    alone = Dropout(0.5, noise_shape=noise_shape, seed=11)
+    with mirrored.scope():
+        replicated = Dropout(0.5, noise_shape=noise_shape, seed=11)
+    step = tf.function(lambda layer=replicated: mirrored.run(lambda: layer(x, training=True)))
+    for call in range(2):
+        masks[f"{name}-{call}-alone"] = alone(x, training=True).numpy() != 0
+        for replica, outputs in enumerate(mirrored.experimental_local_results(step())):
+            masks[f"{name}-{call}-{replica}"] = outputs.numpy() != 0
+np.savez(sys.argv[2], **masks)
+"""
+
+
+@pytest.mark.slow  # starts a program
+@pytest.mark.tensorflow_only("tf.distribute.MirroredStrategy")
+def test_replicas_draw_their_own_dropout_masks_and_the_first_draws_one_devices(tmp_path):
+    """The same inputs on two replicas: each replica drops its own elements (fast paths on
+    and off, and word dropout's Keras path with a `noise_shape`), in each call anew; replica
+    0 drops what the same layer (seed) drops on one device."""
+    output = programs.run("-c", REPLICAS_SCRIPT, programs.ROOT, tmp_path / "masks.npz",
+                          timeout=300)
+    assert output.returncode == 0, output.stderr[-3000:]
+    masks = np.load(tmp_path / "masks.npz")
+    for name in ("fast", "plain", "words"):
+        for call in range(2):
+            first, second = masks[f"{name}-{call}-0"], masks[f"{name}-{call}-1"]
+            np.testing.assert_array_equal(first, masks[f"{name}-{call}-alone"])
+            assert abs(first.mean() - 0.5) < 0.1 and abs(second.mean() - 0.5) < 0.1
+            # half the elements differ between two independent masks of rate 0.5
+            assert abs((first != second).mean() - 0.5) < 0.1, (name, call)
+        assert not np.array_equal(masks[f"{name}-0-1"], masks[f"{name}-1-1"])
+
+
+
+# One worker of two under MultiWorkerMirroredStrategy (the cluster in TF_CONFIG), one replica
+# each: its mask goes to sys.argv[2], the same layer's on this worker alone to sys.argv[3].
+WORKER_SCRIPT = r"""
+import sys
+import numpy as np, tensorflow as tf
+sys.path.insert(0, sys.argv[1])
+from kyu_transformer.layers import Dropout
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+x = tf.ones((8, 16, 32))
+with strategy.scope():
+    layer = Dropout(0.5, seed=11)
+step = tf.function(lambda: strategy.run(lambda: layer(x, training=True)))
+(outputs,) = strategy.experimental_local_results(step())
+np.save(sys.argv[2], outputs.numpy() != 0)
+np.save(sys.argv[3], Dropout(0.5, seed=11)(x, training=True).numpy() != 0)
+"""
+
+
+@pytest.mark.slow  # starts two programs
+@pytest.mark.tensorflow_only("tf.distribute.MultiWorkerMirroredStrategy")
+def test_workers_draw_their_own_dropout_masks(tmp_path):
+    """Two workers of one replica each: the second worker's replica (id 1 of the cluster's
+    two) drops other elements than the first's, which drops what one device does."""
+    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    processes = []
+    for index in range(2):
+        cluster = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        processes.append(programs.start(
+            "-c", WORKER_SCRIPT, programs.ROOT, tmp_path / f"replica{index}.npy",
+            tmp_path / f"alone{index}.npy",
+            env=programs.environment(TF_CONFIG=json.dumps(cluster))))
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=300)
+            assert process.returncode == 0, output[-3000:]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    first, second, alone = (np.load(tmp_path / name)
+                            for name in ("replica0.npy", "replica1.npy", "alone1.npy"))
+    np.testing.assert_array_equal(first, alone)
+    assert abs((first != second).mean() - 0.5) < 0.1
 
 
 # ------------------------------------------------------------------- the schedule
