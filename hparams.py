@@ -15,7 +15,7 @@ from kyu_transformer.config import DEFAULTS, HELP, SPEC, HParamsError, closest, 
 
 PRESETS = {
     # For tests and smoke runs. No `xla_loss`: in a few dozen updates, compiling the loss
-    # for each new batch shape costs more than the fused loss saves.
+    # once for each of the first batch shapes costs more than the fused loss saves.
     "tiny": dict(vocab_size=400, d_model=32, d_ff=64, num_blocks=1, num_heads=2,
                  maxlen1=48, maxlen2=48, batch_size=32, batch_tokens=1024, dropout_rate=0.0,
                  lr=2.0, warmup_steps=40, num_epochs=1, steps_per_epoch=30, log_every=10,

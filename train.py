@@ -212,11 +212,12 @@ def prepare_run(args, strategy, chief, held):
 def make_trainer(hparams, corpus, strategy, deterministic, source=None):
     """Makes the run's `Trainer` (validation BLEU after each epoch when `eval_sentences`),
     everything seeded first; a fine-tuning `source` sets the starting weights."""
+    from kyu_transformer.training.distribution import batch_line
     from kyu_transformer.training.trainer import Trainer, seed_everything
     from kyu_transformer.training.validation import ValidationBleu
 
     seed_everything(hparams["seed"], deterministic)
-    print(f"strategy: {type(strategy).__name__} with {strategy.num_replicas_in_sync} replica(s)")
+    print(batch_line(strategy, hparams))
     hooks = ([ValidationBleu(corpus.val_sources, corpus.val_targets, corpus.subwords,
                              hparams["eval_sentences"], hparams["eval_batch_size"])]
              if hparams["eval_sentences"] else [])

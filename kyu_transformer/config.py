@@ -77,9 +77,14 @@ SPEC = {
     "mixed_precision": ("no", RUN,
                         "no, bf16 (CPU/TPU), fp16 (GPU, with loss scaling), or auto: chosen for "
                         "this machine (docs/training.md) and saved as chosen"),
-    "jit_compile": (False, RESUMABLE, "compile the training step with XLA"),
+    "jit_compile": (False, RESUMABLE,
+                    "compile each replica's update with XLA (under several replicas its forward "
+                    "and backward passes); once per batch shape, a few per bucket"),
     "xla_loss": (True, RESUMABLE,
-                 "compile the loss alone with XLA (a fast path: off without fast_paths)"),
+                 "compile the loss alone with XLA, once per batch shape: it fuses the passes "
+                 "over the (tokens, vocabulary) logits into one, which saves memory traffic on "
+                 "a GPU and a CPU alike, while the matrix products keep TensorFlow's kernels (a "
+                 "fast path: off without fast_paths; within jit_compile's XLA already)"),
     "logdir": ("log/default", RESUMABLE,
                "where checkpoints, summaries, plots and the subword model go"),
     "keep_checkpoints": (5, RESUMABLE, "how many recent checkpoints to keep"),

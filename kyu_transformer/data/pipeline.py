@@ -8,6 +8,27 @@ import tensorflow as tf
 from kyu_transformer.conventions import PAD_ID
 
 
+# A batch's sides are padded to a multiple of this: the shapes a step meets (each compiled once
+# by XLA, each a kernel choice) are then a few per bucket, not one per length. A batch of one
+# bucket is already about as long as its longest pair, so this adds little.
+LENGTH_MULTIPLE = 8
+
+
+def _to_multiples(columns, multiple):
+    """Pads each `(rows, T)` array of `columns` with `PAD_ID` to a length that is a multiple of
+    `multiple`."""
+    def padded(ids):
+        length = tf.shape(ids)[1]
+        return tf.pad(ids, [[0, 0], [0, -length % multiple]], constant_values=PAD_ID)
+
+    return tuple(padded(ids) for ids in columns)
+
+
+def _named(columns):
+    source, target_in, target_out = columns
+    return {"source": source, "target_in": target_in}, target_out
+
+
 def _padded(sequences):
     """Returns `sequences` as a `(num, longest)` int32 array padded with 0, and their lengths."""
     lengths = np.array([len(s) for s in sequences], dtype=np.int32)
@@ -20,9 +41,9 @@ def _padded(sequences):
 def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, maxlen=None,
                  seed=0):
     """Returns a dataset of batches ``({"source", "target_in"}, target_out)`` of int32 ids
-    padded with 0, bucketed by the longer side. With a fixed `seed` it gives the same batches
-    every time, so that a resumed run can skip those trained. Its `cardinality()` is its count of
-    batches, known without going through it."""
+    padded with 0 to a multiple of `LENGTH_MULTIPLE`, bucketed by the longer side. With a fixed
+    `seed` it gives the same batches every time, so that a resumed run can skip those trained.
+    Its `cardinality()` is its count of batches, known without going through it."""
     maxlen = maxlen or max(max(len(s) for s in sources), max(len(t) for t in targets_in))
     columns = [_padded(sequences) for sequences in (sources, targets_in, targets_out)]
     # A pair's length, its longer side's: what it is bucketed by, and the count of batches below.
@@ -33,16 +54,17 @@ def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, m
         tuple(ids[:size] for ids, size in columns), length))
     dataset = dataset.shuffle(len(sources), seed=seed, reshuffle_each_iteration=False)
     # Buckets every 8 tokens; one of lengths up to L batches min(batch_size, batch_tokens // L)
-    # pairs (at most `batch_tokens` padded tokens a side).
-    boundaries = list(range(9, maxlen + 1, 8))  # bucket i: length < boundary i
+    # pairs (at most `batch_tokens` padded tokens a side, L a multiple of 8).
+    step = LENGTH_MULTIPLE
+    boundaries = list(range(step + 1, maxlen + 1, step))  # bucket i: length < boundary i
     sizes = [max(1, min(batch_size, batch_tokens // length)) if batch_tokens else batch_size
-             for length in [b - 1 for b in boundaries] + [maxlen]]
+             for length in [b - 1 for b in boundaries] + [-(-maxlen // step) * step]]
     dataset = dataset.bucket_by_sequence_length(
         element_length_func=lambda pair, length: length, bucket_boundaries=boundaries,
         bucket_batch_sizes=sizes, padding_values=PAD_ID)
     # Buckets emit in length order within a window: mix the batches too.
     dataset = dataset.shuffle(256, seed=seed + 1, reshuffle_each_iteration=False)
-    dataset = dataset.map(lambda pair, _: ({"source": pair[0], "target_in": pair[1]}, pair[2]))
+    dataset = dataset.map(lambda pair, _: _named(_to_multiples(pair, LENGTH_MULTIPLE)))
     # tf.data checks the count: an error at a batch beyond it, or where the batches end before.
     count = _batch_count(lengths, boundaries, sizes)
     return dataset.apply(tf.data.experimental.assert_cardinality(count)).prefetch(

@@ -66,6 +66,38 @@ def replica_slices(dataset, num_replicas, first_replica, local_replicas):
     return dataset.flat_map(pieces)
 
 
+# Below this many tokens a batch's matrix products are too small to fill a GPU: its time goes
+# to launching kernels and to the all-reduce, which costs the same for any batch.
+BUSY_GPU_TOKENS = 2048
+
+
+def batch_line(strategy, hparams):
+    """Returns what a run says of its batches: the global batch (`batch_tokens`, else
+    `batch_size` pairs) cut per replica, and an update's, with `accumulate_steps`; with a warning
+    when a GPU replica gets fewer than `BUSY_GPU_TOKENS` tokens."""
+    replicas, per_update = strategy.num_replicas_in_sync, hparams.get("accumulate_steps", 1)
+    flag, size = (("batch_tokens", hparams["batch_tokens"]) if hparams["batch_tokens"]
+                  else ("batch_size", hparams["batch_size"]))
+    unit = "tokens" if flag == "batch_tokens" else "pairs"
+    line = (f"strategy: {type(strategy).__name__} with {replicas} replica(s); a batch of "
+            f"{size:,} {unit} a side (--{flag}, the global batch), {size // replicas:,} per "
+            f"replica; an update of {per_update} batch(es), {size * per_update:,} {unit}")
+    gpus = any("GPU" in device.upper() for device in _devices(strategy))
+    if gpus and unit == "tokens" and size // replicas < BUSY_GPU_TOKENS:
+        line += (f"\nwarning: {size // replicas:,} tokens per replica are too few to keep a GPU "
+                 f"busy: raise --batch_tokens to {BUSY_GPU_TOKENS * replicas:,} or more (the "
+                 "global batch; lower --accumulate_steps to keep an update's size)")
+    return line
+
+
+def _devices(strategy):
+    """Returns the names of this worker's devices that `strategy` computes on."""
+    try:
+        return list(strategy.extended.worker_devices)
+    except RuntimeError:  # the default strategy: the one device TensorFlow places on
+        return [device.name for device in tf.config.list_logical_devices()[:1]]
+
+
 def distribute_batches(strategy, make_global_batches, endless=False):
     """Returns a distributed dataset from `make_global_batches()`, each global batch cut per
     replica; with `endless`, empty batches follow for ever (a step of several batches tells the
@@ -81,8 +113,9 @@ def distribute_batches(strategy, make_global_batches, endless=False):
                                       slices.element_spec)
         return slices.concatenate(tf.data.Dataset.from_tensors(empty).repeat())
 
-    options = tf.distribute.InputOptions(experimental_fetch_to_device=False)
-    return strategy.distribute_datasets_from_function(dataset_fn, options)
+    # Each replica's slices are prefetched to its device (tf.distribute's default), empty slices
+    # and any lengths alike.
+    return strategy.distribute_datasets_from_function(dataset_fn)
 
 
 def gather(strategy, values):
