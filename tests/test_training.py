@@ -289,6 +289,55 @@ for fast_paths in (True, False):
 """
 
 
+JIT_SCRIPT = r"""
+import os, sys
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+sys.path.insert(0, sys.argv[1])
+from tests.test_training import micro_batches, train_to_the_end
+
+mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+for accumulate_steps in (1, 2):
+    taken, losses, weights, stops = train_to_the_end(
+        micro_batches(), os.path.join(sys.argv[2], f"jit-{accumulate_steps}"), mirrored,
+        jit_compile=True, accumulate_steps=accumulate_steps)
+    np.savez(os.path.join(sys.argv[2], f"jit-{accumulate_steps}.npz"), taken=taken,
+             losses=losses, stops=stops,
+             **{key.replace("/", "|"): value for key, value in weights.items()})
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_exact
+def test_jit_compile_trains_as_the_plain_step(tmp_path):
+    """`jit_compile`: each replica's update compiled with XLA (the iterator read outside it)
+    makes the plain step's updates, on one device and under `MirroredStrategy` on two logical
+    CPUs (in a process of its own, run meanwhile), one batch an update and two; the end of the
+    data and a stop request still reach the loop. XLA's kernels round otherwise than oneDNN's:
+    equal within the rounding Adam magnifies. Assumes a CPU: the plain runs take the GPU where
+    one is seen."""
+    mirrored = programs.start("-c", JIT_SCRIPT, ROOT, tmp_path)
+    tolerance, plain = adam_rounding_tolerance(updates=5), {}
+    for accumulate_steps, expected_taken in ((1, [1, 1, 1, 1, 1, 0]), (2, [2, 2, 1, 0])):
+        runs = {jit: train_to_the_end(micro_batches(), tmp_path / f"{jit}-{accumulate_steps}",
+                                      jit_compile=jit, accumulate_steps=accumulate_steps)
+                for jit in (False, True)}
+        plain[accumulate_steps] = runs[False]
+        for taken, losses, weights, stops in runs.values():
+            assert taken == expected_taken and stops == 1.0
+            np.testing.assert_allclose(losses, runs[False][1], rtol=1e-4)
+            assert_same_weights(weights, runs[False][2], tolerance)
+    output, _ = mirrored.communicate(timeout=300)
+    assert mirrored.returncode == 0, output[-3000:]
+    for accumulate_steps, (taken, losses, weights, _) in plain.items():
+        results = {key.replace("|", "/"): value for key, value
+                   in np.load(tmp_path / f"jit-{accumulate_steps}.npz").items()}
+        assert list(results.pop("taken")) == taken and results.pop("stops") == 2.0
+        np.testing.assert_allclose(results.pop("losses"), losses, rtol=1e-4)
+        assert_same_weights(results, weights, tolerance)
+
+
 @pytest.mark.slow
 @pytest.mark.cpu_exact
 def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
