@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from kyu_transformer.losses import LabelSmoothedCrossEntropy
 from kyu_transformer.safety.lock import LogdirLock
 from kyu_transformer.training.checkpoints import list_checkpoints, unreadable
 from kyu_transformer.training.clock import UpdatePlan
-from kyu_transformer.training.distribution import replica_slices
+from kyu_transformer.training.distribution import batch_line, replica_slices
 from kyu_transformer.training.metrics import masked_accuracy_counts
 from kyu_transformer.training.schedule import NoamSchedule
 from kyu_transformer.training.step import loss_terms_function
@@ -40,6 +41,33 @@ def multi30k_tiny(tmp_path_factory):
     """Multi30k with the tiny preset's subword model, prepared once for the module."""
     logdir = tmp_path_factory.mktemp("corpus")
     return Corpus(MULTI30K, str(logdir), hp.parse("tiny"), log=lambda line: None)
+
+
+class GpuStrategy:
+    """What `batch_line` reads of a strategy, for replicas on GPUs this machine lacks."""
+
+    def __init__(self, replicas):
+        self.num_replicas_in_sync = replicas
+        self.extended = types.SimpleNamespace(
+            worker_devices=[f"/job:localhost/replica:0/task:0/device:GPU:{index}"
+                            for index in range(replicas)])
+
+
+def test_the_start_up_line_states_the_batch_per_replica_and_warns_a_starved_gpu():
+    hparams = hp.parse("small", {"accumulate_steps": 2})
+    assert batch_line(tf.distribute.get_strategy(), hparams) == (
+        "strategy: _DefaultDistributionStrategy with 1 replica(s); a batch of 4,096 tokens a "
+        "side (--batch_tokens, the global batch), 4,096 per replica; an update of 2 batch(es), "
+        "8,192 tokens")
+    assert "\n" not in batch_line(GpuStrategy(2), hparams)  # 2,048 tokens each
+    line, warning = batch_line(GpuStrategy(8), hparams).split("\n")
+    assert "4,096 tokens a side (--batch_tokens, the global batch), 512 per replica" in line
+    assert warning == ("warning: 512 tokens per replica are too few to keep a GPU busy: raise "
+                       "--batch_tokens to 16,384 or more (the global batch; lower "
+                       "--accumulate_steps to keep an update's size)")
+    pairs = batch_line(GpuStrategy(8), dict(hparams, batch_tokens=0, batch_size=64))
+    assert "a batch of 64 pairs a side (--batch_size, the global batch), 8 per replica" in pairs
+    assert "warning" not in pairs  # tokens unknown: sentences of any length
 
 
 def test_noam_schedule_formula():
