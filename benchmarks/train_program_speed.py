@@ -10,7 +10,8 @@ REV (its files taken with `git archive`), in alternating order, each in a fresh 
 subword model of each program's first run is copied into its later ones, so that no run
 spends its time training one). With `--baseline_hparams` REV runs those (two recipes on one
 machine: `--baseline HEAD` compares them in the same code). A run's figure is the median of
-its logged updates' target tokens/s (`history.jsonl`); printed: every run's, the median per
+its logged updates' target tokens/s (`history.jsonl`); printed: every run's (with the seconds
+from its start to epoch 2, where STEPS reach it, and its loss at three updates), the median per
 program, and the median of the rounds' paired ratios (this checkout / REV). What the whole
 program does per update (the lock, signal handling, logging) counts, which a step benchmark
 leaves out.
@@ -32,7 +33,8 @@ from kyu_transformer.training.plots import read_history  # noqa: E402
 
 
 def run_program(tree, logdir, args, hparams, subwords):
-    """Runs train.py of `tree` into `logdir`; returns its first `args.steps` updates' tokens/s."""
+    """Runs train.py of `tree` into `logdir`; returns its first `args.steps` updates' records
+    and the seconds from its start to its first update of epoch 2 (None before)."""
     if subwords:
         os.makedirs(logdir)
         for path in subwords:
@@ -43,25 +45,28 @@ def run_program(tree, logdir, args, hparams, subwords):
                "--checkpoint_every", "0", "--eval_sentences", "0"]
     history = os.path.join(logdir, "history.jsonl")
     with tempfile.TemporaryFile("w+") as output:
+        started, epoch_one = time.time(), None
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, text=True,
                                    cwd=tree, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
                                                   "PYTHONPATH": tree})
-        while process.poll() is None and len(train_rates(history)) < args.steps:
+        while process.poll() is None and len(train_records(history)) < args.steps:
+            if epoch_one is None and any(record["epoch"] > 1
+                                         for record in train_records(history)[-3:]):
+                epoch_one = time.time() - started
             time.sleep(0.2)
         process.kill()  # its first STEPS updates are all this measures
         process.wait()
-        rates = train_rates(history)
-        if len(rates) < args.steps:
+        records = train_records(history)
+        if len(records) < args.steps:
             output.seek(0)
-            sys.exit(f"error: train.py in {tree} stopped after {len(rates)} updates:\n"
+            sys.exit(f"error: train.py in {tree} stopped after {len(records)} updates:\n"
                      f"{output.read()[-2000:]}")
-    return rates[:args.steps]
+    return records[:args.steps], epoch_one
 
 
-def train_rates(history):
-    """The target tokens/s of each `train` record of a history file (the training log's reader)."""
-    return [record["tokens_per_sec"] for record in read_history(history)
-            if record.get("kind", "train") == "train"]
+def train_records(history):
+    """The `train` records of a history file (the training log's reader)."""
+    return [record for record in read_history(history) if record.get("kind", "train") == "train"]
 
 
 def main():
@@ -84,12 +89,18 @@ def main():
         order = list(trees) if round_number % 2 == 0 else list(reversed(trees))
         for label in order:
             logdir = os.path.join(scratch, f"{round_number}-{len(medians[label])}-{label[:2]}")
-            rates = run_program(trees[label], logdir, args, hparams[label], subwords[label])
+            records, epoch_one = run_program(trees[label], logdir, args, hparams[label],
+                                             subwords[label])
+            rates = [record["tokens_per_sec"] for record in records]
             subwords[label] = subwords[label] or [os.path.join(logdir, name) for name in
                                                   ("subwords.model", "subwords.vocab")]
             medians[label].append(statistics.median(rates))
             print(f"round {round_number + 1}, {label}: median {medians[label][-1]:,.0f} target "
-                  f"tokens/s over {len(rates)} updates", flush=True)
+                  f"tokens/s over {len(rates)} updates; " + (
+                      f"{epoch_one:.1f} s from start to epoch 2; " if epoch_one else "")
+                  + "loss at updates " + ", ".join(
+                      f"{index + 1}: {records[index]['loss']:.3f}"
+                      for index in sorted({0, len(records) // 2, len(records) - 1})), flush=True)
     current, baseline = medians.values()
     ratios = [ours / theirs for ours, theirs in zip(current, baseline)]
     for label, values in medians.items():
