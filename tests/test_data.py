@@ -266,6 +266,20 @@ def test_an_epoch_meets_few_shapes_every_length_a_multiple_of_eight():
     assert real / sum(t.size for _, t, _ in batches) > 0.8
 
 
+def test_padding_to_a_multiple_stops_at_the_models_longest():
+    """Lengths of 97 to 100 under maxlen 100 (the default hparams'), a target limit of 98: each
+    side padded up to its model's position table, not beyond it."""
+    rng = np.random.default_rng(1)
+    sources = [list(rng.integers(4, 100, size=n)) for n in rng.integers(97, 101, size=40)]
+    targets = [list(rng.integers(4, 100, size=n)) for n in rng.integers(90, 98, size=40)]
+    batches = collect(pipeline.make_dataset(
+        sources, [[BOS_ID] + t for t in targets], [t + [EOS_ID] for t in targets], 8, 800,
+        maxlen=100, seed=3, maxlens=(100, 98)))
+    assert {source.shape[1] for source, _, _ in batches} == {100}
+    assert {target.shape[1] for _, target, _ in batches} <= {96, 98}
+    assert all(source.size <= 800 for source, _, _ in batches)
+
+
 @pytest.mark.parametrize("batch_size, batch_tokens, maxlen", [
     (64, 400, None), (32, 600, None), (7, 0, None), (16, 0, 20), (32, 600, 20)])
 def test_the_dataset_knows_its_count_of_batches(rng, batch_size, batch_tokens, maxlen):

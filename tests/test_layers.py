@@ -525,7 +525,6 @@ def test_fully_masked_row_is_finite(rng, value_and_gradients, policy):
     assert all(np.all(np.isfinite(np.asarray(ops.cast(g, "float32")))) for g in gradients)
 
 
-
 def float16_attention_reference(q, k, v, mask=None):
     """``(outputs, weights)`` of float16 `q`, `k`, `v` `(N, h, T, d_k)` in float64, hidden keys
     (`mask` False) at weight 0, a query that sees no key at all-zero weights."""

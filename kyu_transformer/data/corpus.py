@@ -53,5 +53,5 @@ class Corpus:
         ``seed + epoch``."""
         return pipeline.make_dataset(*self.train_pairs(epoch), self.hparams["batch_size"],
                                      self.hparams["batch_tokens"], max(self.maxlens),
-                                     seed=self.hparams["seed"] + epoch)
+                                     seed=self.hparams["seed"] + epoch, maxlens=self.maxlens)
 

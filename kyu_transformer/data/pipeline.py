@@ -14,14 +14,23 @@ from kyu_transformer.conventions import PAD_ID
 LENGTH_MULTIPLE = 8
 
 
-def _to_multiples(columns, multiple):
-    """Pads each `(rows, T)` array of `columns` with `PAD_ID` to a length that is a multiple of
-    `multiple`."""
-    def padded(ids):
+def _to_multiples(columns, caps):
+    """Pads each `(rows, T)` array of `columns` with `PAD_ID` to a multiple of `LENGTH_MULTIPLE`,
+    but not beyond its cap in `caps` (the position tables' sizes), nor shortens it."""
+    def padded(ids, cap):
         length = tf.shape(ids)[1]
-        return tf.pad(ids, [[0, 0], [0, -length % multiple]], constant_values=PAD_ID)
+        rounded = length + (-length % LENGTH_MULTIPLE)
+        target = tf.maximum(length, rounded if cap is None else tf.minimum(rounded, cap))
+        return tf.pad(ids, [[0, 0], [0, target - length]], constant_values=PAD_ID)
 
-    return tuple(padded(ids) for ids in columns)
+    return tuple(padded(ids, cap) for ids, cap in zip(columns, caps))
+
+
+def _padded_length(length, maxlens):
+    """Returns the longest a batch of pairs of `length` is padded to."""
+    rounded = -(-length // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+    caps = [cap for cap in maxlens if cap is not None]
+    return max(length, min(rounded, max(caps))) if caps else rounded
 
 
 def _named(columns):
@@ -39,11 +48,12 @@ def _padded(sequences):
 
 
 def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, maxlen=None,
-                 seed=0):
+                 seed=0, maxlens=(None, None)):
     """Returns a dataset of batches ``({"source", "target_in"}, target_out)`` of int32 ids
     padded with 0 to a multiple of `LENGTH_MULTIPLE`, bucketed by the longer side. With a fixed
     `seed` it gives the same batches every time, so that a resumed run can skip those trained.
-    Its `cardinality()` is its count of batches, known without going through it."""
+    Its `cardinality()` is its count of batches, known without going through it. `maxlens`:
+    the model's longest source and target, where the padding to a multiple stops."""
     maxlen = maxlen or max(max(len(s) for s in sources), max(len(t) for t in targets_in))
     columns = [_padded(sequences) for sequences in (sources, targets_in, targets_out)]
     # A pair's length, its longer side's: what it is bucketed by, and the count of batches below.
@@ -54,17 +64,18 @@ def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, m
         tuple(ids[:size] for ids, size in columns), length))
     dataset = dataset.shuffle(len(sources), seed=seed, reshuffle_each_iteration=False)
     # Buckets every 8 tokens; one of lengths up to L batches min(batch_size, batch_tokens // L)
-    # pairs (at most `batch_tokens` padded tokens a side, L a multiple of 8).
+    # pairs (at most `batch_tokens` padded tokens a side, L rounded up to a multiple of 8).
     step = LENGTH_MULTIPLE
     boundaries = list(range(step + 1, maxlen + 1, step))  # bucket i: length < boundary i
     sizes = [max(1, min(batch_size, batch_tokens // length)) if batch_tokens else batch_size
-             for length in [b - 1 for b in boundaries] + [-(-maxlen // step) * step]]
+             for length in [b - 1 for b in boundaries] + [_padded_length(maxlen, maxlens)]]
     dataset = dataset.bucket_by_sequence_length(
         element_length_func=lambda pair, length: length, bucket_boundaries=boundaries,
         bucket_batch_sizes=sizes, padding_values=PAD_ID)
     # Buckets emit in length order within a window: mix the batches too.
     dataset = dataset.shuffle(256, seed=seed + 1, reshuffle_each_iteration=False)
-    dataset = dataset.map(lambda pair, _: _named(_to_multiples(pair, LENGTH_MULTIPLE)))
+    caps = (maxlens[0], maxlens[1], maxlens[1])  # source, target in, target out
+    dataset = dataset.map(lambda pair, _: _named(_to_multiples(pair, caps)))
     # tf.data checks the count: an error at a batch beyond it, or where the batches end before.
     count = _batch_count(lengths, boundaries, sizes)
     return dataset.apply(tf.data.experimental.assert_cardinality(count)).prefetch(

@@ -55,7 +55,7 @@ class Window:
         self.started = time.time()
 
     def add(self, loss_sum, correct, tokens):
-        """Adds an update's sums."""
+        """Adds the sums of some updates."""
         self.loss += loss_sum
         self.correct += correct
         self.tokens += tokens

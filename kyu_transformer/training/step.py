@@ -3,10 +3,9 @@
 by the *global* batch's count; with ``accumulate_steps`` N, one update on N batches is made as on
 their union.
 
-An update asks nothing of the host but two counts (the batches it took and the stop requests):
-its sums (loss, hits, tokens) add up in variables on the device, read at log steps by
-`take_sums`, and the first update whose loss is not finite is recorded there too
-(`first_non_finite_step`), so that nothing is saved after it.
+An update gives the host one small tensor to read (the batches it took, the stop requests, its
+step, and its step again where its loss was not finite, so that nothing is saved after it); its
+sums (loss, hits, tokens) add up in a variable on the device, read at log steps by `take_sums`.
 """
 
 import keras
@@ -30,7 +29,7 @@ def loss_terms_function(loss_fn, xla=True):
 
 class TrainStep:
     """Makes one update of `accumulate_steps` batches from an iterator of `Trainer.distribute`'s:
-    ``step(iterator)`` -> an int64 tensor ``[batches, stops, step]`` (`loss_terms`: from
+    ``step(iterator)`` -> an int64 tensor ``[batches, stops, step, non_finite]`` (`loss_terms`: from
     `loss_terms_function`; `jit_compile`: each replica's update compiled with XLA, see
     `_compiled_on_its_device`).
 
@@ -38,7 +37,8 @@ class TrainStep:
     update) once it has ended. ``stops`` counts the replicas whose process called
     `request_stop`: riding on the token count's all-reduce, it tells every worker of any stop
     after the same update, without a collective of its own. ``step`` is the optimizer's count of
-    updates after it.
+    updates after it; ``non_finite`` the update's number (one more than the count before it, as
+    float16's loss scaling skips such an update) where its loss is not finite, else 0.
     """
 
     def __init__(self, strategy, model, optimizer, loss_terms, jit_compile=False,
@@ -47,9 +47,8 @@ class TrainStep:
         self.loss_terms, self.accumulate_steps = loss_terms, accumulate_steps
         # This process's request and sums, outside the strategy: every worker has its own.
         self.stop_requested = tf.Variable(0.0, trainable=False, name="stop_requested")
-        self.sums = tf.Variable(tf.zeros([3]), trainable=False, name="sums")  # loss, hits, tokens
-        self.first_non_finite = tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                                            name="first_non_finite_step")  # 0: none yet
+        # Loss, hits, tokens; float64 counts tokens exactly past float32's 2**24.
+        self.sums = tf.Variable(tf.zeros([3], tf.float64), trainable=False, name="sums")
         self.replica_update = self._replica_update
         if jit_compile and strategy.num_replicas_in_sync == 1:
             self.replica_update = _compiled(self._replica_update)
@@ -61,7 +60,7 @@ class TrainStep:
         self.function = tf.function(step, reduce_retracing=True, autograph=False)
 
     def __call__(self, iterator):
-        """Runs the step on `iterator`; returns the int64 tensor ``[batches, stops, step]``."""
+        """Runs the step on `iterator`; returns the int64 tensor of the class's docstring."""
         return self.function(iterator)
 
     def request_stop(self):
@@ -72,12 +71,8 @@ class TrainStep:
         """Returns the ``(loss_sum, correct, tokens)`` of the updates since the last call, as
         Python floats, and starts the next sums at 0."""
         sums = [float(value) for value in self.sums.numpy()]
-        self.sums.assign(tf.zeros([3]))
+        self.sums.assign(tf.zeros([3], tf.float64))
         return sums
-
-    def first_non_finite_step(self):
-        """Returns the first update whose loss was not finite, or None."""
-        return int(self.first_non_finite.numpy()) or None
 
     def _one_batch_step(self, iterator):
         """Updates on the next global batch (a bare `next()` would raise at the end only after
@@ -100,24 +95,25 @@ class TrainStep:
 
     def _update(self, micro_batches, batches, counts=None):
         """Updates on `micro_batches` (each replica's slices), their `counts` from `_counts`;
-        adds the sums to `sums`; returns ``[batches, stops, step]``."""
+        adds the sums to `sums`; returns what `__call__` does."""
         if counts is None:
             counts = self.strategy.run(self._counts, args=(micro_batches,))
-        sums = self.strategy.run(self.replica_update, args=(micro_batches, counts))
-        loss_sum, correct, tokens = [
-            self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None) for value in sums]
-        self.sums.assign_add(tf.stack([loss_sum, correct, tokens]))
-        first = self.first_non_finite
-        first.assign(tf.where(tf.logical_and(tf.equal(first, 0),
-                                             tf.logical_not(tf.math.is_finite(loss_sum))),
-                              tf.cast(self.optimizer.iterations, tf.int64), first))
+        number = tf.cast(self.optimizer.iterations, tf.int64) + 1  # read before the update
+        with tf.control_dependencies([number]):
+            sums = self.strategy.run(self.replica_update, args=(micro_batches, counts))
+        sums = [self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+                for value in sums]  # loss, hits, tokens
+        self.sums.assign_add(tf.cast(tf.stack(sums), tf.float64))
+        non_finite = tf.where(tf.math.is_finite(sums[0]), tf.constant(0, tf.int64), number)
         stops = self.strategy.experimental_local_results(counts)[0][1]
-        return self._counts_and_step(batches, stops)
+        return self._counts_and_step(batches, stops, non_finite)
 
-    def _counts_and_step(self, batches, stops):
-        """Returns ``[batches, stops, step]`` as one int64 tensor: the host reads it at once."""
+    def _counts_and_step(self, batches, stops, non_finite=0):
+        """Returns ``[batches, stops, step, non_finite]`` as one int64 tensor: the host reads it
+        at once."""
         return tf.stack([tf.cast(batches, tf.int64), tf.cast(stops, tf.int64),
-                         tf.cast(self.optimizer.iterations, tf.int64)])
+                         tf.cast(self.optimizer.iterations, tf.int64),
+                         tf.cast(non_finite, tf.int64)])
 
     def _counts(self, micro_batches):
         """Returns ``[tokens, stops, rows of each batch]`` summed over replicas in one

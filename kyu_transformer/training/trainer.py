@@ -87,7 +87,7 @@ class Trainer:
                                           checkpoint_dir(self.logdir), hparams["keep_checkpoints"],
                                           self.chief)
         self.last_saved, self.plan, self.per_update = None, None, hparams.get("accumulate_steps", 1)
-        self.last_loss = None  # the mean loss of the updates before the last summary
+        self.last_loss = None  # the mean loss of the last summary's updates
         self.budget = TimeBudget(hparams["max_minutes"], self.strategy)
         self.log = TrainingLog(self.logdir, self.chief)
         self.loss_fn = LabelSmoothedCrossEntropy(hparams["smoothing"], fast_paths=fast_paths)
@@ -127,9 +127,7 @@ class Trainer:
         return path
 
     def save(self):
-        """Saves a checkpoint of the run; returns its path on the chief (else None). Raises a
-        `TrainingError` instead if an update's loss was not finite."""
-        self._check_losses()
+        """Saves a checkpoint of the run; returns its path on the chief (else None)."""
         self.last_saved = self.checkpoints.save(self.global_step(), self.budget.used())
         return self.last_saved
 
@@ -141,7 +139,7 @@ class Trainer:
         ``({"source", "target_in"}, target_out)``, the same for the same epoch (a resumed run
         skips what it has done); `steps_per_epoch` caps an epoch's updates. Returns a dict:
         ``resumed_from``, ``steps``, ``epochs``, ``stopped`` (``"done"``, ``"time"``,
-        ``"SIGTERM"``...), ``last_loss`` (the mean of the updates since the last summary),
+        ``"SIGTERM"``...), ``last_loss`` (the mean loss of the last summary's updates),
         ``train_seconds`` (resumed runs included) and
         ``checkpoint`` (the last saved, on the chief).
         """
@@ -201,13 +199,14 @@ class Trainer:
     def _run_steps(self, iterator, epoch, done, progress):
         """Steps until the data or the budget ends; returns how it stopped (`fit`'s ``stopped``).
 
-        An update's one read by the host is its ``[batches, stops, step]``; the sums stay on the
-        device until a log step, a save (`save` checks the losses first) or the epoch's end."""
+        An update's one read by the host is its ``[batches, stops, step, non_finite]``; the sums
+        stay on the device until a log step, a stop or the epoch's end."""
         window = Window()
         while True:
             if self._stop_requests.received:  # the next step tells every worker
                 self._train_step.request_stop()
-            batches, stops, step = (int(value) for value in self._train_step(iterator).numpy())
+            batches, stops, step, non_finite = self._train_step(iterator).numpy().tolist()
+            self._check_finite(non_finite)
             if not batches:
                 self._summarize(window, progress, step, epoch, record=False)
                 progress.finish()
@@ -235,9 +234,7 @@ class Trainer:
 
     def _summarize(self, window, progress, step, epoch, record=True):
         """Adds the device's sums since the last summary to `window` and the epoch's totals;
-        with `record`, logs the window. Its mean loss becomes `last_loss`. Raises a
-        `TrainingError` if an update's loss was not finite."""
-        self._check_losses()
+        with `record`, logs the window. Its mean loss becomes `last_loss`."""
         window.add(*self._train_step.take_sums())
         progress.add(window)
         if window.tokens:
@@ -248,10 +245,10 @@ class Trainer:
             self.log.write(record)
             progress.log(record)
 
-    def _check_losses(self):
-        """Raises a `TrainingError` (nothing saved) if an update's loss was not finite."""
-        step = self._train_step.first_non_finite_step()
-        if step is not None:
+    def _check_finite(self, step):
+        """Raises a `TrainingError` (nothing saved) if update `step` (0: none) had a loss that
+        was not finite."""
+        if step:
             raise TrainingError(
                 f"the training loss became non-finite at step {step}; stopping without "
                 f"saving. The last good checkpoint is {self.manager.latest_checkpoint}. "
