@@ -177,7 +177,6 @@ def test_bad_settings_are_refused(overrides, message):
     assert message in str(error.value)
 
 
-
 # Dropout under MirroredStrategy on two logical CPUs, and the same layers on one device; the
 # masks go to sys.argv[2] as ``{name}-{call}-{where}`` (where: one device, replica 0, 1).
 REPLICAS_SCRIPT = r"""
@@ -225,7 +224,6 @@ def test_replicas_draw_their_own_dropout_masks_and_the_first_draws_one_devices(t
             # half the elements differ between two independent masks of rate 0.5
             assert abs((first != second).mean() - 0.5) < 0.1, (name, call)
         assert not np.array_equal(masks[f"{name}-0-1"], masks[f"{name}-1-1"])
-
 
 
 # One worker of two under MultiWorkerMirroredStrategy (the cluster in TF_CONFIG), one replica

@@ -264,7 +264,7 @@ def train_to_the_end(batches, logdir, strategy=None, **overrides):
 
     iterator, taken, losses = iter(trainer.distribute(dataset)), [], []
     while taken[-1:] != [0] and len(taken) < 10:
-        count, _, step = trainer._train_step(iterator).numpy()
+        count, _, step, _ = trainer._train_step(iterator).numpy()
         loss_sum, _, tokens = trainer._train_step.take_sums()
         taken.append(int(count))
         losses.append(loss_sum / max(tokens, 1.0))
