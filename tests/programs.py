@@ -22,10 +22,12 @@ kill it. The programs that the benchmark scripts start are the scripts' own: fre
 import atexit
 import gc
 import io
+import json
 import multiprocessing.forkserver
 import os
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -69,6 +71,37 @@ def run(*command, stdin=None, env=None, cwd=ROOT, timeout=600, fresh=False):
         raise
     stdout, stderr = program.outputs()
     return subprocess.CompletedProcess([sys.executable, *command], code, stdout, stderr)
+
+
+def free_ports(count):
+    """Returns `count` loopback ports free now."""
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def cluster_configs(count):
+    """Returns the `TF_CONFIG` (JSON) of each of `count` workers of one loopback cluster."""
+    workers = [f"127.0.0.1:{port}" for port in free_ports(count)]
+    return [json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+            for index in range(count)]
+
+
+def finish_all(processes, timeout=300):
+    """Waits for every one of `processes` (from `start`) and asserts that each succeeded (its
+    output's end in the message); kills those still running if one did not."""
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=timeout)
+            assert process.returncode == 0, output[-3000:]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
 
 
 def start(*command, env=None, cwd=ROOT, fresh=False):

@@ -190,26 +190,15 @@ def test_an_overflow_on_one_worker_skips_the_update_on_both(tmp_path):
     """Two workers (MultiWorkerMirroredStrategy, a replica each), the second's gradients
     overflowing alone: both skip the update and halve their scale; a normal update then moves
     both alike."""
-    from tests.test_multi_worker import free_ports
-
-    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     runs = [(True, 1), (False, 2)]
     processes = []
-    for index in range(2):
+    for index, config in enumerate(programs.cluster_configs(2)):
         folder = tmp_path / f"worker{index}"
         folder.mkdir()
-        config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
         processes.append(programs.start(
             "-c", UPDATES_SCRIPT, ROOT, folder, "multi_worker", json.dumps(runs),
-            env=programs.environment(TF_CONFIG=json.dumps(config))))
-    try:
-        for process in processes:
-            output, _ = process.communicate(timeout=300)
-            assert process.returncode == 0, output[-3000:]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
+            env=programs.environment(TF_CONFIG=config)))
+    programs.finish_all(processes)
     results = [read_updates(tmp_path / f"worker{index}") for index in range(2)]
     for run in (f"{fast_paths} {steps}" for fast_paths, steps in runs):
         assert [len(worker[run]) for worker in results] == [1, 1], run

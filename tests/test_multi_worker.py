@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import time
 
 import pytest
@@ -19,16 +18,6 @@ from tests.test_training import run_train
 pytestmark = pytest.mark.slow  # two train.py processes per test
 
 
-def free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
 def run_workers(tmp_path, logdirs, *extra, worker_extra=(), while_running=None,
                 two_seeds=False):
     """train.py on two loopback workers; returns their ``(return code, output)``.
@@ -39,7 +28,7 @@ def run_workers(tmp_path, logdirs, *extra, worker_extra=(), while_running=None,
     for each way the workers must end alike (training, resuming, fine-tuning; a fresh start
     costs an import of TensorFlow), the other runs fork both.
     """
-    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    workers = [f"127.0.0.1:{port}" for port in programs.free_ports(2)]
     processes = []
     for index, logdir in enumerate(logdirs):
         scratch = tmp_path / f"tmp{index}"

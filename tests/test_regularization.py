@@ -2,7 +2,6 @@
 inner activations and of whole token embeddings, a schedule that decays to the end of the run,
 and subword regularization (sampled segmentations of the training side)."""
 
-import json
 import math
 
 import numpy as np
@@ -18,7 +17,6 @@ from kyu_transformer.model import Transformer
 from kyu_transformer.training.schedule import NoamSchedule
 from tests import programs
 from tests.test_data import MULTI30K
-from tests.test_multi_worker import free_ports
 
 SIZE = dict(vocab_size=60, d_model=16, d_ff=32, num_blocks=1, num_heads=2, maxlen1=64,
             maxlen2=64)
@@ -250,22 +248,11 @@ np.save(sys.argv[3], Dropout(0.5, seed=11)(x, training=True).numpy() != 0)
 def test_workers_draw_their_own_dropout_masks(tmp_path):
     """Two workers of one replica each: the second worker's replica (id 1 of the cluster's
     two) drops other elements than the first's, which drops what one device does."""
-    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
-    processes = []
-    for index in range(2):
-        cluster = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-        processes.append(programs.start(
-            "-c", WORKER_SCRIPT, programs.ROOT, tmp_path / f"replica{index}.npy",
-            tmp_path / f"alone{index}.npy",
-            env=programs.environment(TF_CONFIG=json.dumps(cluster))))
-    try:
-        for process in processes:
-            output, _ = process.communicate(timeout=300)
-            assert process.returncode == 0, output[-3000:]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
+    processes = [programs.start("-c", WORKER_SCRIPT, programs.ROOT,
+                                tmp_path / f"replica{index}.npy", tmp_path / f"alone{index}.npy",
+                                env=programs.environment(TF_CONFIG=config))
+                 for index, config in enumerate(programs.cluster_configs(2))]
+    programs.finish_all(processes)
     first, second, alone = (np.load(tmp_path / name)
                             for name in ("replica0.npy", "replica1.npy", "alone1.npy"))
     np.testing.assert_array_equal(first, alone)

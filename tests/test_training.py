@@ -366,6 +366,30 @@ def test_jit_compile_trains_as_the_plain_step(tmp_path):
         assert_same_weights(results, weights, tolerance)
 
 
+def test_jit_compile_is_one_xla_function_and_trains_with_dropout(tmp_path):
+    """`jit_compile` with dropout on, as `small` and `base` train (the dropout seeds drawn inside
+    the compiled update): the update is one XLA function, traced once for every shape (XLA
+    compiles each shape as it meets it), and the second pass over the batches has the lower
+    loss."""
+    import keras
+
+    keras.utils.set_random_seed(7)
+    trainer = Trainer(tiny(tmp_path, dropout_rate=0.1, jit_compile=True), verbose=False)
+    batches = micro_batches() * 2
+    iterator, losses = iter(trainer.distribute(lambda: tf.data.Dataset.from_generator(
+        lambda: iter(batches), output_signature=(
+            {"source": tf.TensorSpec((None, None), tf.int32),
+             "target_in": tf.TensorSpec((None, None), tf.int32)},
+            tf.TensorSpec((None, None), tf.int32))))), []
+    for _ in batches:
+        assert trainer._train_step(iterator).numpy().tolist()[0] == 1
+        loss_sum, _, tokens = trainer._train_step.take_sums()
+        losses.append(loss_sum / tokens)
+    update = trainer._train_step.replica_update
+    assert update._jit_compile and update.experimental_get_tracing_count() == 1
+    assert np.all(np.isfinite(losses)) and np.mean(losses[5:]) < np.mean(losses[:5])
+
+
 @pytest.mark.slow
 @pytest.mark.cpu_exact
 def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
