@@ -594,5 +594,7 @@ def test_eval_records_the_device_it_decoded_on(varied_tiny_logdir, exported, tmp
                  logdir.parent / "a.de", "--ref", logdir.parent / "a.en", "--beam_size", 1)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     recorded = json.loads((logdir / filenames.EVAL / "a.json").read_text())
-    assert (recorded["device"], recorded["compute_type"]) == ("cpu", "float32")
-    assert "devices: CTranslate2 on cpu (compute type float32)\n" in result.stderr
+    chosen = device_options(ctranslate2, None)  # the CPU here; CUDA where CTranslate2 sees a GPU
+    expected = (chosen["device"], chosen.get("compute_type", "float32"))
+    assert (recorded["device"], recorded["compute_type"]) == expected
+    assert f"devices: CTranslate2 on {expected[0]} (compute type {expected[1]})\n" in result.stderr

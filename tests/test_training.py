@@ -53,7 +53,7 @@ class GpuStrategy:
                             for index in range(replicas)])
 
 
-def test_the_start_up_line_states_the_batch_per_replica_and_warns_a_starved_gpu():
+def test_the_start_up_line_states_the_batch_per_replica_and_warns_a_starved_gpu(monkeypatch):
     hparams = hp.parse("small", {"accumulate_steps": 2})
     assert batch_line(tf.distribute.get_strategy(), hparams) == (
         "strategy: _DefaultDistributionStrategy with 1 replica(s); a batch of 4,096 tokens a "
@@ -65,6 +65,12 @@ def test_the_start_up_line_states_the_batch_per_replica_and_warns_a_starved_gpu(
     assert warning == ("warning: 512 tokens per replica are too few to keep a GPU busy: raise "
                        "--batch_tokens to 16,384 or more (the global batch; lower "
                        "--accumulate_steps to keep an update's size)")
+    # The default strategy on one GPU (TensorFlow lists CPU:0 first), a small batch.
+    gpu = types.SimpleNamespace(name="/job:localhost/replica:0/task:0/device:GPU:0")
+    monkeypatch.setattr(tf.config, "list_logical_devices",
+                        lambda kind=None: [gpu] if kind == "GPU" else [])
+    assert "too few to keep a GPU busy" in batch_line(
+        tf.distribute.get_strategy(), dict(hparams, batch_tokens=1024))
     pairs = batch_line(GpuStrategy(8), dict(hparams, batch_tokens=0, batch_size=64))
     assert "a batch of 64 pairs a side (--batch_size, the global batch), 8 per replica" in pairs
     assert "warning" not in pairs  # tokens unknown: sentences of any length
@@ -159,12 +165,17 @@ def test_a_64_pair_subset_is_learnt(tmp_path, multi30k_tiny):
 
 
 @pytest.mark.slow
-def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, multi30k_tiny):
+@pytest.mark.parametrize("precision, checkpoint_every", [("no", 0), ("fp16", 1)])
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, multi30k_tiny, precision,
+                                                             checkpoint_every):
+    """Also under float16, whose loss scaling skips the update (it is named by the number it
+    would have had), and where a checkpoint is due at every update."""
     def poison(trainer, epoch, logs):  # after epoch 1 and its checkpoint
         weights = trainer.model.target_embedding.embeddings
         weights.assign(np.full(weights.shape, np.nan, "float32"))
 
-    hparams = tiny(tmp_path, num_epochs=2)
+    hparams = tiny(tmp_path, num_epochs=2, mixed_precision=precision,
+                   checkpoint_every=checkpoint_every)
     trainer = Trainer(hparams, hooks=[poison], verbose=False)
     with pytest.raises(TrainingError, match=r"loss became non-finite at step 4.*ckpt-3"):
         trainer.fit(multi30k_tiny.train_batches, steps_per_epoch=3)

@@ -94,8 +94,10 @@ def _devices(strategy):
     """Returns the names of this worker's devices that `strategy` computes on."""
     try:
         return list(strategy.extended.worker_devices)
-    except RuntimeError:  # the default strategy: the one device TensorFlow places on
-        return [device.name for device in tf.config.list_logical_devices()[:1]]
+    except RuntimeError:  # the default strategy: the one device TensorFlow places on, a GPU
+        # where there is one (CPU:0 is listed first either way)
+        devices = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+        return [device.name for device in devices[:1]]
 
 
 def distribute_batches(strategy, make_global_batches, endless=False):

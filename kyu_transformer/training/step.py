@@ -4,7 +4,7 @@ by the *global* batch's count; with ``accumulate_steps`` N, one update on N batc
 their union.
 
 An update gives the host one small tensor to read (the batches it took, the stop requests, its
-step, and its step again where its loss was not finite, so that nothing is saved after it); its
+step, and its number where its loss was not finite, so that nothing is saved after it); its
 sums (loss, hits, tokens) add up in a variable on the device, read at log steps by `take_sums`.
 """
 
