@@ -64,6 +64,7 @@ TENSORFLOW_ONLY_MODULES = {
     "test_multi_worker.py": "tf.distribute multi-worker training",
     "test_optimizer.py": "the fused TensorFlow Adam kernel, tf.function and tf.distribute",
     "test_training.py": "the tf.distribute training loop",
+    "test_updates.py": "the training step under tf.distribute",
 }
 
 

@@ -94,6 +94,8 @@ def call_train(*arguments):
         return train.main([str(argument) for argument in arguments])
     except SystemExit as stop:
         return str(stop.code)
+
+
 def starts_exactly_at(origin, logdir, corpus_dir, optimizer=False):
     """A trainer fine-tuning from logdir `origin`, checked to give, before its first update,
     exactly the outputs of `origin`'s model on the new corpus."""

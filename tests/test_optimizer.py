@@ -1,6 +1,6 @@
 """The fused Adam against Keras' Adam.
 
-(Under MirroredStrategy the trainer's test, test_training.py, checks it: two
+(Under MirroredStrategy the trainer's test, test_training.py and test_updates.py, check it: two
 replicas end with the weights of one.)
 """
 

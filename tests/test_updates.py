@@ -1,0 +1,274 @@
+"""The training step's updates: the fast paths, `accumulate_steps` and `jit_compile` make the
+updates of the plain step, on one device and on two replicas."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hparams as hp
+from kyu_transformer.training.schedule import NoamSchedule
+from kyu_transformer.training.trainer import Trainer
+from tests import programs
+from tests.programs import ROOT
+from tests.test_training import tiny
+
+
+def fixed_batches(epoch):
+    """Three global batches (with padding), the same for every epoch."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for size in (8, 7, 5):
+        source = rng.integers(4, 400, size=(size, 9)).astype("int32")
+        source[0, 6:] = 0
+        target = rng.integers(4, 400, size=(size, 8)).astype("int32")
+        target[-1, 3:] = 0
+        rows.append(({"source": source, "target_in": target}, np.roll(target, -1, axis=1)))
+    return tf.data.Dataset.from_generator(lambda: iter(rows), output_signature=(
+        {"source": tf.TensorSpec((None, None), tf.int32),
+         "target_in": tf.TensorSpec((None, None), tf.int32)},
+        tf.TensorSpec((None, None), tf.int32)))
+
+
+def test_trainer_fast_paths_switch_trains_the_same_steps(tmp_path):
+    """Fused Adam, stated loss gradient and XLA loss (on) against Keras' Adam,
+    autodiff and no XLA (off): the same losses, step by step."""
+    import keras
+
+    from kyu_transformer.training.optimizer import Adam
+
+    losses = {}
+    for fast_paths in (True, False):
+        keras.utils.set_random_seed(7)
+        hparams = tiny(tmp_path / str(fast_paths), dropout_rate=0.0, fast_paths=fast_paths)
+        trainer = Trainer(hparams, verbose=False)
+        assert isinstance(trainer.optimizer, Adam) == fast_paths
+        assert isinstance(trainer.optimizer, keras.optimizers.Adam)
+        assert trainer.loss_fn.fast_paths == fast_paths
+        assert getattr(trainer.model, "fast_paths", fast_paths) == fast_paths
+        losses[fast_paths] = []
+        for _ in range(2):
+            iterator = iter(trainer.distribute(lambda: fixed_batches(0)))
+            for _ in range(3):
+                trainer._train_step(iterator)
+                loss_sum, _, tokens = trainer._train_step.take_sums()
+                losses[fast_paths].append(loss_sum / tokens)
+    assert losses[True][-1] < losses[True][0]  # it trains
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+
+
+def micro_batches():
+    """Five batches of unlike rows, lengths and padding (the one-row batch leaves one of two
+    replicas an empty slice)."""
+    rng = np.random.default_rng(3)
+    batches = []
+    for rows, source_length, target_length in ((6, 9, 8), (3, 12, 6), (5, 7, 10), (4, 8, 8),
+                                               (1, 6, 5)):
+        source = rng.integers(4, 400, size=(rows, source_length)).astype("int32")
+        source[0, -3:] = 0
+        target = rng.integers(4, 400, size=(rows, target_length)).astype("int32")
+        target[-1, 2:] = 0
+        batches.append(({"source": source, "target_in": target}, np.roll(target, -1, axis=1)))
+    return batches
+
+
+def unions(batches, size):
+    """Each `size` consecutive batches joined into one, padded to the longest."""
+    def joined(arrays):
+        length = max(array.shape[1] for array in arrays)
+        return np.concatenate([np.pad(array, ((0, 0), (0, length - array.shape[1])))
+                               for array in arrays])
+
+    groups = [batches[start:start + size] for start in range(0, len(batches), size)]
+    return [({key: joined([features[key] for features, _ in group])
+              for key in ("source", "target_in")}, joined([labels for _, labels in group]))
+            for group in groups]
+
+
+def train_to_the_end(batches, logdir, strategy=None, **overrides):
+    """Steps a tiny model (dropout 0) through `batches` to their end; ``(batches taken by
+    each step, losses, weights, stops after a stop request)``."""
+    import keras
+
+    keras.utils.set_random_seed(7)
+    hparams = hp.parse("tiny", {"logdir": str(logdir), "dropout_rate": 0.0, **overrides})
+    trainer = Trainer(hparams, strategy, verbose=False)
+
+    def dataset():
+        return tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=(
+            {"source": tf.TensorSpec((None, None), tf.int32),
+             "target_in": tf.TensorSpec((None, None), tf.int32)},
+            tf.TensorSpec((None, None), tf.int32)))
+
+    iterator, taken, losses = iter(trainer.distribute(dataset)), [], []
+    while taken[-1:] != [0] and len(taken) < 10:
+        count, _, step, _ = trainer._train_step(iterator).numpy()
+        loss_sum, _, tokens = trainer._train_step.take_sums()
+        taken.append(int(count))
+        losses.append(loss_sum / max(tokens, 1.0))
+        assert step == trainer.global_step()
+    assert trainer.global_step() == len(taken) - 1  # a step is an update
+    weights = {weight.path: weight.numpy() for weight in trainer.model.weights}
+    trainer._train_step.request_stop()
+    stops = float(trainer._train_step(iter(trainer.distribute(dataset)))[1])
+    return taken, losses[:-1], weights, stops
+
+
+def assert_same_weights(actual, expected, atol):
+    # Key biases are left out: their true gradient is zero, so Adam steps them by rounding
+    # noise alone (see `test_mirrored_two_devices_equals_default_strategy`).
+    assert set(actual) == set(expected)
+    for name in expected:
+        if "key_dense/bias" not in name:
+            np.testing.assert_allclose(actual[name], expected[name], rtol=1e-4, atol=atol,
+                                       err_msg=name)
+
+
+def adam_rounding_tolerance(updates):
+    """1% of the `tiny` preset's learning rates summed over `updates`. Adam moves a weight by
+    at most about its rate per update, whatever its gradient's scale: where a gradient is near
+    0, the rounding of the sums behind it (two batches' gradients added against one joined
+    batch's; oneDNN's kernels and TensorFlow's own round differently) changes that weight's step
+    by a part of the rate, far more than the rounding's own relative size (seen: one weight
+    1.6e-5 off, 0.2% of the rates' sum, with TF_ENABLE_ONEDNN_OPTS=0)."""
+    hparams = hp.parse("tiny", {})
+    schedule = NoamSchedule(hparams["d_model"], hparams["warmup_steps"], hparams["lr"])
+    return 0.01 * sum(float(schedule(step)) for step in range(updates))
+
+
+ACCUMULATION_SCRIPT = r"""
+import os, sys
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+sys.path.insert(0, sys.argv[1])
+from tests.test_updates import micro_batches, train_to_the_end
+
+mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+for fast_paths in (True, False):
+    taken, losses, weights, stops = train_to_the_end(
+        micro_batches(), os.path.join(sys.argv[2], f"mirrored-{fast_paths}"), mirrored,
+        fast_paths=fast_paths, accumulate_steps=2)
+    np.savez(os.path.join(sys.argv[2], f"mirrored-{fast_paths}.npz"), taken=taken,
+             losses=losses, stops=stops,
+             **{key.replace("/", "|"): value for key, value in weights.items()})
+"""
+
+
+def jit_batches():
+    """Three of `micro_batches`, the one-row batch last: XLA compiles an update for each
+    shape."""
+    batches = micro_batches()
+    return [batches[0], batches[1], batches[4]]
+
+
+JIT_SCRIPT = r"""
+import os, sys
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+sys.path.insert(0, sys.argv[1])
+from tests.test_updates import jit_batches, train_to_the_end
+
+mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+taken, losses, weights, stops = train_to_the_end(
+    jit_batches(), os.path.join(sys.argv[2], "jit"), mirrored, jit_compile=True,
+    accumulate_steps=2)
+np.savez(os.path.join(sys.argv[2], "jit.npz"), taken=taken, losses=losses, stops=stops,
+         **{key.replace("/", "|"): value for key, value in weights.items()})
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_exact
+def test_jit_compile_trains_as_the_plain_step(tmp_path):
+    """`jit_compile`: each replica's update compiled with XLA (the iterator read outside it)
+    makes the plain step's updates, on one device (one batch an update and two) and under
+    `MirroredStrategy` on two logical CPUs (two, the one-row batch leaving a replica an empty
+    slice; in a process of its own, run meanwhile); the end of the data and a stop request
+    still reach the loop. XLA's kernels round otherwise than oneDNN's:
+    equal within the rounding Adam magnifies. Assumes a CPU: the plain runs take the GPU where
+    one is seen."""
+    mirrored = programs.start("-c", JIT_SCRIPT, ROOT, tmp_path)
+    tolerance, plain = adam_rounding_tolerance(updates=3), {}
+    for accumulate_steps, expected_taken in ((1, [1, 1, 1, 0]), (2, [2, 1, 0])):
+        runs = {jit: train_to_the_end(jit_batches(), tmp_path / f"{jit}-{accumulate_steps}",
+                                      jit_compile=jit, accumulate_steps=accumulate_steps)
+                for jit in (False, True)}
+        plain[accumulate_steps] = runs[False]
+        for taken, losses, weights, stops in runs.values():
+            assert taken == expected_taken and stops == 1.0
+            np.testing.assert_allclose(losses, runs[False][1], rtol=1e-4)
+            assert_same_weights(weights, runs[False][2], tolerance)
+    output, _ = mirrored.communicate(timeout=300)
+    assert mirrored.returncode == 0, output[-3000:]
+    taken, losses, weights, _ = plain[2]
+    results = {key.replace("|", "/"): value
+               for key, value in np.load(tmp_path / "jit.npz").items()}
+    assert list(results.pop("taken")) == taken and results.pop("stops") == 2.0
+    np.testing.assert_allclose(results.pop("losses"), losses, rtol=1e-4)
+    assert_same_weights(results, weights, tolerance)
+
+
+def test_jit_compile_is_one_xla_function_and_trains_with_dropout(tmp_path):
+    """`jit_compile` with dropout on, as `small` and `base` train (the dropout seeds drawn inside
+    the compiled update): the update is one XLA function, traced once for every shape (XLA
+    compiles each shape as it meets it), and the fourth pass over the batches has a lower loss
+    than the first."""
+    import keras
+
+    keras.utils.set_random_seed(7)
+    trainer = Trainer(tiny(tmp_path, dropout_rate=0.1, jit_compile=True), verbose=False)
+    batches = micro_batches()[:2] * 4  # two shapes, each compiled once
+    iterator, losses = iter(trainer.distribute(lambda: tf.data.Dataset.from_generator(
+        lambda: iter(batches), output_signature=(
+            {"source": tf.TensorSpec((None, None), tf.int32),
+             "target_in": tf.TensorSpec((None, None), tf.int32)},
+            tf.TensorSpec((None, None), tf.int32))))), []
+    for _ in batches:
+        assert trainer._train_step(iterator).numpy().tolist()[0] == 1
+        loss_sum, _, tokens = trainer._train_step.take_sums()
+        losses.append(loss_sum / tokens)
+    update = trainer._train_step.replica_update
+    assert update._jit_compile and update.experimental_get_tracing_count() == 1
+    assert np.all(np.isfinite(losses)) and np.mean(losses[6:]) < np.mean(losses[:2])
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_exact
+def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
+    """`accumulate_steps` 2: each update is the one of its two batches joined (the last, of
+    the one batch left), with the fused Adam and with Keras' (`fast_paths` off), on one device
+    and under `MirroredStrategy` on two logical CPUs (in a process of its own, run meanwhile;
+    one replica's slice of the one-row batch is empty).
+
+    Assumes a CPU: the joined batches train on the GPU where one is seen, and its kernels
+    round otherwise than the two logical CPUs' (a tolerance of CPUs' rounding, which Adam
+    magnifies where a gradient is near 0)."""
+    mirrored = programs.start("-c", ACCUMULATION_SCRIPT, ROOT, tmp_path)
+    batches, joined = micro_batches(), {}
+    tolerance = adam_rounding_tolerance(updates=3)
+    for fast_paths in (True, False):
+        taken, losses, weights, stops = train_to_the_end(
+            batches, tmp_path / f"accumulated-{fast_paths}", fast_paths=fast_paths,
+            accumulate_steps=2)
+        assert taken == [2, 2, 1, 0] and stops == 1.0
+        joined_taken, *joined[fast_paths], _ = train_to_the_end(
+            unions(batches, 2), tmp_path / f"joined-{fast_paths}", fast_paths=fast_paths)
+        assert joined_taken == [1, 1, 1, 0]
+        np.testing.assert_allclose(losses, joined[fast_paths][0], rtol=1e-5)
+        assert_same_weights(weights, joined[fast_paths][1], tolerance)
+    # Updates on the batches one by one end elsewhere, in the weights compared, far beyond the
+    # tolerance: the test can fail.
+    _, _, one_by_one, _ = train_to_the_end(batches, tmp_path / "one-by-one")
+    assert max(np.abs(one_by_one[name] - weights[name]).max() for name in weights
+               if "key_dense/bias" not in name) > 10 * tolerance
+
+    output, _ = mirrored.communicate(timeout=300)
+    assert mirrored.returncode == 0, output[-3000:]
+    for fast_paths in (True, False):
+        results = {key.replace("|", "/"): value
+                   for key, value in np.load(tmp_path / f"mirrored-{fast_paths}.npz").items()}
+        assert list(results.pop("taken")) == [2, 2, 1, 0]
+        assert results.pop("stops") == 2.0  # a stop rides on both replicas' token count
+        np.testing.assert_allclose(results.pop("losses"), joined[fast_paths][0], rtol=1e-5)
+        assert_same_weights(results, joined[fast_paths][1], tolerance)
