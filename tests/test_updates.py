@@ -182,26 +182,26 @@ np.savez(os.path.join(sys.argv[2], "jit.npz"), taken=taken, losses=losses, stops
 @pytest.mark.cpu_exact
 def test_jit_compile_trains_as_the_plain_step(tmp_path):
     """`jit_compile`: each replica's update compiled with XLA (the iterator read outside it)
-    makes the plain step's updates, on one device (one batch an update and two) and under
-    `MirroredStrategy` on two logical CPUs (two, the one-row batch leaving a replica an empty
-    slice; in a process of its own, run meanwhile); the end of the data and a stop request
-    still reach the loop. XLA's kernels round otherwise than oneDNN's:
-    equal within the rounding Adam magnifies. Assumes a CPU: the plain runs take the GPU where
-    one is seen."""
+    makes the plain step's updates, on one device (one batch an update; with two, the same
+    compiled function takes a list of two) and under `MirroredStrategy` on two logical CPUs (two
+    batches an update, the one-row batch leaving a replica an empty slice; in a process of its
+    own, run meanwhile); the end of the data and a stop request still reach the loop. XLA's
+    kernels round otherwise than oneDNN's: equal within the rounding Adam magnifies. Assumes a
+    CPU: the plain runs take the GPU where one is seen."""
     mirrored = programs.start("-c", JIT_SCRIPT, ROOT, tmp_path)
-    tolerance, plain = adam_rounding_tolerance(updates=3), {}
-    for accumulate_steps, expected_taken in ((1, [1, 1, 1, 0]), (2, [2, 1, 0])):
-        runs = {jit: train_to_the_end(jit_batches(), tmp_path / f"{jit}-{accumulate_steps}",
-                                      jit_compile=jit, accumulate_steps=accumulate_steps)
-                for jit in (False, True)}
-        plain[accumulate_steps] = runs[False]
-        for taken, losses, weights, stops in runs.values():
-            assert taken == expected_taken and stops == 1.0
-            np.testing.assert_allclose(losses, runs[False][1], rtol=1e-4)
-            assert_same_weights(weights, runs[False][2], tolerance)
+    tolerance = adam_rounding_tolerance(updates=3)
+    plain = train_to_the_end(jit_batches(), tmp_path / "plain")
+    compiled = train_to_the_end(jit_batches(), tmp_path / "jit", jit_compile=True)
+    for taken, _, _, stops in (plain, compiled):
+        assert taken == [1, 1, 1, 0] and stops == 1.0
+    np.testing.assert_allclose(compiled[1], plain[1], rtol=1e-4)
+    assert_same_weights(compiled[2], plain[2], tolerance)
+    # the reference of the compiled updates on two replicas
+    taken, losses, weights, stops = train_to_the_end(jit_batches(), tmp_path / "plain-2",
+                                                     accumulate_steps=2)
+    assert taken == [2, 1, 0] and stops == 1.0
     output, _ = mirrored.communicate(timeout=300)
     assert mirrored.returncode == 0, output[-3000:]
-    taken, losses, weights, _ = plain[2]
     results = {key.replace("|", "/"): value
                for key, value in np.load(tmp_path / "jit.npz").items()}
     assert list(results.pop("taken")) == taken and results.pop("stops") == 2.0
