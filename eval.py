@@ -106,8 +106,8 @@ def load_inputs(args, hparams):
         check_data_dir(data_dir)
         (source_path, target_path), reader = split_files(
             data_dir, split, hparams["src_lang"], hparams["tgt_lang"])
-    sources = reader(source_path)
-    references = reader(target_path) if target_path else None
+    sources = list(reader(source_path))
+    references = list(reader(target_path)) if target_path else None
     if references is not None and len(references) != len(sources):
         raise DataError(f"{source_path} has {len(sources)} lines but {target_path} has "
                         f"{len(references)}")

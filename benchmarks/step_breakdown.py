@@ -95,8 +95,8 @@ def main():
     corpus = Corpus(args.data_dir, os.path.join(ROOT, "log", ".breakdown"), hparams,
                     log=lambda line: None)
     count = args.steps * args.repeats
-    # The first batch of an epoch waits for the shuffle buffer (the whole corpus) to
-    # fill, once per epoch: it is fetched before the clocks start, in both passes.
+    # The first batch of an epoch waits for the pipeline to start (its plan, its reads
+    # ahead), once per epoch: it is fetched before the clocks start, in both passes.
     held = [(f, l) for f, l in corpus.train_batches(0).take(count + 1)][1:]
     tokens = sum(int(tf.reduce_sum(tf.cast(l != 0, tf.int32))) for _, l in held)
     for features_, labels_ in held:

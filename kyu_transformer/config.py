@@ -30,6 +30,10 @@ SPEC = {
     "data_dir": ("data/multi30k", RUN, "folder with train/val/test files <split>.<lang>[.gz]"),
     "src_lang": ("de", RUN, "source language suffix"),
     "tgt_lang": ("en", RUN, "target language suffix"),
+    "corpus_cache": ("", RESUMABLE,
+                     "folder where the training split is prepared once (subword ids on disk), "
+                     "which runs of the same corpus and subword model share; empty: "
+                     "<logdir>/prepared"),
     "vocab_size": (8000, ARCHITECTURE, "size of the joint SentencePiece vocabulary"),
     "subword_model_type": ("unigram", ARCHITECTURE, "SentencePiece model type: unigram or bpe"),
     "subword_alpha": (0.0, RUN,

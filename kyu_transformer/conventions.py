@@ -1,8 +1,8 @@
 """Holds what the layers, the data, the searches, the library and the programs agree on, free of
 Keras and TensorFlow so that a program checks its flags before they load: the special ids and the
 cut of an output at its end, the layer-norm defaults, the names of strategies and weight types,
-and the rules arguments follow (each rule one function, which the library applies for its callers
-and the programs before TensorFlow loads)."""
+the rows of a batch each replica takes, and the rules arguments follow (each rule one function,
+which the library applies for its callers and the programs before TensorFlow loads)."""
 
 # The ids of padding, unknown piece, start and end of a sentence: the subword model is trained to
 # give them (`data.subwords`) and the searches use them, so that decoding needs no corpus code.
@@ -11,6 +11,16 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 # The tf.distribute strategies a run can take (`training.distribution.make_strategy`).
 STRATEGIES = ("auto", "default", "mirrored", "multi_worker")
+
+
+def replica_rows(rows, first, count, total):
+    """Returns the rows ``[begin, end)`` of a global batch of `rows` that replicas `first` ..
+    ``first + count - 1`` of `total` train on: replica ``r`` takes ``[rows*r//total,
+    rows*(r+1)//total)`` (possibly none), so that any replica count computes the same loss.
+    Integers or integer tensors alike."""
+    return rows * first // total, rows * (first + count) // total
+
+
 # The weight types of CTranslate2's CPU wheel (`export.ctranslate2.convert`).
 QUANTIZATIONS = ("float32", "int8", "int8_float32")
 

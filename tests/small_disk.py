@@ -1,4 +1,5 @@
-"""Runs train.py and eval.py on a small tmpfs that fills up; prints what happened as JSON.
+"""Runs train.py and eval.py on a small tmpfs that fills up (a run's logdir, then its prepared
+corpus); prints what happened as JSON.
 
     unshare --user --map-root-user --mount python tests/small_disk.py WORKDIR
 
@@ -69,6 +70,16 @@ def main(workdir):
     report["eval"] = run("eval.py", "--logdir", logdir, "--split", "val", "--beam_size", "1")
     report["after_eval"] = listing(logdir)
     report["newest_before"] = checkpoint
+    # The training split prepared on the full disk (--corpus_cache), the logdir elsewhere.
+    os.remove(filler)
+    cache, elsewhere = os.path.join(disk, "cache"), os.path.join(workdir, "log-elsewhere")
+    filler = fill(disk, leave=4096)
+    report["cache"] = cache
+    report["cache_full"] = run("train.py", *FLAGS, "--logdir", elsewhere, "--corpus_cache", cache)
+    report["after_cache_full"] = listing(cache)
+    os.remove(filler)
+    report["cache_freed"] = run("train.py", *FLAGS, "--logdir", elsewhere, "--corpus_cache",
+                                cache)
     print(json.dumps(report))
 
 

@@ -14,7 +14,8 @@ import pytest
 from kyu_transformer import filenames
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID
 from kyu_transformer.data import pipeline
-from kyu_transformer.data.subwords import Subwords, add_markers
+from kyu_transformer.data.prepared import IdColumn
+from kyu_transformer.data.subwords import Subwords
 from kyu_transformer.data.text import (
     MULTI30K_FILES, DataError, ensure_multi30k, load_split, read_parallel)
 from tests import programs
@@ -211,38 +212,51 @@ def test_failed_subword_training_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path / "logdir") == []
 
 
-def test_markers_and_length_filter():
-    sources, targets_in, targets_out, dropped = add_markers(
-        [[5, 6], [5] * 9, [7]], [[8], [9], [10] * 9], maxlen1=4, maxlen2=4)
-    assert dropped == 2
-    assert sources == [[5, 6, EOS_ID]]
-    assert targets_in == [[BOS_ID, 8]] and targets_out == [[8, EOS_ID]]
+def columns(sources, targets):
+    return IdColumn.of_lists(sources), IdColumn.of_lists(targets)
+
+
+def test_markers_are_added_and_pairs_too_long_with_them_dropped():
+    batches = collect(pipeline.make_dataset(
+        *columns([[5, 6], [5] * 9, [7], [6, 6, 6]], [[8], [9], [10] * 9, [11, 12, 13]]),
+        batch_size=8, maxlens=(4, 4)))
+    assert len(batches) == 1
+    source, target_in, target_out = batches[0]  # each side padded to its cap, 4
+    order = np.argsort(source[:, 0])  # the batch's rows come shuffled
+    np.testing.assert_array_equal(source[order], [[5, 6, EOS_ID, 0], [6, 6, 6, EOS_ID]])
+    np.testing.assert_array_equal(target_in[order], [[BOS_ID, 8, 0, 0], [BOS_ID, 11, 12, 13]])
+    np.testing.assert_array_equal(target_out[order], [[8, EOS_ID, 0, 0], [11, 12, 13, EOS_ID]])
 
 
 def make_pairs(rng, count=500):
+    """`count` pairs of random ids (no markers) of unlike lengths, as columns."""
     lengths = rng.integers(1, 40, size=count)
-    sources = [list(rng.integers(4, 100, size=n)) + [EOS_ID] for n in lengths]
+    sources = [list(rng.integers(4, 100, size=n)) for n in lengths]
     targets = [list(rng.integers(4, 100, size=max(1, n + rng.integers(-3, 4))))
                for n in lengths]
-    return sources, [[BOS_ID] + t for t in targets], [t + [EOS_ID] for t in targets]
+    return columns(sources, targets)
 
 
 def collect(dataset):
     return [(x["source"].numpy(), x["target_in"].numpy(), y.numpy()) for x, y in dataset]
 
 
-def test_batches_respect_token_budget_and_padding(rng):
-    sources, targets_in, targets_out = make_pairs(rng)
-    batches = collect(pipeline.make_dataset(sources, targets_in, targets_out, batch_size=64,
-                                            batch_tokens=400, seed=3))
-    assert sum(len(s) for s, _, _ in batches) == len(sources)  # every pair, once
+def unpadded(ids):
+    return tuple(int(i) for i in ids if i != PAD_ID)
+
+
+def test_batches_hold_every_pair_once_marked_within_the_token_budget(rng):
+    sources, targets = make_pairs(rng)
+    batches = collect(pipeline.make_dataset(sources, targets, batch_size=64, batch_tokens=400,
+                                            seed=3))
+    read = sorted((unpadded(s), unpadded(t)) for batch in batches for s, t in zip(*batch[:2]))
+    assert read == sorted(((*s, EOS_ID), (BOS_ID, *t))
+                          for s, t in zip(sources.to_lists(), targets.to_lists()))
     for source, target_in, target_out in batches:
         assert source.size <= 400 and target_in.size <= 400 and len(source) <= 64
         assert target_in.shape == target_out.shape
-        np.testing.assert_array_equal(target_in[:, 0], BOS_ID)
-        lengths = (target_out != 0).sum(1)
-        np.testing.assert_array_equal(target_out[np.arange(len(lengths)), lengths - 1],
-                                      EOS_ID)
+        shifted = target_out[:, :-1]  # the labels are the inputs shifted, EOS for BOS
+        np.testing.assert_array_equal(target_in[:, 1:], np.where(shifted == EOS_ID, 0, shifted))
         assert np.all((source == 0) == (np.cumsum(source == 0, axis=1) > 0))  # pad at the end
     # bucketing: batches hold similar lengths, so padding stays small
     real = sum((s != 0).sum() for s, _, _ in batches)
@@ -253,28 +267,28 @@ def test_an_epoch_meets_few_shapes_every_length_a_multiple_of_eight():
     """Each side of a batch is padded to a multiple of 8: XLA compiles a step (or the loss) once
     per shape it meets, so the shapes of an epoch stay a few per bucket of 8 lengths (a full
     batch and the bucket's rest), and the padding stays small."""
-    sources, targets_in, targets_out = make_pairs(np.random.default_rng(0), count=2000)
-    batches = collect(pipeline.make_dataset(sources, targets_in, targets_out, batch_size=64,
-                                            batch_tokens=400, seed=3))
+    sources, targets = make_pairs(np.random.default_rng(0), count=2000)
+    batches = collect(pipeline.make_dataset(sources, targets, batch_size=64, batch_tokens=400,
+                                            seed=3))
     for source, target_in, target_out in batches:
         assert source.shape[1] % 8 == 0 and target_in.shape[1] % 8 == 0
         assert source.size <= 400 and target_out.size <= 400
-    buckets = math.ceil(max(len(s) for s in sources + targets_in) / 8)
+    buckets = math.ceil((max(sources.lengths().max(), targets.lengths().max()) + 1) / 8)
     shapes = {(len(source), source.shape[1], target.shape[1]) for source, target, _ in batches}
-    assert len(shapes) <= 2 * buckets  # a batch of its own length each: 38 of 133 batches
+    assert len(shapes) <= 2 * buckets
     real = sum((t != 0).sum() for _, t, _ in batches)
     assert real / sum(t.size for _, t, _ in batches) > 0.8
 
 
 def test_padding_to_a_multiple_stops_at_the_models_longest():
-    """Lengths of 97 to 100 under maxlen 100 (the default hparams'), a target limit of 98: each
-    side padded up to its model's position table, not beyond it."""
+    """Lengths of 97 to 100 with the marker under maxlen 100 (the default hparams'), a target
+    limit of 98: each side padded up to its model's position table, not beyond it."""
     rng = np.random.default_rng(1)
-    sources = [list(rng.integers(4, 100, size=n)) for n in rng.integers(97, 101, size=40)]
-    targets = [list(rng.integers(4, 100, size=n)) for n in rng.integers(90, 98, size=40)]
-    batches = collect(pipeline.make_dataset(
-        sources, [[BOS_ID] + t for t in targets], [t + [EOS_ID] for t in targets], 8, 800,
-        maxlen=100, seed=3, maxlens=(100, 98)))
+    sources = [list(rng.integers(4, 100, size=n)) for n in rng.integers(96, 100, size=40)]
+    targets = [list(rng.integers(4, 100, size=n)) for n in rng.integers(89, 97, size=40)]
+    batches = collect(pipeline.make_dataset(*columns(sources, targets), 8, 800, seed=3,
+                                            maxlens=(100, 98)))
+    assert sum(len(source) for source, _, _ in batches) == 40
     assert {source.shape[1] for source, _, _ in batches} == {100}
     assert {target.shape[1] for _, target, _ in batches} <= {96, 98}
     assert all(source.size <= 800 for source, _, _ in batches)
@@ -283,21 +297,66 @@ def test_padding_to_a_multiple_stops_at_the_models_longest():
 @pytest.mark.parametrize("batch_size, batch_tokens, maxlen", [
     (64, 400, None), (32, 600, None), (7, 0, None), (16, 0, 20), (32, 600, 20)])
 def test_the_dataset_knows_its_count_of_batches(rng, batch_size, batch_tokens, maxlen):
-    """Without going through it (the plan of a run reads it); with `maxlen` under the longest
-    pairs' lengths, these go to the last bucket."""
-    sources, targets_in, targets_out = make_pairs(rng)
-    dataset = pipeline.make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens,
-                                    maxlen, seed=3)
+    """Without going through it (the plan of a run reads it); with `maxlen`, of the pairs that
+    fit."""
+    sources, targets = make_pairs(rng)
+    dataset = pipeline.make_dataset(sources, targets, batch_size, batch_tokens,
+                                    (maxlen, maxlen), seed=3)
     batches = collect(dataset)
-    assert int(dataset.cardinality()) == len(batches) > len(sources) / batch_size
-    assert sum(len(source) for source, _, _ in batches) == len(sources)
+    fit = (maxlen is None or np.sum((sources.lengths() < maxlen) & (targets.lengths() < maxlen)))
+    pairs = len(sources) if maxlen is None else fit
+    assert int(dataset.cardinality()) == len(batches) > pairs / batch_size
+    assert sum(len(source) for source, _, _ in batches) == pairs
 
 
 def test_same_seed_same_batches_other_seed_other_order(rng):
-    sources, targets_in, targets_out = make_pairs(rng)
-    make = functools.partial(pipeline.make_dataset, sources, targets_in, targets_out, 32, 600)
+    sources, targets = make_pairs(rng)
+    make = functools.partial(pipeline.make_dataset, sources, targets, 32, 600)
     first, again, other = collect(make(seed=1)), collect(make(seed=1)), collect(make(seed=2))
     assert len(first) == len(again)
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(first, again))
     assert not all(a[0].shape == b[0].shape and np.array_equal(a[0], b[0])
                    for a, b in zip(first, other))
+
+
+class CountingColumn(IdColumn):
+    """An `IdColumn` that counts the sentences read from it."""
+
+    def __init__(self, column):
+        super().__init__(column.ids, column.begins, column.ends)
+        self.read = 0
+
+    def sentence(self, row):
+        self.read += 1
+        return super().sentence(row)
+
+
+def test_a_resumed_epoch_starts_at_its_batch_without_reading_the_ones_before(rng):
+    sources, targets = make_pairs(rng)
+    whole = collect(pipeline.make_dataset(sources, targets, 32, 600, seed=5))
+    counted = CountingColumn(sources), CountingColumn(targets)
+    dataset = pipeline.make_dataset(*counted, 32, 600, seed=5, skip=10)
+    assert int(dataset.cardinality()) == len(whole) - 10
+    first = next(iter(dataset))  # the pipeline reads ahead, a few batches at most
+    np.testing.assert_array_equal(first[0]["source"].numpy(), whole[10][0])
+    assert counted[0].read < 0.5 * len(sources)  # not the 10 batches before (about 130 pairs)
+    rest = collect(dataset)
+    assert all(np.array_equal(a[2], b[2]) for a, b in zip(rest, whole[10:]))
+
+
+def test_a_worker_reads_the_rows_of_its_replicas_alone(rng):
+    """Share ``(1, 2, 4)``: replicas 1 and 2 of 4, rows ``[n//4, 3n//4)`` of a batch of n; the
+    other rows stay padding, the shapes those of the whole batch."""
+    sources, targets = make_pairs(rng)
+    whole = collect(pipeline.make_dataset(sources, targets, 32, 600, seed=5))
+    counted = CountingColumn(sources), CountingColumn(targets)
+    shared = collect(pipeline.make_dataset(*counted, 32, 600, seed=5, share=(1, 2, 4)))
+    assert len(shared) == len(whole)
+    for mine, full in zip(shared, whole):
+        rows = len(full[0])
+        begin, end = rows // 4, 3 * rows // 4
+        for ours, theirs in zip(mine, full):
+            assert ours.shape == theirs.shape
+            np.testing.assert_array_equal(ours[begin:end], theirs[begin:end])
+            assert not ours[:begin].any() and not ours[end:].any()
+    assert counted[0].read == sum(3 * len(b[0]) // 4 - len(b[0]) // 4 for b in whole)

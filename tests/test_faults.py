@@ -361,3 +361,15 @@ def test_a_full_disk_stops_with_one_line_leaves_nothing_partial_and_resumes(tmp_
            "was left half-written." in evaluated["stderr"], evaluated["stderr"][-3000:]
     assert "eval" in report["after_eval"]
     assert not [name for name in report["after_eval"] if name.startswith("eval/")]
+    # the training split prepared on a full disk: one line, nothing half-written left
+    cache_full, cache = report["cache_full"], report["cache"]
+    assert cache_full["code"] == 1 and "Traceback" not in cache_full["stderr"], \
+        cache_full["stderr"][-3000:]
+    line = cache_full["stderr"].strip().splitlines()[-1]
+    assert re.fullmatch(f"error: no space left on the device writing {cache}/train\\."
+                        "[0-9a-f]{16}; the newest complete checkpoint is none yet. Free some "
+                        "space and run the same command again to resume.", line), line
+    assert [name for name in report["after_cache_full"] if not name.endswith(".lock")] == []
+    freed = report["cache_freed"]
+    assert freed["code"] == 0 and "done: 1 epochs, 8 steps" in freed["stdout"], \
+        freed["stderr"][-3000:]

@@ -63,6 +63,12 @@ def test_it_resumes_where_it_stopped(logdir):
     assert f"resumed from {os.path.join(logdir, filenames.CHECKPOINTS, 'ckpt')}-{done}" \
         in result.stdout
     assert f"{done + hparams['steps_per_epoch']} steps" in result.stdout
+    # trained when the corpus was held in memory: its batches are now read from the prepared
+    # corpus, which it says once
+    note = (f"note: {logdir} was trained in batches of the corpus held in memory; its remaining "
+            "batches are read from the prepared corpus")
+    assert result.stdout.count(note) == 1
+    assert os.path.isfile(os.path.join(logdir, filenames.BATCH_ORDER))  # said once only
 
 
 def test_it_fine_tunes(logdir, tmp_path):

@@ -60,7 +60,7 @@ def updates(trainer, optimizer=None):
         accumulate_steps=trainer.per_update))
     batches = [overflowing_batch()] * trainer.per_update + [batch(2)] * trainer.per_update
 
-    def dataset():
+    def dataset(share=None):
         return tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=(
             {"source": tf.TensorSpec((None, None), tf.int32),
              "target_in": tf.TensorSpec((None, None), tf.int32)},

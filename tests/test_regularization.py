@@ -9,7 +9,6 @@ import pytest
 
 import hparams as hp
 from kyu_transformer import config
-from kyu_transformer.conventions import BOS_ID, EOS_ID
 from kyu_transformer.data.subwords import SegmentationSampler, Subwords
 from kyu_transformer.data.text import load_split
 from kyu_transformer.layers import EncoderBlock, FeedForward
@@ -289,10 +288,10 @@ def subwords(tmp_path_factory):
 def test_sampled_segmentations_spell_the_sentence_and_follow_the_seed(subwords):
     sentences = load_split(MULTI30K, "train")[0][:300]
     sampler = SegmentationSampler(subwords, sentences, alpha=0.5)
-    first = sampler.draw([42, 0])
+    first = sampler.draw([42, 0]).to_lists()
     assert [subwords.decode(ids) for ids in first] == sentences
-    assert first == sampler.draw([42, 0])
-    other_epoch = sampler.draw([42, 1])
+    assert first == sampler.draw([42, 0]).to_lists()
+    other_epoch = sampler.draw([42, 1]).to_lists()
     changed = sum(a != b for a, b in zip(first, other_epoch))
     assert changed > len(sentences) // 2, changed
     best = subwords.encode(sentences)
@@ -302,7 +301,7 @@ def test_sampled_segmentations_spell_the_sentence_and_follow_the_seed(subwords):
     script = ("import sys; from kyu_transformer.data.subwords import SegmentationSampler, "
               "Subwords; s = Subwords(sys.argv[1]); "
               "lines = sys.stdin.read().splitlines(); "
-              "print(SegmentationSampler(s, lines, 0.5).draw([42, 0]))")
+              "print(SegmentationSampler(s, lines, 0.5).draw([42, 0]).to_lists())")
     other = programs.run("-c", script, subwords.path, stdin="\n".join(sentences), timeout=120)
     assert other.returncode == 0, other.stderr
     assert other.stdout.strip() == str(first)
@@ -316,7 +315,7 @@ def test_each_segmentation_is_drawn_with_probability_proportional_to_p_to_the_al
     assert np.all(np.diff(sampler.scores) <= 0)  # the n-best order, as `candidates` gives them
     counts = np.zeros(len(candidates))
     for seed in range(draws):
-        counts[candidates.index(tuple(sampler.draw([seed])[0]))] += 1
+        counts[candidates.index(tuple(sampler.draw([seed]).sentence(0).tolist()))] += 1
     expected = np.exp(alpha * (sampler.scores - sampler.scores.max()))
     expected /= expected.sum()
     for share, probability in zip(counts / draws, expected):
@@ -344,30 +343,37 @@ def test_candidate_scores_are_sentencepieces_but_for_unknown_characters(subwords
 def test_corpus_draws_each_epochs_segmentations_and_keeps_the_best_without_alpha(tmp_path):
     from kyu_transformer.data.corpus import Corpus
 
+    def lists(columns):
+        return [column.to_lists() for column in columns]
+
+    def pairs_and_longest(corpus):
+        rows = [(len(labels), features["source"].shape[1], labels.shape[1])
+                for features, labels in corpus.train_batches(0)]
+        return sum(row[0] for row in rows), max(row[1] for row in rows), max(row[2] for row in rows)
+
     plain = Corpus(MULTI30K, str(tmp_path), hp.parse("tiny"), log=lambda line: None)
-    assert plain.train_pairs(0) == plain.train_pairs(3) == plain.train[:3]
+    best = lists(plain.train_columns(0))
+    assert lists(plain.train_columns(3)) == best
     lines = []
     sampled = Corpus(MULTI30K, str(tmp_path), hp.parse("tiny", {"subword_alpha": "0.5"}),
                      log=lines.append)
     assert "subword regularization: alpha 0.5" in lines[-1]
-    first, again, second = (sampled.train_pairs(e) for e in (0, 0, 1))
-    assert first == again and first != second and first != plain.train[:3]
-    # each pair is a source and its own target, marked as ever (EOS, BOS ... and ... EOS)
+    first, again, second = (lists(sampled.train_columns(e)) for e in (0, 0, 1))
+    assert first == again and first != second and first != best
+    # each pair is a source and its own target
     sources, targets, _ = load_split(MULTI30K, "train")
-    pairs = {(source, target) for source, target in zip(sources, targets)}
     decode = sampled.subwords.decode
-    for source, target_in, target_out in zip(*first):
-        assert source[-1] == EOS_ID and target_in[0] == BOS_ID
-        assert target_in[1:] == target_out[:-1] and target_out[-1] == EOS_ID
-        assert (decode(source[:-1]), decode(target_out[:-1])) in pairs
+    assert [(decode(source), decode(target)) for source, target in zip(*first)] == list(
+        zip(sources, targets))
     # the length limit holds for the drawn segmentations, which are longer than the best
-    short = Corpus(MULTI30K, str(tmp_path), hp.parse("tiny", {"subword_alpha": "0.1",
-                                                              "maxlen1": "20", "maxlen2": "20"}),
+    limits = {"maxlen1": "20", "maxlen2": "20"}
+    short = Corpus(MULTI30K, str(tmp_path), hp.parse("tiny", {"subword_alpha": "0.1", **limits}),
                    log=lambda line: None)
-    drawn = short.train_pairs(0)
-    assert len(drawn[0]) < len(short.train[0])  # more pairs dropped than with the best
-    assert max(len(ids) for ids in drawn[0]) <= 20 and max(len(ids) for ids in drawn[1]) <= 20
+    short_best = Corpus(MULTI30K, str(tmp_path), hp.parse("tiny", limits), log=lambda line: None)
+    drawn_pairs, longest_source, longest_target = pairs_and_longest(short)
+    assert drawn_pairs < pairs_and_longest(short_best)[0]  # more pairs dropped than with the best
+    assert longest_source <= 20 and longest_target <= 20
     reseeded = Corpus(MULTI30K, str(tmp_path), hp.parse("tiny", {"subword_alpha": "0.5",
                                                                  "seed": "7"}),
                       log=lambda line: None)
-    assert reseeded.train_pairs(0) != first
+    assert lists(reseeded.train_columns(0)) != first

@@ -47,7 +47,7 @@ def test_trainer_fast_paths_switch_trains_the_same_steps(tmp_path):
         assert getattr(trainer.model, "fast_paths", fast_paths) == fast_paths
         losses[fast_paths] = []
         for _ in range(2):
-            iterator = iter(trainer.distribute(lambda: fixed_batches(0)))
+            iterator = iter(trainer.distribute(lambda share: fixed_batches(0)))
             for _ in range(3):
                 trainer._train_step(iterator)
                 loss_sum, _, tokens = trainer._train_step.take_sums()
@@ -93,7 +93,7 @@ def train_to_the_end(batches, logdir, strategy=None, **overrides):
     hparams = hp.parse("tiny", {"logdir": str(logdir), "dropout_rate": 0.0, **overrides})
     trainer = Trainer(hparams, strategy, verbose=False)
 
-    def dataset():
+    def dataset(share=None):
         return tf.data.Dataset.from_generator(lambda: iter(batches), output_signature=(
             {"source": tf.TensorSpec((None, None), tf.int32),
              "target_in": tf.TensorSpec((None, None), tf.int32)},
@@ -219,7 +219,7 @@ def test_jit_compile_is_one_xla_function_and_trains_with_dropout(tmp_path):
     keras.utils.set_random_seed(7)
     trainer = Trainer(tiny(tmp_path, dropout_rate=0.1, jit_compile=True), verbose=False)
     batches = micro_batches()[:2] * 4  # two shapes, each compiled once
-    iterator, losses = iter(trainer.distribute(lambda: tf.data.Dataset.from_generator(
+    iterator, losses = iter(trainer.distribute(lambda share: tf.data.Dataset.from_generator(
         lambda: iter(batches), output_signature=(
             {"source": tf.TensorSpec((None, None), tf.int32),
              "target_in": tf.TensorSpec((None, None), tf.int32)},

@@ -1,57 +1,92 @@
-"""Makes a parallel corpus ready for training: subwords, ids, batches."""
+"""Makes a parallel corpus ready for training: the subword model, the training split prepared
+once on disk, the epochs' batches read from it, the validation split as text."""
 
-from kyu_transformer.conventions import UNK_ID
+import os
+
+from kyu_transformer import filenames
 from kyu_transformer.data import pipeline
-from kyu_transformer.data.subwords import SegmentationSampler, Subwords, add_markers
-from kyu_transformer.data.text import load_split
+from kyu_transformer.data.prepared import PreparedSplit
+from kyu_transformer.data.subwords import (
+    SUBWORD_SAMPLE_SENTENCES, SegmentationSampler, Subwords, sample_pairs)
+from kyu_transformer.data.text import (
+    DataError, check_data_dir, iter_parallel, load_split, read_parallel, split_files)
+
+# `subword_alpha` holds the best segmentations of every training sentence in memory (about 2 KB
+# a pair): a corpus of more pairs is refused.
+SAMPLED_SEGMENTATION_PAIRS = 500_000
 
 
 class Corpus:
-    """Holds the splits of corpus folder `data_dir`: the training split as subword ids, the
-    validation split as text. The subword model lives in `model_dir` (the logdir), trained on the
-    training split the first time. `log` receives the reports, the unknown pieces among them (a
-    fine-tuning run's subword model may lack characters)."""
+    """Holds the splits of corpus folder `data_dir`: the training split prepared as subword ids
+    on disk (`PreparedSplit`, in hparam `corpus_cache`, else ``<model_dir>/prepared``), the
+    validation split as text. The subword model lives in `model_dir` (the logdir), trained on a
+    sample of the training split the first time. `log` receives the reports, the unknown pieces
+    among them (a fine-tuning run's subword model may lack characters)."""
 
     def __init__(self, data_dir, model_dir, hparams, log=print):
         self.hparams, self.maxlens = hparams, (hparams["maxlen1"], hparams["maxlen2"])
         languages = (hparams["src_lang"], hparams["tgt_lang"])
-        sources, targets, empty = load_split(data_dir, "train", *languages)
-        self.subwords = Subwords.train_or_load(
-            model_dir, sources + targets, hparams["vocab_size"], hparams["subword_model_type"])
-        source_ids, target_ids = self.subwords.encode(sources), self.subwords.encode(targets)
-        self.train = add_markers(source_ids, target_ids, *self.maxlens)
-        log(f"train: {len(sources)} pairs from {data_dir}; {empty} with an empty side and "
-            f"{self.train[3]} longer than maxlen1={hparams['maxlen1']}/maxlen2="
-            f"{hparams['maxlen2']} dropped; {len(self.train[0])} kept; subword vocabulary "
-            f"{self.subwords.vocab_size} ({self.subwords.path})")
-        unknown = [ids.count(UNK_ID) for ids in source_ids + target_ids]
-        pieces = sum(len(ids) for ids in source_ids + target_ids)
-        log(f"unknown subwords: {sum(map(bool, unknown))} of {len(unknown)} training sentences "
-            f"(both sides) hold one; {sum(unknown)} of {pieces} pieces "
-            f"({sum(unknown) / max(pieces, 1):.2%})")
+        check_data_dir(data_dir)
+        paths, reader = split_files(data_dir, "train", *languages)
+
+        def sample():  # read only where the subword model is trained
+            yield from sample_pairs(iter_parallel(*paths, reader), SUBWORD_SAMPLE_SENTENCES // 2,
+                                    hparams["seed"])
+
+        self.subwords = Subwords.train_or_load(model_dir, sample(), hparams["vocab_size"],
+                                               hparams["subword_model_type"])
+        cache = hparams.get("corpus_cache") or os.path.join(model_dir, filenames.PREPARED)
+        self.prepared = PreparedSplit.open_or_prepare(cache, paths, reader, self.subwords, log)
+        self._report(data_dir, log)
         self.sampler = None
         if hparams.get("subword_alpha", 0.0) > 0:
-            self.sampler = SegmentationSampler(self.subwords, sources + targets,
-                                               hparams["subword_alpha"])
-            log(f"subword regularization: alpha {hparams['subword_alpha']}, among the "
-                f"{len(self.sampler.scores) / len(self.sampler.first[1:]):.1f} best "
-                "segmentations of each sentence on average, drawn anew each epoch")
+            self.sampler = self._sampler(paths, reader, hparams["subword_alpha"], log)
         self.val_sources, self.val_targets, _ = load_split(data_dir, "val", *languages)
 
-    def train_pairs(self, epoch):
-        """Returns ``(sources, targets_in, targets_out)`` of `epoch`: the best segmentations, or
-        with `subword_alpha` those drawn with ``(seed, epoch)``, so that a resumed run draws the
-        same."""
+    def _report(self, data_dir, log):
+        """Says what the training split holds: its pairs, those dropped, its unknown pieces."""
+        record, hparams = self.prepared.record, self.hparams
+        fits = ((self.prepared.sources.lengths() + 1 <= self.maxlens[0])
+                & (self.prepared.targets.lengths() + 1 <= self.maxlens[1]))
+        kept, unknown = int(fits.sum()), record["unknown"]
+        log(f"train: {record['pairs']} pairs from {data_dir}; {record['empty']} with an empty "
+            f"side and {record['pairs'] - kept} longer than maxlen1={hparams['maxlen1']}/maxlen2="
+            f"{hparams['maxlen2']} dropped; {kept} kept; subword vocabulary "
+            f"{self.subwords.vocab_size} ({self.subwords.path}); prepared in "
+            f"{self.prepared.folder}")
+        log(f"unknown subwords: {unknown['sentences']} of {2 * record['pairs']} training "
+            f"sentences (both sides) hold one; {unknown['pieces']} of {unknown['all pieces']} "
+            f"pieces ({unknown['pieces'] / max(unknown['all pieces'], 1):.2%})")
+
+    def _sampler(self, paths, reader, alpha, log):
+        """Returns the `SegmentationSampler` of the training sentences; DataError for a corpus
+        over `SAMPLED_SEGMENTATION_PAIRS`."""
+        pairs = self.prepared.record["pairs"]
+        if pairs > SAMPLED_SEGMENTATION_PAIRS:
+            raise DataError(
+                f"{paths[0]}: subword_alpha {alpha} keeps every training sentence's best "
+                f"segmentations in memory, for at most {SAMPLED_SEGMENTATION_PAIRS:,} pairs; "
+                f"this corpus has {pairs:,}: train it with subword_alpha 0")
+        sources, targets, _ = read_parallel(*paths, reader)
+        sampler = SegmentationSampler(self.subwords, sources + targets, alpha)
+        log(f"subword regularization: alpha {alpha}, among the "
+            f"{len(sampler.scores) / len(sampler.first[1:]):.1f} best segmentations of each "
+            "sentence on average, drawn anew each epoch")
+        return sampler
+
+    def train_columns(self, epoch):
+        """Returns ``(sources, targets)`` of `epoch` as `IdColumn`s: the best segmentations,
+        or with `subword_alpha` those drawn with ``(seed, epoch)``, so that a resumed run draws
+        the same."""
         if self.sampler is None:
-            return self.train[:3]
-        ids = self.sampler.draw([self.hparams["seed"], epoch])
-        half = len(ids) // 2  # the sampler holds the sources, then the targets
-        return add_markers(ids[:half], ids[half:], *self.maxlens)[:3]
+            return self.prepared.sources, self.prepared.targets
+        drawn = self.sampler.draw([self.hparams["seed"], epoch])
+        half = len(drawn) // 2  # the sampler holds the sources, then the targets
+        return drawn.rows(slice(0, half)), drawn.rows(slice(half, None))
 
-    def train_batches(self, epoch):
-        """Returns the global batches of `epoch` (a `tf.data.Dataset`), shuffled with
-        ``seed + epoch``."""
-        return pipeline.make_dataset(*self.train_pairs(epoch), self.hparams["batch_size"],
-                                     self.hparams["batch_tokens"], max(self.maxlens),
-                                     seed=self.hparams["seed"] + epoch, maxlens=self.maxlens)
-
+    def train_batches(self, epoch, skip=0, share=None):
+        """Returns the global batches of `epoch` (a `tf.data.Dataset`) from batch `skip` on,
+        shuffled with ``seed + epoch``; `share`: see `pipeline.BatchReader`."""
+        return pipeline.make_dataset(
+            *self.train_columns(epoch), self.hparams["batch_size"], self.hparams["batch_tokens"],
+            self.maxlens, seed=self.hparams["seed"] + epoch, skip=skip, share=share)

@@ -1,12 +1,16 @@
-"""Builds the tf.data pipeline: marked subword ids in, shuffled batches of padded ids out."""
+"""Builds the tf.data pipeline: columns of subword ids in, shuffled batches of marked and padded
+ids out.
 
-import math
+An epoch's order is computed from the sentences' lengths alone: the pairs bucketed by length,
+batched, and the batches shuffled by the epoch's seed. A batch's ids are read when the pipeline
+reaches it, so that memory holds the lengths and the batches in flight, not the corpus, and a
+resumed run starts at its batch without reading the ones before.
+"""
 
 import numpy as np
 import tensorflow as tf
 
-from kyu_transformer.conventions import PAD_ID
-
+from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, replica_rows
 
 # A batch's sides are padded to a multiple of this: the shapes a step meets (each compiled once
 # by XLA, each a kernel choice) are then a few per bucket, not one per length. A batch of one
@@ -14,78 +18,96 @@ from kyu_transformer.conventions import PAD_ID
 LENGTH_MULTIPLE = 8
 
 
-def _to_multiples(columns, caps):
-    """Pads each `(rows, T)` array of `columns` with `PAD_ID` to a multiple of `LENGTH_MULTIPLE`,
-    but not beyond its cap in `caps` (the position tables' sizes), nor shortens it."""
-    def padded(ids, cap):
-        length = tf.shape(ids)[1]
-        rounded = length + (-length % LENGTH_MULTIPLE)
-        target = tf.maximum(length, rounded if cap is None else tf.minimum(rounded, cap))
-        return tf.pad(ids, [[0, 0], [0, target - length]], constant_values=PAD_ID)
-
-    return tuple(padded(ids, cap) for ids, cap in zip(columns, caps))
-
-
-def _padded_length(length, maxlens):
-    """Returns the longest a batch of pairs of `length` is padded to."""
+def padded_length(length, cap=None):
+    """Returns the length a side whose longest sentence has `length` ids is padded to: the
+    next multiple of `LENGTH_MULTIPLE`, but not beyond `cap` (the position table's size), nor
+    shorter than `length`."""
     rounded = -(-length // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
-    caps = [cap for cap in maxlens if cap is not None]
-    return max(length, min(rounded, max(caps))) if caps else rounded
+    return rounded if cap is None else max(length, min(rounded, cap))
 
 
-def _named(columns):
-    source, target_in, target_out = columns
-    return {"source": source, "target_in": target_in}, target_out
-
-
-def _padded(sequences):
-    """Returns `sequences` as a `(num, longest)` int32 array padded with 0, and their lengths."""
-    lengths = np.array([len(s) for s in sequences], dtype=np.int32)
-    padded = np.zeros((len(sequences), lengths.max()), dtype=np.int32)
-    for row, sequence in enumerate(sequences):
-        padded[row, :len(sequence)] = sequence
-    return padded, lengths
-
-
-def make_dataset(sources, targets_in, targets_out, batch_size, batch_tokens=0, maxlen=None,
-                 seed=0, maxlens=(None, None)):
-    """Returns a dataset of batches ``({"source", "target_in"}, target_out)`` of int32 ids
-    padded with 0 to a multiple of `LENGTH_MULTIPLE`, bucketed by the longer side. With a fixed
-    `seed` it gives the same batches every time, so that a resumed run can skip those trained.
-    Its `cardinality()` is its count of batches, known without going through it. `maxlens`:
-    the model's longest source and target, where the padding to a multiple stops."""
-    maxlen = maxlen or max(max(len(s) for s in sources), max(len(t) for t in targets_in))
-    columns = [_padded(sequences) for sequences in (sources, targets_in, targets_out)]
-    # A pair's length, its longer side's: what it is bucketed by, and the count of batches below.
-    lengths = np.maximum(columns[0][1], columns[1][1])  # (pairs,)
-    dataset = tf.data.Dataset.from_tensor_slices((tuple(columns), lengths))
-    # Each element back to its own length; the batches are padded again below.
-    dataset = dataset.map(lambda columns, length: (
-        tuple(ids[:size] for ids, size in columns), length))
-    dataset = dataset.shuffle(len(sources), seed=seed, reshuffle_each_iteration=False)
-    # Buckets every 8 tokens; one of lengths up to L batches min(batch_size, batch_tokens // L)
-    # pairs (at most `batch_tokens` padded tokens a side, L rounded up to a multiple of 8).
-    step = LENGTH_MULTIPLE
-    boundaries = list(range(step + 1, maxlen + 1, step))  # bucket i: length < boundary i
-    sizes = [max(1, min(batch_size, batch_tokens // length)) if batch_tokens else batch_size
-             for length in [b - 1 for b in boundaries] + [_padded_length(maxlen, maxlens)]]
-    dataset = dataset.bucket_by_sequence_length(
-        element_length_func=lambda pair, length: length, bucket_boundaries=boundaries,
-        bucket_batch_sizes=sizes, padding_values=PAD_ID)
-    # Buckets emit in length order within a window: mix the batches too.
-    dataset = dataset.shuffle(256, seed=seed + 1, reshuffle_each_iteration=False)
-    caps = (maxlens[0], maxlens[1], maxlens[1])  # source, target in, target out
-    dataset = dataset.map(lambda pair, _: _named(_to_multiples(pair, caps)))
-    # tf.data checks the count: an error at a batch beyond it, or where the batches end before.
-    count = _batch_count(lengths, boundaries, sizes)
-    return dataset.apply(tf.data.experimental.assert_cardinality(count)).prefetch(
-        tf.data.AUTOTUNE)
-
-
-def _batch_count(lengths, boundaries, sizes):
-    """Counts the batches `bucket_by_sequence_length` makes of pairs of `lengths` (their longer
-    side's): a bucket's full batches as they fill, and its rest at the end, in any order of the
-    pairs."""
-    buckets = np.searchsorted(boundaries, lengths, side="right")  # boundary i-1 <= length < i
+def batch_plan(lengths, batch_size, batch_tokens, maxlen, seed):
+    """Returns an epoch's batches of the pairs of `lengths` (each pair's longer side, markers
+    included) as ``(order, begins, ends)``: batch ``b`` holds pairs
+    ``order[begins[b]:ends[b]]``. The pairs are shuffled with `seed` and bucketed every
+    `LENGTH_MULTIPLE` tokens; a bucket of lengths up to L batches ``min(batch_size,
+    batch_tokens // L)`` pairs (`batch_size` alone without `batch_tokens`), its last batch
+    what is left; the batches are shuffled with `seed` too."""
+    rng = np.random.default_rng(seed)
+    boundaries = np.arange(LENGTH_MULTIPLE + 1, maxlen + 1, LENGTH_MULTIPLE)  # bucket i: < b_i
+    longest = np.append(boundaries - 1, padded_length(maxlen))  # (buckets,) a bucket's longest
+    sizes = (np.clip(batch_tokens // longest, 1, batch_size) if batch_tokens
+             else np.full(len(longest), batch_size))
+    shuffled = rng.permutation(len(lengths))
+    buckets = np.searchsorted(boundaries, lengths[shuffled], side="right")  # (pairs,)
+    order = shuffled[np.argsort(buckets, kind="stable")]  # by bucket, shuffled within
     counts = np.bincount(buckets, minlength=len(sizes))  # (buckets,) pairs in each
-    return sum(math.ceil(count / size) for count, size in zip(counts, sizes))
+    firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    begins, ends = [], []
+    for first, count, size in zip(firsts, counts, sizes):  # a bucket's batches
+        starts = np.arange(first, first + count, size)
+        begins.append(starts)
+        ends.append(np.minimum(starts + size, first + count))
+    begins, ends = np.concatenate(begins), np.concatenate(ends)
+    mixed = rng.permutation(len(begins))
+    return order, begins[mixed], ends[mixed]
+
+
+class BatchReader:
+    """Reads batch ``b`` of a `batch_plan` from `IdColumn`s `sources` and `targets` (ids
+    without markers): ``(source + EOS, BOS + target, target + EOS)``, each side padded with
+    `PAD_ID` to `padded_length` under its cap of `maxlens`. With `share` ``(first, count,
+    total)``, only the rows of replicas ``first .. first + count - 1`` of `total` are read (the
+    others stay padding): a worker reads what it trains on."""
+
+    def __init__(self, sources, targets, plan, maxlens, share=None):
+        self.sources, self.targets, self.maxlens = sources, targets, maxlens
+        self.order, self.begins, self.ends = plan
+        self.share = share
+
+    def __call__(self, batch):
+        pairs = self.order[self.begins[batch]:self.ends[batch]]  # (rows,)
+        first, last = (0, len(pairs)) if self.share is None else replica_rows(
+            len(pairs), *self.share)
+        source_lengths = self.sources.ends[pairs] - self.sources.begins[pairs] + 1
+        target_lengths = self.targets.ends[pairs] - self.targets.begins[pairs] + 1
+        source = np.full((len(pairs), padded_length(source_lengths.max(), self.maxlens[0])),
+                         PAD_ID, np.int32)
+        target_in = np.full((len(pairs), padded_length(target_lengths.max(), self.maxlens[1])),
+                            PAD_ID, np.int32)
+        target_out = target_in.copy()
+        for row in range(first, last):
+            ids = self.sources.sentence(pairs[row])
+            source[row, :len(ids)], source[row, len(ids)] = ids, EOS_ID
+            ids = self.targets.sentence(pairs[row])
+            target_in[row, 0], target_in[row, 1:len(ids) + 1] = BOS_ID, ids
+            target_out[row, :len(ids)], target_out[row, len(ids)] = ids, EOS_ID
+        return source, target_in, target_out
+
+
+def make_dataset(sources, targets, batch_size, batch_tokens=0, maxlens=(None, None), seed=0,
+                 skip=0, share=None):
+    """Returns the batches ``({"source", "target_in"}, target_out)`` of the pairs of
+    `IdColumn`s `sources` and `targets` that fit `maxlens` with their markers, from batch
+    `skip` on (those before are not read), in the order `batch_plan` gives with `seed`: the
+    same batches for the same seed. Its `cardinality()` is its count of batches. `share`:
+    see `BatchReader`."""
+    source_lengths, target_lengths = sources.lengths() + 1, targets.lengths() + 1
+    fits = np.ones(len(sources), bool)
+    for lengths, cap in ((source_lengths, maxlens[0]), (target_lengths, maxlens[1])):
+        if cap is not None:
+            fits &= lengths <= cap
+    kept = np.flatnonzero(fits)  # (pairs,) of the columns
+    lengths = np.maximum(source_lengths[kept], target_lengths[kept])
+    maxlen = max(cap if cap is not None else int(lengths.max(initial=1)) for cap in maxlens)
+    order, begins, ends = batch_plan(lengths, batch_size, batch_tokens, maxlen, seed)
+    read = BatchReader(sources, targets, (kept[order], begins, ends), maxlens, share)
+
+    def read_batch(batch):
+        columns = tf.numpy_function(read, [batch], (tf.int32,) * 3, stateful=False)
+        source, target_in, target_out = (tf.ensure_shape(ids, (None, None)) for ids in columns)
+        return {"source": source, "target_in": target_in}, target_out
+
+    dataset = tf.data.Dataset.range(min(skip, len(begins)), len(begins))
+    return dataset.map(read_batch, num_parallel_calls=tf.data.AUTOTUNE,
+                       deterministic=True).prefetch(tf.data.AUTOTUNE)

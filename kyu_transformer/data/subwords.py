@@ -1,8 +1,9 @@
-"""Handles SentencePiece subwords: trains the joint model on a corpus, encodes sentences to ids
-and back, samples segmentations (subword regularization) and puts the BOS/EOS markers around
-ids."""
+"""Handles SentencePiece subwords: trains the joint model on a sample of a corpus, encodes
+sentences to ids and back, and samples segmentations (subword regularization)."""
 
+import hashlib
 import itertools
+import json
 import os
 import shutil
 
@@ -11,6 +12,7 @@ import sentencepiece
 
 from kyu_transformer import filenames
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID, cut_at_end
+from kyu_transformer.data.prepared import IdColumn
 from kyu_transformer.data.text import DataError
 from kyu_transformer.safety.writes import staging_beside
 
@@ -30,10 +32,18 @@ class Subwords:
         """Returns the number of pieces (ids) of the model."""
         return self.processor.get_piece_size()
 
+    def digest(self):
+        """Returns the SHA-256 (hex) of the model's pieces and scores, which tell how it
+        segments: equal for two models trained alike in different folders (the model file also
+        holds the path it was trained in)."""
+        pieces = [(self.processor.id_to_piece(i), self.processor.get_score(i))
+                  for i in range(self.vocab_size)]
+        return hashlib.sha256(json.dumps(pieces).encode("utf-8")).hexdigest()
+
     @classmethod
     def train_or_load(cls, directory, sentences, vocab_size, model_type="unigram"):
-        """Returns the model in `directory`, training it on `sentences` first only when there
-        is none."""
+        """Returns the model in `directory`, training it on `sentences` (an iterable, read only
+        then) first only when there is none."""
         path = os.path.join(directory, filenames.SUBWORDS)
         if os.path.isfile(path):
             return cls(path)
@@ -59,6 +69,26 @@ class Subwords:
     def decode(self, ids):
         """Decodes ids back to detokenized text, stopping at EOS and skipping pad and BOS."""
         return self.processor.decode([i for i in cut_at_end(ids) if i != BOS_ID])
+
+
+# SentencePiece learns its pieces from this many training sentences at most (both sides), a
+# sample drawn evenly from the whole corpus: enough for a vocabulary of tens of thousands of
+# pieces, and Multi30k's 58,000 sentences are all taken.
+SUBWORD_SAMPLE_SENTENCES = 1_000_000
+
+
+def sample_pairs(pairs, size, seed):
+    """Returns ``sources + targets`` of a uniform sample of at most `size` of `pairs` (an
+    iterable of ``(source, target)``, read once), drawn with `seed`, in the corpus's order: all
+    of them where there are no more. Each pair gets a random key and the `size` smallest keys
+    are kept, so that memory holds the sample and one chunk of pairs."""
+    rng, keys, kept, pairs = np.random.default_rng(seed), np.empty(0), [], iter(pairs)
+    while chunk := list(itertools.islice(pairs, 65536)):
+        keys, kept = np.concatenate([keys, rng.random(len(chunk))]), kept + chunk
+        if len(kept) > size:
+            best = np.sort(np.argpartition(keys, size - 1)[:size])  # in the corpus's order
+            keys, kept = keys[best], [kept[index] for index in best]
+    return [source for source, _ in kept] + [target for _, target in kept]
 
 
 class SegmentationSampler:
@@ -99,23 +129,16 @@ class SegmentationSampler:
         return [self._ids(index) for index in range(*self.first[sentence:sentence + 2])]
 
     def draw(self, seed):
-        """Draws one segmentation (a list of ids) per sentence with `seed` (an int or ints)."""
+        """Draws one segmentation per sentence with `seed` (an int or ints); returns them as an
+        `IdColumn`, a row a sentence."""
         gumbel = np.random.default_rng(seed).gumbel(size=len(self.scores))
         keys = self.alpha * self.scores + gumbel  # argmax of a segment: a draw of its softmax
         sentence_of = np.repeat(np.arange(len(self.first) - 1), np.diff(self.first))
         best = np.maximum.reduceat(keys, self.first[:-1])  # (sentences,)
         winners = np.flatnonzero(keys == best[sentence_of])
         _, first_winner = np.unique(sentence_of[winners], return_index=True)
-        return [self._ids(index) for index in winners[first_winner]]
+        chosen = winners[first_winner]  # (sentences,) a candidate each
+        return IdColumn(self.pieces, self.starts[chosen], self.starts[chosen + 1])
 
     def _ids(self, index):
         return self.pieces[self.starts[index]:self.starts[index + 1]].tolist()
-
-
-def add_markers(source_ids, target_ids, maxlen1, maxlen2):
-    """Puts the markers around ids: returns ``(sources + EOS, BOS + targets, targets + EOS,
-    num_dropped)``, the pairs too long for `maxlen1` or `maxlen2` dropped."""
-    kept = [(s, t) for s, t in zip(source_ids, target_ids)
-            if len(s) + 1 <= maxlen1 and len(t) + 1 <= maxlen2]
-    return ([[*s, EOS_ID] for s, _ in kept], [[BOS_ID, *t] for _, t in kept],
-            [[*t, EOS_ID] for _, t in kept], len(source_ids) - len(kept))

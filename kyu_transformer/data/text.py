@@ -6,6 +6,7 @@ import glob
 import gzip
 import html
 import http.client
+import itertools
 import os
 import re
 import shutil
@@ -27,12 +28,11 @@ def normalize_line(text):
     return " ".join(text.split())
 
 
-def read_lines(path):
-    """Returns the lines of a UTF-8 text file, plain or gzip (BOM, CRLF accepted), spaces
-    normalized; raises DataError for a file it cannot read."""
+def iter_lines(path):
+    """Yields the lines of a UTF-8 text file, plain or gzip (BOM, CRLF accepted), spaces
+    normalized, one at a time; raises DataError for a file it cannot read."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
-    lines = []
     try:
         with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as handle:
             for number, raw in enumerate(handle, start=1):
@@ -42,35 +42,56 @@ def read_lines(path):
                     raise DataError(f"{path}, line {number}: invalid UTF-8 "
                                     f"(byte {raw[error.start]:#04x} at column {error.start + 1})"
                                     ) from None
-                lines.append(normalize_line(text.lstrip("\ufeff") if number == 1 else text))
+                yield normalize_line(text.lstrip("\ufeff") if number == 1 else text)
     except (OSError, EOFError) as error:  # e.g. a truncated or non-gzip .gz
         raise DataError(f"{path}: cannot read ({error})") from None
-    return lines
 
 
-def read_parallel(source_path, target_path, reader=read_lines):
+def read_lines(path):
+    """Returns the lines of a text file as `iter_lines` reads them."""
+    return list(iter_lines(path))
+
+
+def iter_parallel(source_path, target_path, reader=iter_lines, counts=None):
+    """Yields the non-empty pairs ``(source, target)`` of two aligned files, read side by side;
+    raises DataError, at the end, if their line counts differ or no pair was found. `counts`, a
+    dict, receives ``pairs`` and ``empty`` (the pairs with an empty side, skipped)."""
+    counts = {} if counts is None else counts
+    counts.update(pairs=0, empty=0)
+    lines = [0, 0]
+    for source, target in itertools.zip_longest(reader(source_path), reader(target_path)):
+        lines[0] += source is not None
+        lines[1] += target is not None
+        if source and target:
+            counts["pairs"] += 1
+            yield source, target
+        elif source is not None and target is not None:
+            counts["empty"] += 1
+    if lines[0] != lines[1]:
+        raise DataError(f"{source_path} has {lines[0]} lines but {target_path} has "
+                        f"{lines[1]}: the two sides must be sentence-aligned")
+    if not counts["pairs"]:
+        raise DataError(f"{source_path} / {target_path}: no non-empty sentence pair")
+
+
+def read_parallel(source_path, target_path, reader=iter_lines):
     """Returns the non-empty pairs of two aligned files as ``(sources, targets, num_empty)``;
     raises DataError if their line counts differ or no pair is left."""
-    sources, targets = reader(source_path), reader(target_path)
-    if len(sources) != len(targets):
-        raise DataError(f"{source_path} has {len(sources)} lines but {target_path} has "
-                        f"{len(targets)}: the two sides must be sentence-aligned")
-    kept = [(s, t) for s, t in zip(sources, targets) if s and t]
-    if not kept:
-        raise DataError(f"{source_path} / {target_path}: no non-empty sentence pair")
-    return [s for s, _ in kept], [t for _, t in kept], len(sources) - len(kept)
+    counts = {}
+    pairs = list(iter_parallel(source_path, target_path, reader, counts))
+    return [s for s, _ in pairs], [t for _, t in pairs], counts["empty"]
 
 
 _SEGMENT = re.compile(r"<seg[^>]*>(.*?)</seg>", re.IGNORECASE)
 
 
 def read_iwslt(path):
-    """Reads one of IWSLT 2016's files: of ``IWSLT16.TED.*.xml``, the text of every ``<seg>``
-    element; of ``train.tags.*``, every line that is not an XML tag line."""
+    """Yields the sentences of one of IWSLT 2016's files: of ``IWSLT16.TED.*.xml``, the text of
+    every ``<seg>`` element; of ``train.tags.*``, every line that is not an XML tag line."""
     if path.endswith(".xml"):
-        return [normalize_line(html.unescape(segment)) for line in read_lines(path)
-                for segment in _SEGMENT.findall(line)]
-    return [line for line in read_lines(path) if not line.startswith("<")]
+        return (normalize_line(html.unescape(segment)) for line in iter_lines(path)
+                for segment in _SEGMENT.findall(line))
+    return (line for line in iter_lines(path) if not line.startswith("<"))
 
 
 IWSLT_SPLITS = {"val": "tst2013", "test": "tst2014"}  # Kyubyong's choice
@@ -83,7 +104,7 @@ def split_files(data_dir, split, source_lang="de", target_lang="en"):
     plain = [path if os.path.isfile(path) else path + ".gz"
              for path in (os.path.join(data_dir, f"{split}.{lang}") for lang in languages)]
     if all(os.path.isfile(p) for p in plain):
-        return plain, read_lines
+        return plain, iter_lines
     iwslt = IWSLT_SPLITS.get(split, split)
     if iwslt == "train":
         paths = [os.path.join(data_dir, f"train.tags.{pair}.{lang}") for lang in languages]

@@ -1,5 +1,5 @@
 """Allows one training run per logdir by `flock(2)` on `<logdir>/.lock`, held for the run's whole
-life.
+life; holds other files' locks, waiting for them (`exclusive`).
 
 The kernel releases it however the process ends (`kill -9` included). The file names the holder
 (PID and host) for a second run's message. Across hosts it holds on Linux NFS; other network file
@@ -63,3 +63,16 @@ class LogdirLock:
 
     def __exit__(self, *exception):
         self.release()
+
+
+@contextlib.contextmanager
+def exclusive(path, waiting_line, log=print):
+    """Holds an exclusive `flock(2)` on file `path` (made if missing) for the block; where
+    another process holds it, says `waiting_line` and waits for it."""
+    with open(path, "a+", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(waiting_line)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
-from kyu_transformer.conventions import STRATEGIES
+from kyu_transformer.conventions import STRATEGIES, replica_rows
 
 
 class WorkerDisagreement(RuntimeError):
@@ -48,8 +48,7 @@ def is_multi_worker(strategy):
 
 def replica_slices(dataset, num_replicas, first_replica, local_replicas):
     """Cuts each global batch of `dataset` into the slices of `local_replicas` replicas from
-    `first_replica`: replica ``r`` of ``R`` takes rows ``[n*r//R, n*(r+1)//R)`` of ``n``
-    (possibly none)."""
+    `first_replica`, each replica's rows as `replica_rows` says."""
     if num_replicas == 1:
         return dataset
 
@@ -57,8 +56,7 @@ def replica_slices(dataset, num_replicas, first_replica, local_replicas):
         size = tf.shape(labels)[0]
 
         def piece(replica):
-            start = size * tf.cast(replica, tf.int32) // num_replicas
-            stop = size * (tf.cast(replica, tf.int32) + 1) // num_replicas
+            start, stop = replica_rows(size, tf.cast(replica, tf.int32), 1, num_replicas)
             return tf.nest.map_structure(lambda t: t[start:stop], (features, labels))
 
         return tf.data.Dataset.range(first_replica, first_replica + local_replicas).map(piece)
@@ -101,14 +99,17 @@ def _devices(strategy):
 
 
 def distribute_batches(strategy, make_global_batches, endless=False):
-    """Returns a distributed dataset from `make_global_batches()`, each global batch cut per
-    replica; with `endless`, empty batches follow for ever (a step of several batches tells the
-    end by them)."""
+    """Returns a distributed dataset from `make_global_batches(share)`, each global batch cut
+    per replica; `share` ``(first, count, total)``: the replicas this worker's pipeline feeds,
+    the only rows of a global batch it trains on (a dataset may leave the others empty). With
+    `endless`, empty batches follow for ever (a step of several batches tells the end by
+    them)."""
 
     def dataset_fn(context):
-        local = strategy.num_replicas_in_sync // context.num_input_pipelines
-        slices = replica_slices(make_global_batches(), strategy.num_replicas_in_sync,
-                                context.input_pipeline_id * local, local)
+        replicas = strategy.num_replicas_in_sync
+        local = replicas // context.num_input_pipelines
+        share = (context.input_pipeline_id * local, local, replicas)
+        slices = replica_slices(make_global_batches(share), replicas, share[0], local)
         if not endless:
             return slices
         empty = tf.nest.map_structure(lambda spec: tf.zeros([0] * spec.shape.rank, spec.dtype),

@@ -18,6 +18,9 @@ from kyu_transformer.training.fine_tuning import (
     FineTuningError, copy_subwords, has_own_checkpoint)
 
 RESUMABLE_KEYS = keys_of(RESUMABLE)  # what a resumed run may change (the logdir too)
+# How a run orders its batches (`data.pipeline.batch_plan`), in `batch_order.json`: a logdir
+# without the file was trained before batches were read from a prepared corpus.
+BATCH_ORDER = {"batches": "planned from the lengths, read from the prepared corpus"}
 
 
 class LogdirError(ValueError):
@@ -105,12 +108,25 @@ def prepare_logdir(hparams, overwrite, chief, source=None):
         copy_subwords(source.logdir, model_dir)
     corpus = Corpus(hparams["data_dir"], model_dir, hparams)
     if chief:
+        note_batch_order(hparams["logdir"])
         for name, value in ((filenames.HPARAMS, hparams),
-                            (filenames.CORPUS, corpus_fingerprint(hparams))):
+                            (filenames.CORPUS, corpus_fingerprint(hparams)),
+                            (filenames.BATCH_ORDER, BATCH_ORDER)):
             path = os.path.join(hparams["logdir"], name)
             if not os.path.isfile(path):
                 save(value, path)
     return hparams, corpus
+
+
+def note_batch_order(logdir):
+    """Says so when `logdir` was trained in another batch order than `BATCH_ORDER`: its
+    remaining batches follow this one."""
+    path = os.path.join(logdir, filenames.BATCH_ORDER)
+    if os.path.isfile(path) or not os.path.isfile(os.path.join(logdir, filenames.CORPUS)):
+        return  # written by this code, or a new run
+    print(f"note: {logdir} was trained in batches of the corpus held in memory; its remaining "
+          "batches are read from the prepared corpus, in its order (the current epoch's may "
+          "repeat or leave out some pairs)")
 
 
 def agree_with_chief(strategy, hparams, corpus, source):
@@ -124,10 +140,7 @@ def agree_with_chief(strategy, hparams, corpus, source):
     facts = {f"hyperparameter {key}": value
              for key, value in sorted(hparams.items()) if key not in ("logdir", "data_dir")}
     facts["corpus"] = corpus_fingerprint(hparams)
-    # Pieces and scores: the model file also holds the path it was trained in, which differs.
-    processor = corpus.subwords.processor
-    facts["subword vocabulary"] = [(processor.id_to_piece(i), processor.get_score(i))
-                                   for i in range(processor.get_piece_size())]
+    facts["subword vocabulary"] = corpus.subwords.digest()
     # A source still training may save between reads (null: a worker that read none).
     facts["fine-tuning source"] = source and source.record["sha256"]
     check_agreement(strategy, digests={key: short_digest(fact) for key, fact in facts.items()})

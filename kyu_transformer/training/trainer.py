@@ -107,8 +107,8 @@ class Trainer:
         return int(self.optimizer.iterations.value.numpy())
 
     def distribute(self, make_global_batches):
-        """Returns a distributed dataset from `make_global_batches()` (global batches) for the
-        step, endless when an update takes several batches."""
+        """Returns a distributed dataset from `make_global_batches(share)` (global batches, see
+        `distribute_batches`) for the step, endless when an update takes several batches."""
         return distribute_batches(self.strategy, make_global_batches, endless=self.per_update > 1)
 
     def restore(self):
@@ -135,9 +135,11 @@ class Trainer:
         """Trains until `num_epochs`, `max_minutes` or the end of the data; a signal stops it
         after an update with a checkpoint (`model.keras` and the plots left to a later run).
 
-        `make_epoch_batches`: ``epoch -> tf.data.Dataset`` of global batches
-        ``({"source", "target_in"}, target_out)``, the same for the same epoch (a resumed run
-        skips what it has done); `steps_per_epoch` caps an epoch's updates. Returns a dict:
+        `make_epoch_batches`: ``(epoch, skip=0, share=None) -> tf.data.Dataset`` of global
+        batches ``({"source", "target_in"}, target_out)``, the same for the same epoch, from
+        batch `skip` on (a resumed run starts where it stopped), the rows of the replicas
+        `share` (see `distribute_batches`; None: all) filled at least; `steps_per_epoch` caps
+        an epoch's updates. Returns a dict:
         ``resumed_from``, ``steps``, ``epochs``, ``stopped`` (``"done"``, ``"time"``,
         ``"SIGTERM"``...), ``last_loss`` (the mean loss of the last summary's updates),
         ``train_seconds`` (resumed runs included) and
@@ -177,9 +179,9 @@ class Trainer:
         """Trains the current epoch from where it stopped; returns how it stopped."""
         epoch, skip = int(self.epoch.numpy()), int(self.step_in_epoch.numpy())
 
-        def batches():
-            dataset, most = make_epoch_batches(epoch), (steps_per_epoch or 0) * self.per_update
-            return (dataset.take(most) if most else dataset).skip(skip)
+        def batches(share):
+            dataset, most = make_epoch_batches(epoch, skip, share), steps_per_epoch or 0
+            return dataset.take(most * self.per_update - skip) if most else dataset
 
         iterator = iter(self.distribute(batches))
         progress = Progress(epoch, self.hparams["num_epochs"], math.ceil(skip / self.per_update),
