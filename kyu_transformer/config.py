@@ -109,6 +109,7 @@ def keys_of(role):
     """Returns the keys of `role`, in the table's order."""
     return tuple(name for name, (_, key_role, _) in SPEC.items() if key_role == role)
 
+
 CHOICES = {"norm_position": NORM_POSITIONS, "mixed_precision": (*PRECISION_POLICIES, AUTO),
            "subword_model_type": ("unigram", "bpe")}
 POSITIVE = ("vocab_size", "maxlen1", "maxlen2", "batch_size", "d_model", "d_ff", "num_blocks",

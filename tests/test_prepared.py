@@ -13,10 +13,10 @@ import pytest
 import hparams as hp
 from kyu_transformer.data.prepared import PreparedSplit
 from kyu_transformer.data.subwords import Subwords, sample_pairs
-from kyu_transformer.data.text import DataError, load_split, split_files
+from kyu_transformer.data.text import DataError, fingerprint, load_split, split_files
 from tests import programs
 from tests.programs import ROOT
-from tests.test_data import MULTI30K
+from tests.test_data import MULTI30K, lists_of
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,8 @@ def large_corpus(tmp_path_factory):
 
 def prepare(data_dir, cache, subwords, lines=None):
     paths, reader = split_files(data_dir, "train")
-    return PreparedSplit.open_or_prepare(str(cache), paths, reader, subwords,
-                                         (lines if lines is not None else []).append)
+    return PreparedSplit.open_or_prepare(str(cache), paths, reader, fingerprint(data_dir),
+                                         subwords, (lines if lines is not None else []).append)
 
 
 def test_a_prepared_split_holds_every_pairs_ids_and_is_read_again_not_prepared(
@@ -47,8 +47,8 @@ def test_a_prepared_split_holds_every_pairs_ids_and_is_read_again_not_prepared(
     lines = []
     split = prepare(MULTI30K, tmp_path / "cache", subwords, lines)
     sources, targets, empty = load_split(MULTI30K, "train")
-    assert split.sources.to_lists() == subwords.encode(sources)
-    assert split.targets.to_lists() == subwords.encode(targets)
+    assert lists_of(split.sources) == subwords.encode(sources)
+    assert lists_of(split.targets) == subwords.encode(targets)
     assert split.sources.ids.dtype == np.uint16 and isinstance(split.sources.ids, np.memmap)
     assert (split.record["pairs"], split.record["empty"]) == (len(sources), empty)
     assert lines[0].startswith("preparing the training split (2,400 lines of ")
@@ -60,6 +60,20 @@ def test_a_prepared_split_holds_every_pairs_ids_and_is_read_again_not_prepared(
     assert lines == []
     assert sorted(os.listdir(tmp_path / "cache")) == sorted(
         [os.path.basename(split.folder), os.path.basename(split.folder) + ".lock"])
+
+
+def test_a_sentence_of_no_subword_is_prepared_and_counted(tmp_path, subwords):
+    """A line the subword model's normalization empties (control characters) has no ids; its
+    pair is kept (its source reads as EOS alone), and the unknown pieces are counted right."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.de").write_text("ein Hund \u2603\n\x01\nzwei \u2603 Katzen\n\x01\x02\n")
+    (corpus / "train.en").write_text("a dog\na cat\ntwo cats\nnothing\n")
+    split = prepare(str(corpus), tmp_path / "cache", subwords)
+    assert list(split.sources.lengths() == 0) == [False, True, False, True]
+    assert split.record["pairs"] == 4
+    assert split.record["unknown"]["sentences"] == 2  # the snowmen's
+    assert split.record["unknown"]["pieces"] == 2
 
 
 def test_another_corpus_or_subword_model_is_prepared_apart(tmp_path, subwords):
@@ -101,8 +115,8 @@ def test_a_corpus_that_changes_while_it_is_prepared_leaves_nothing(tmp_path, sub
 
     with pytest.raises(DataError, match=f"^{paths[1]} changed while it was being prepared; "
                                         "nothing of it was kept: run again"):
-        PreparedSplit.open_or_prepare(str(tmp_path / "cache"), paths, changing, subwords,
-                                      lambda line: None)
+        PreparedSplit.open_or_prepare(str(tmp_path / "cache"), paths, changing,
+                                      fingerprint(str(corpus)), subwords, lambda line: None)
     assert [name for name in os.listdir(tmp_path / "cache") if not name.endswith(".lock")] == []
 
 
@@ -152,11 +166,11 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from kyu_transformer.data.prepared import PreparedSplit
 from kyu_transformer.data.subwords import Subwords
-from kyu_transformer.data.text import split_files
+from kyu_transformer.data.text import fingerprint, split_files
 
 paths, reader = split_files(sys.argv[2], "train")
-split = PreparedSplit.open_or_prepare(sys.argv[3], paths, reader, Subwords(sys.argv[4]),
-                                      lambda line: print(line, flush=True))
+split = PreparedSplit.open_or_prepare(sys.argv[3], paths, reader, fingerprint(sys.argv[2]),
+                                      Subwords(sys.argv[4]), lambda line: print(line, flush=True))
 print("ids", int(split.sources.ids.sum()), int(split.targets.ids.sum()), split.folder)
 """
 
@@ -191,7 +205,7 @@ def test_a_killed_preparation_is_never_read_and_the_next_start_prepares_again(
     split = prepare(large_corpus, cache, subwords, lines)
     assert lines[0].startswith("preparing the training split") and not os.path.exists(staging)
     assert split.record["pairs"] == 48000
-    assert split.sources.to_lists()[:2400] == split.sources.to_lists()[-2400:]
+    assert lists_of(split.sources)[:2400] == lists_of(split.sources)[-2400:]
 
 
 @pytest.mark.slow  # starts programs

@@ -15,7 +15,7 @@ from kyu_transformer.layers import EncoderBlock, FeedForward
 from kyu_transformer.model import Transformer
 from kyu_transformer.training.schedule import NoamSchedule
 from tests import programs
-from tests.test_data import MULTI30K
+from tests.test_data import MULTI30K, lists_of
 
 SIZE = dict(vocab_size=60, d_model=16, d_ff=32, num_blocks=1, num_heads=2, maxlen1=64,
             maxlen2=64)
@@ -288,10 +288,10 @@ def subwords(tmp_path_factory):
 def test_sampled_segmentations_spell_the_sentence_and_follow_the_seed(subwords):
     sentences = load_split(MULTI30K, "train")[0][:300]
     sampler = SegmentationSampler(subwords, sentences, alpha=0.5)
-    first = sampler.draw([42, 0]).to_lists()
+    first = lists_of(sampler.draw([42, 0]))
     assert [subwords.decode(ids) for ids in first] == sentences
-    assert first == sampler.draw([42, 0]).to_lists()
-    other_epoch = sampler.draw([42, 1]).to_lists()
+    assert first == lists_of(sampler.draw([42, 0]))
+    other_epoch = lists_of(sampler.draw([42, 1]))
     changed = sum(a != b for a, b in zip(first, other_epoch))
     assert changed > len(sentences) // 2, changed
     best = subwords.encode(sentences)
@@ -301,7 +301,8 @@ def test_sampled_segmentations_spell_the_sentence_and_follow_the_seed(subwords):
     script = ("import sys; from kyu_transformer.data.subwords import SegmentationSampler, "
               "Subwords; s = Subwords(sys.argv[1]); "
               "lines = sys.stdin.read().splitlines(); "
-              "print(SegmentationSampler(s, lines, 0.5).draw([42, 0]).to_lists())")
+              "d = SegmentationSampler(s, lines, 0.5).draw([42, 0]); "
+              "print([d.sentence(row).tolist() for row in range(len(d))])")
     other = programs.run("-c", script, subwords.path, stdin="\n".join(sentences), timeout=120)
     assert other.returncode == 0, other.stderr
     assert other.stdout.strip() == str(first)
@@ -344,7 +345,7 @@ def test_corpus_draws_each_epochs_segmentations_and_keeps_the_best_without_alpha
     from kyu_transformer.data.corpus import Corpus
 
     def lists(columns):
-        return [column.to_lists() for column in columns]
+        return [lists_of(column) for column in columns]
 
     def pairs_and_longest(corpus):
         rows = [(len(labels), features["source"].shape[1], labels.shape[1])

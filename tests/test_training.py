@@ -29,7 +29,7 @@ from kyu_transformer.training.step import loss_terms_function
 from kyu_transformer.training.trainer import Trainer, TrainingError
 from tests import programs
 from tests.programs import ROOT
-from tests.test_data import MULTI30K
+from tests.test_data import MULTI30K, lists_of
 
 
 def tiny(tmp_path, **overrides):
@@ -161,12 +161,26 @@ def test_a_64_pair_subset_is_learnt(tmp_path, multi30k_tiny):
 
     trainer = Trainer(hparams, verbose=False)
     trainer.fit(batches)
-    source = tf.ragged.constant([[*ids, EOS_ID] for ids in sources.to_lists()]).to_tensor()
-    target_in = tf.ragged.constant([[BOS_ID, *ids] for ids in targets.to_lists()]).to_tensor()
-    target_out = tf.ragged.constant([[*ids, EOS_ID] for ids in targets.to_lists()]).to_tensor()
+    source = tf.ragged.constant([[*ids, EOS_ID] for ids in lists_of(sources)]).to_tensor()
+    target_in = tf.ragged.constant([[BOS_ID, *ids] for ids in lists_of(targets)]).to_tensor()
+    target_out = tf.ragged.constant([[*ids, EOS_ID] for ids in lists_of(targets)]).to_tensor()
     logits = trainer.model({"source": source, "target_in": target_in})
     correct, count = masked_accuracy_counts(target_out, logits)
     assert float(correct / count) > 0.9
+
+
+def test_a_resumed_epoch_capped_below_what_it_did_trains_no_more_of_it(tmp_path):
+    """Stopped after 5 batches of an epoch, resumed with `steps_per_epoch` 2: the epoch ends
+    at once (a negative count would take every batch left)."""
+    from tests.test_updates import fixed_batches
+
+    def batches(epoch, skip=0, share=None):  # nine batches an epoch
+        return fixed_batches(epoch).repeat(3).skip(skip)
+
+    trainer = Trainer(tiny(tmp_path, num_epochs=1, dropout_rate=0.0), verbose=False)
+    trainer.step_in_epoch.assign(5)
+    result = trainer.fit(batches, steps_per_epoch=2)
+    assert result["steps"] == 0 and result["epochs"] == 1
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ from kyu_transformer.decoding.settings import SearchSettings
 from kyu_transformer.precision import AUTO, PRECISION_POLICIES
 
 
-
 def add_checkpoint_arguments(parser, prefix=""):
     """Adds the flags that choose the weights of a logdir: ``--logdir`` (required), ``--ckpt``,
     ``--average_last``. With a `prefix` (train.py's ``init_``): ``--init_from`` (optional),

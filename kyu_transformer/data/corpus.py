@@ -9,7 +9,8 @@ from kyu_transformer.data.prepared import PreparedSplit
 from kyu_transformer.data.subwords import (
     SUBWORD_SAMPLE_SENTENCES, SegmentationSampler, Subwords, sample_pairs)
 from kyu_transformer.data.text import (
-    DataError, check_data_dir, iter_parallel, load_split, read_parallel, split_files)
+    DataError, check_data_dir, fingerprint, iter_parallel, load_split, read_parallel,
+    split_files)
 
 # `subword_alpha` holds the best segmentations of every training sentence in memory (about 2 KB
 # a pair): a corpus of more pairs is refused.
@@ -36,7 +37,9 @@ class Corpus:
         self.subwords = Subwords.train_or_load(model_dir, sample(), hparams["vocab_size"],
                                                hparams["subword_model_type"])
         cache = hparams.get("corpus_cache") or os.path.join(model_dir, filenames.PREPARED)
-        self.prepared = PreparedSplit.open_or_prepare(cache, paths, reader, self.subwords, log)
+        self.fingerprint = fingerprint(data_dir, "train", *languages)  # {file name: sha256}
+        self.prepared = PreparedSplit.open_or_prepare(cache, paths, reader, self.fingerprint,
+                                                      self.subwords, log)
         self._report(data_dir, log)
         self.sampler = None
         if hparams.get("subword_alpha", 0.0) > 0:
@@ -46,9 +49,9 @@ class Corpus:
     def _report(self, data_dir, log):
         """Says what the training split holds: its pairs, those dropped, its unknown pieces."""
         record, hparams = self.prepared.record, self.hparams
-        fits = ((self.prepared.sources.lengths() + 1 <= self.maxlens[0])
-                & (self.prepared.targets.lengths() + 1 <= self.maxlens[1]))
-        kept, unknown = int(fits.sum()), record["unknown"]
+        kept = len(pipeline.fitting_pairs(self.prepared.sources, self.prepared.targets,
+                                          self.maxlens))
+        unknown = record["unknown"]
         log(f"train: {record['pairs']} pairs from {data_dir}; {record['empty']} with an empty "
             f"side and {record['pairs'] - kept} longer than maxlen1={hparams['maxlen1']}/maxlen2="
             f"{hparams['maxlen2']} dropped; {kept} kept; subword vocabulary "

@@ -28,14 +28,14 @@ def padded_length(length, cap=None):
 
 def batch_plan(lengths, batch_size, batch_tokens, maxlen, seed):
     """Returns an epoch's batches of the pairs of `lengths` (each pair's longer side, markers
-    included) as ``(order, begins, ends)``: batch ``b`` holds pairs
-    ``order[begins[b]:ends[b]]``. The pairs are shuffled with `seed` and bucketed every
-    `LENGTH_MULTIPLE` tokens; a bucket of lengths up to L batches ``min(batch_size,
-    batch_tokens // L)`` pairs (`batch_size` alone without `batch_tokens`), its last batch
-    what is left; the batches are shuffled with `seed` too."""
+    included; `maxlen` the longest a batch is padded to) as ``(order, begins, ends)``: batch
+    ``b`` holds pairs ``order[begins[b]:ends[b]]``. The pairs are shuffled with `seed` and
+    bucketed every `LENGTH_MULTIPLE` tokens; a bucket of lengths up to L batches
+    ``min(batch_size, batch_tokens // L)`` pairs (`batch_size` alone without `batch_tokens`),
+    its last batch what is left; the batches are shuffled with `seed` too."""
     rng = np.random.default_rng(seed)
     boundaries = np.arange(LENGTH_MULTIPLE + 1, maxlen + 1, LENGTH_MULTIPLE)  # bucket i: < b_i
-    longest = np.append(boundaries - 1, padded_length(maxlen))  # (buckets,) a bucket's longest
+    longest = np.append(boundaries - 1, maxlen)  # (buckets,) a bucket's longest
     sizes = (np.clip(batch_tokens // longest, 1, batch_size) if batch_tokens
              else np.full(len(longest), batch_size))
     shuffled = rng.permutation(len(lengths))
@@ -54,35 +54,45 @@ def batch_plan(lengths, batch_size, batch_tokens, maxlen, seed):
 
 
 class BatchReader:
-    """Reads batch ``b`` of a `batch_plan` from `IdColumn`s `sources` and `targets` (ids
-    without markers): ``(source + EOS, BOS + target, target + EOS)``, each side padded with
-    `PAD_ID` to `padded_length` under its cap of `maxlens`. With `share` ``(first, count,
-    total)``, only the rows of replicas ``first .. first + count - 1`` of `total` are read (the
-    others stay padding): a worker reads what it trains on."""
+    """Reads a batch of pairs from the flat id arrays `source_ids` and `target_ids` (ids
+    without markers), given each pair's offsets: ``(source + EOS, BOS + target, target +
+    EOS)``, each side padded with `PAD_ID` to `padded_length` under its cap of `maxlens`. With
+    `share` ``(first, count, total)``, only the rows of replicas ``first .. first + count - 1``
+    of `total` are read (the others stay padding): a worker reads what it trains on. It holds
+    no epoch's plan: tf.data keeps a Python function for the process's life, a plan goes with
+    its dataset."""
 
-    def __init__(self, sources, targets, plan, maxlens, share=None):
-        self.sources, self.targets, self.maxlens = sources, targets, maxlens
-        self.order, self.begins, self.ends = plan
-        self.share = share
+    def __init__(self, source_ids, target_ids, maxlens, share=None):
+        self.source_ids, self.target_ids = source_ids, target_ids
+        self.maxlens, self.share = maxlens, share
 
-    def __call__(self, batch):
-        pairs = self.order[self.begins[batch]:self.ends[batch]]  # (rows,)
-        first, last = (0, len(pairs)) if self.share is None else replica_rows(
-            len(pairs), *self.share)
-        source_lengths = self.sources.ends[pairs] - self.sources.begins[pairs] + 1
-        target_lengths = self.targets.ends[pairs] - self.targets.begins[pairs] + 1
-        source = np.full((len(pairs), padded_length(source_lengths.max(), self.maxlens[0])),
-                         PAD_ID, np.int32)
-        target_in = np.full((len(pairs), padded_length(target_lengths.max(), self.maxlens[1])),
-                            PAD_ID, np.int32)
+    def __call__(self, source_begins, source_ends, target_begins, target_ends):
+        rows = len(source_begins)
+        first, last = (0, rows) if self.share is None else replica_rows(rows, *self.share)
+        source_width = padded_length(int((source_ends - source_begins).max()) + 1,
+                                     self.maxlens[0])
+        target_width = padded_length(int((target_ends - target_begins).max()) + 1,
+                                     self.maxlens[1])
+        source = np.full((rows, source_width), PAD_ID, np.int32)
+        target_in = np.full((rows, target_width), PAD_ID, np.int32)
         target_out = target_in.copy()
         for row in range(first, last):
-            ids = self.sources.sentence(pairs[row])
+            ids = self.source_ids[source_begins[row]:source_ends[row]]
             source[row, :len(ids)], source[row, len(ids)] = ids, EOS_ID
-            ids = self.targets.sentence(pairs[row])
+            ids = self.target_ids[target_begins[row]:target_ends[row]]
             target_in[row, 0], target_in[row, 1:len(ids) + 1] = BOS_ID, ids
             target_out[row, :len(ids)], target_out[row, len(ids)] = ids, EOS_ID
         return source, target_in, target_out
+
+
+def fitting_pairs(sources, targets, maxlens):
+    """Returns the numbers of the pairs of `IdColumn`s `sources` and `targets` whose sides fit
+    `maxlens` (None: any length) with their markers."""
+    fits = np.ones(len(sources), bool)
+    for column, cap in zip((sources, targets), maxlens):
+        if cap is not None:
+            fits &= column.lengths() + 1 <= cap
+    return np.flatnonzero(fits)
 
 
 def make_dataset(sources, targets, batch_size, batch_tokens=0, maxlens=(None, None), seed=0,
@@ -92,22 +102,26 @@ def make_dataset(sources, targets, batch_size, batch_tokens=0, maxlens=(None, No
     `skip` on (those before are not read), in the order `batch_plan` gives with `seed`: the
     same batches for the same seed. Its `cardinality()` is its count of batches. `share`:
     see `BatchReader`."""
-    source_lengths, target_lengths = sources.lengths() + 1, targets.lengths() + 1
-    fits = np.ones(len(sources), bool)
-    for lengths, cap in ((source_lengths, maxlens[0]), (target_lengths, maxlens[1])):
-        if cap is not None:
-            fits &= lengths <= cap
-    kept = np.flatnonzero(fits)  # (pairs,) of the columns
-    lengths = np.maximum(source_lengths[kept], target_lengths[kept])
-    maxlen = max(cap if cap is not None else int(lengths.max(initial=1)) for cap in maxlens)
-    order, begins, ends = batch_plan(lengths, batch_size, batch_tokens, maxlen, seed)
-    read = BatchReader(sources, targets, (kept[order], begins, ends), maxlens, share)
+    kept = fitting_pairs(sources, targets, maxlens)  # (pairs,) of the columns
+    lengths = np.maximum(sources.lengths()[kept], targets.lengths()[kept]) + 1  # with markers
+    caps = [cap for cap in maxlens if cap is not None]
+    longest = max(caps) if caps else padded_length(int(lengths.max(initial=1)))
+    order, begins, ends = batch_plan(lengths, batch_size, batch_tokens, longest, seed)
+    pairs = kept[order]
+    # The plan as constants of the dataset's function, freed with it: every pair's offsets in
+    # the plan's order (N,), a batch's rows within them (batches,).
+    offsets = [tf.constant(array[pairs]) for column in (sources, targets)
+               for array in (column.begins, column.ends)]
+    begins, ends = tf.constant(begins), tf.constant(ends)
+    read = BatchReader(sources.ids, targets.ids, maxlens, share)
 
     def read_batch(batch):
-        columns = tf.numpy_function(read, [batch], (tf.int32,) * 3, stateful=False)
+        rows = [array[begins[batch]:ends[batch]] for array in offsets]
+        columns = tf.numpy_function(read, rows, (tf.int32,) * 3, stateful=False)
         source, target_in, target_out = (tf.ensure_shape(ids, (None, None)) for ids in columns)
         return {"source": source, "target_in": target_in}, target_out
 
-    dataset = tf.data.Dataset.range(min(skip, len(begins)), len(begins))
+    count = int(begins.shape[0])  # batches
+    dataset = tf.data.Dataset.range(min(skip, count), count)
     return dataset.map(read_batch, num_parallel_calls=tf.data.AUTOTUNE,
                        deterministic=True).prefetch(tf.data.AUTOTUNE)

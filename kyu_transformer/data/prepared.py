@@ -10,7 +10,6 @@ changed corpus or model is prepared anew and several corpora share one cache fol
 
 import contextlib
 import glob
-import gzip
 import hashlib
 import itertools
 import json
@@ -21,10 +20,10 @@ import time
 import numpy as np
 
 from kyu_transformer.conventions import UNK_ID
-from kyu_transformer.data.text import DataError, iter_parallel
+from kyu_transformer.data.text import DataError, iter_parallel, open_binary
 from kyu_transformer.safety.lock import exclusive
 from kyu_transformer.safety.writes import (
-    as_out_of_space, is_out_of_space, sha256, staging_beside, write_text)
+    OutOfSpace, is_out_of_space, sha256, staging_beside, write_text)
 
 FORMAT = 1  # of the files below; a new format is prepared anew
 RECORD = "prepared.json"  # what was prepared, from what; written last
@@ -38,14 +37,6 @@ class IdColumn:
 
     def __init__(self, ids, begins, ends):
         self.ids, self.begins, self.ends = ids, np.asarray(begins), np.asarray(ends)
-
-    @classmethod
-    def of_lists(cls, sequences):
-        """Returns the column of `sequences` (lists of ids)."""
-        lengths = np.fromiter(map(len, sequences), np.int64, len(sequences))
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        ids = np.fromiter(itertools.chain.from_iterable(sequences), np.int32, offsets[-1])
-        return cls(ids, offsets[:-1], offsets[1:])
 
     def __len__(self):
         return len(self.begins)
@@ -61,10 +52,6 @@ class IdColumn:
     def sentence(self, row):
         """Returns sentence `row`'s ids as an int32 array."""
         return np.asarray(self.ids[self.begins[row]:self.ends[row]], np.int32)
-
-    def to_lists(self):
-        """Returns every sentence's ids as a list."""
-        return [self.sentence(row).tolist() for row in range(len(self))]
 
 
 class PreparedSplit:
@@ -82,11 +69,11 @@ class PreparedSplit:
                                          offsets[:-1], offsets[1:]))
 
     @classmethod
-    def open_or_prepare(cls, cache_dir, paths, reader, subwords, log=print):
-        """Returns the split of corpus files `paths` (source, target; read with `reader`)
-        encoded with `subwords`, prepared first if `cache_dir` holds no such preparation; waits,
-        saying so, while another process prepares it."""
-        files = {os.path.basename(path): sha256(path) for path in paths}
+    def open_or_prepare(cls, cache_dir, paths, reader, files, subwords, log=print):
+        """Returns the split of corpus files `paths` (source, target; read with `reader`; their
+        digests `files`, as `text.fingerprint` gives them) encoded with `subwords`, prepared
+        first if `cache_dir` holds no such preparation; waits, saying so, while another process
+        prepares it."""
         key = hashlib.sha256(json.dumps([FORMAT, files, subwords.digest()]).encode()).hexdigest()
         folder = os.path.join(os.path.abspath(cache_dir), f"train.{key[:16]}")
         if os.path.isfile(os.path.join(folder, RECORD)):
@@ -94,7 +81,7 @@ class PreparedSplit:
         os.makedirs(cache_dir, exist_ok=True)
         with exclusive(folder + ".lock", f"waiting for another process preparing {folder}", log):
             if not os.path.isfile(os.path.join(folder, RECORD)):  # nobody prepared it meanwhile
-                _discard_staging_of(folder)
+                _discard_leftovers_of(folder)
                 prepare(folder, paths, reader, subwords, files, log)
         return cls(folder)
 
@@ -116,13 +103,11 @@ def prepare(folder, paths, reader, subwords, files, log=print):
     dtype = np.uint16 if subwords.vocab_size <= 2**16 else np.int32
     counts, unknown = {}, {"pieces": 0, "sentences": 0, "all pieces": 0}
     try:
-        handles = {side: (open(os.path.join(staging, f"{side}.ids"), "wb"),
-                          open(os.path.join(staging, f"{side}.offsets"), "wb"))
-                   for side in SIDES}
         with contextlib.ExitStack() as stack:
-            for ids_handle, offsets_handle in handles.values():
-                stack.enter_context(ids_handle)
-                stack.enter_context(offsets_handle)
+            handles = {side: [stack.enter_context(open(os.path.join(staging, f"{side}.{kind}"),
+                                                       "wb")) for kind in ("ids", "offsets")]
+                       for side in SIDES}
+            for _, offsets_handle in handles.values():
                 offsets_handle.write(np.zeros(1, np.int64).tobytes())
             ends = dict.fromkeys(SIDES, 0)
             progress = _Progress(paths[0], log)
@@ -144,7 +129,7 @@ def prepare(folder, paths, reader, subwords, files, log=print):
         os.replace(staging, folder)
     except OSError as error:
         if is_out_of_space(error):
-            raise as_out_of_space(error, folder) from None
+            raise OutOfSpace(folder) from None
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -159,8 +144,8 @@ def _append(encoded, handles, end, dtype, unknown):
     is_unknown = ids == UNK_ID
     unknown["pieces"] += int(is_unknown.sum())
     unknown["all pieces"] += len(ids)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    unknown["sentences"] += int(np.count_nonzero(np.add.reduceat(is_unknown, starts)))
+    sentence_of = np.repeat(np.arange(len(lengths)), lengths)  # (ids,); a sentence may have none
+    unknown["sentences"] += len(np.unique(sentence_of[is_unknown]))
     # file.write, not ndarray.tofile: its OSError keeps the errno (a full disk's ENOSPC).
     handles[0].write(ids.astype(dtype).tobytes())
     handles[1].write((end + np.cumsum(lengths)).tobytes())
@@ -178,27 +163,31 @@ class _Progress:
             "into subword ids on disk, read from there by every later run")
 
     def update(self, lines):
+        """Says how many of the file's `lines` are prepared, unless it said so just now."""
         if time.time() - self.last >= self.every:
             self.last = time.time()
             self.log(f"  prepared {lines:,} of {self.lines:,} lines "
                      f"({lines / max(self.lines, 1):.0%})")
 
     def done(self, pairs, seconds, folder):
+        """Says the preparation is complete: its `pairs`, `seconds` and `folder`."""
         self.log(f"prepared {pairs:,} pairs in {seconds:.1f} s ({folder})")
 
 
 def _count_lines(path):
     """Counts the lines of a text file, plain or gzip."""
-    with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as handle:
+    with open_binary(path) as handle:
         count, last = 0, b"\n"
         for block in iter(lambda: handle.read(1 << 20), b""):
             count, last = count + block.count(b"\n"), block[-1:]
         return count + (last != b"\n")
 
 
-def _discard_staging_of(folder):
-    """Removes the staging folders a killed preparation of `folder` left (the lock is held:
-    no live process writes them)."""
+def _discard_leftovers_of(folder):
+    """Removes what a killed preparation of `folder` or a removal cut short left: staging
+    folders, and `folder` itself without its record (the lock is held: no live process writes
+    them)."""
     parent, base = os.path.split(os.path.abspath(folder))
     for staging in glob.glob(os.path.join(glob.escape(parent), f".{base}.prepare-*")):
         shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(folder, ignore_errors=True)

@@ -28,13 +28,18 @@ def normalize_line(text):
     return " ".join(text.split())
 
 
+def open_binary(path):
+    """Opens a plain or gzip (``.gz``) file for reading its bytes."""
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
 def iter_lines(path):
     """Yields the lines of a UTF-8 text file, plain or gzip (BOM, CRLF accepted), spaces
     normalized, one at a time; raises DataError for a file it cannot read."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     try:
-        with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as handle:
+        with open_binary(path) as handle:
             for number, raw in enumerate(handle, start=1):
                 try:
                     text = raw.decode("utf-8")

@@ -110,7 +110,7 @@ def prepare_logdir(hparams, overwrite, chief, source=None):
     if chief:
         note_batch_order(hparams["logdir"])
         for name, value in ((filenames.HPARAMS, hparams),
-                            (filenames.CORPUS, corpus_fingerprint(hparams)),
+                            (filenames.CORPUS, corpus.fingerprint),
                             (filenames.BATCH_ORDER, BATCH_ORDER)):
             path = os.path.join(hparams["logdir"], name)
             if not os.path.isfile(path):

@@ -52,13 +52,10 @@ class TrainingError(RuntimeError):
 class Trainer:
     """Trains a `Transformer` under `strategy`, with checkpoints and summaries in `logdir`.
 
-    ``mixed_precision`` must be a choice already made (``no``, ``bf16``, ``fp16``): a run resolves
-    ``auto`` once, with `precision.resolve_precision` (`training.logdir.prepare_logdir` on the
-    chief; other workers take the chief's choice).
-    `hooks`: ``hook(trainer, epoch, logs)``, run on the chief after each epoch (may add to
-    `logs`). `initialize(trainer)` sets the starting weights when there is no checkpoint to
-    resume from (fine-tuning's `fine_tuning.Source.initialize`).
-    """
+    ``mixed_precision`` must be chosen already (``no``, ``bf16``, ``fp16``): a run resolves
+    ``auto`` once (`training.logdir.prepare_logdir`, on the chief). `hooks`: ``hook(trainer,
+    epoch, logs)``, run on the chief after each epoch (may add to `logs`). `initialize(trainer)`
+    sets the starting weights where there is no checkpoint (`fine_tuning.Source.initialize`)."""
 
     def __init__(self, hparams, strategy=None, logdir=None, hooks=(), verbose=True,
                  initialize=None):
@@ -86,8 +83,8 @@ class Trainer:
         self.checkpoints = RunCheckpoints(self.strategy, self.model, self.optimizer,
                                           checkpoint_dir(self.logdir), hparams["keep_checkpoints"],
                                           self.chief)
-        self.last_saved, self.plan, self.per_update = None, None, hparams.get("accumulate_steps", 1)
-        self.last_loss = None  # the mean loss of the last summary's updates
+        self.per_update = hparams.get("accumulate_steps", 1)
+        self.last_saved = self.plan = self.last_loss = None  # last_loss: the last summary's mean
         self.budget = TimeBudget(hparams["max_minutes"], self.strategy)
         self.log = TrainingLog(self.logdir, self.chief)
         self.loss_fn = LabelSmoothedCrossEntropy(hparams["smoothing"], fast_paths=fast_paths)
@@ -107,8 +104,7 @@ class Trainer:
         return int(self.optimizer.iterations.value.numpy())
 
     def distribute(self, make_global_batches):
-        """Returns a distributed dataset from `make_global_batches(share)` (global batches, see
-        `distribute_batches`) for the step, endless when an update takes several batches."""
+        """Returns the step's `distribute_batches` (endless for updates of several batches)."""
         return distribute_batches(self.strategy, make_global_batches, endless=self.per_update > 1)
 
     def restore(self):
@@ -139,12 +135,10 @@ class Trainer:
         batches ``({"source", "target_in"}, target_out)``, the same for the same epoch, from
         batch `skip` on (a resumed run starts where it stopped), the rows of the replicas
         `share` (see `distribute_batches`; None: all) filled at least; `steps_per_epoch` caps
-        an epoch's updates. Returns a dict:
-        ``resumed_from``, ``steps``, ``epochs``, ``stopped`` (``"done"``, ``"time"``,
-        ``"SIGTERM"``...), ``last_loss`` (the mean loss of the last summary's updates),
-        ``train_seconds`` (resumed runs included) and
-        ``checkpoint`` (the last saved, on the chief).
-        """
+        an epoch's updates. Returns a dict: ``resumed_from``, ``steps``, ``epochs``,
+        ``stopped`` (``"done"``, ``"time"``, ``"SIGTERM"``...), ``last_loss`` (the mean loss of
+        the last summary's updates), ``train_seconds`` (resumed runs included) and
+        ``checkpoint`` (the last saved, on the chief)."""
         self._train_step.stop_requested.assign(0.0)
         with StopRequests() as self._stop_requests:
             resumed_from = self._resume()
@@ -179,9 +173,9 @@ class Trainer:
         """Trains the current epoch from where it stopped; returns how it stopped."""
         epoch, skip = int(self.epoch.numpy()), int(self.step_in_epoch.numpy())
 
-        def batches(share):
+        def batches(share):  # (a resumed run may cap the epoch below what it has done)
             dataset, most = make_epoch_batches(epoch, skip, share), steps_per_epoch or 0
-            return dataset.take(most * self.per_update - skip) if most else dataset
+            return dataset.take(max(most * self.per_update - skip, 0)) if most else dataset
 
         iterator = iter(self.distribute(batches))
         progress = Progress(epoch, self.hparams["num_epochs"], math.ceil(skip / self.per_update),
