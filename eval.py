@@ -5,12 +5,13 @@
     echo "Ein Hund rennt." | python eval.py --logdir log/small --src -
     python eval.py --logdir log/small --src my.de --score my.en
     python eval.py --logdir log/small --ctranslate2 exported/ct2 --beam_size 4
+    python eval.py --logdir exported/small.keras --src my.de --target_prefix my.prefixes
 
-The model, its hparams and subword model come from the logdir, the outputs go to
-<logdir>/eval/<name>.* (docs/evaluation.md); flags, files and inputs are checked first.
+The model, its hparams and subword model come from the logdir (or a .keras file of export.py,
+with its search settings), the outputs go to <logdir>/eval/<name>.* (<file>-eval/ for a .keras
+file; docs/evaluation.md); flags, files and inputs are checked first.
 """
 
-import filecmp
 import json
 import math
 import os
@@ -25,6 +26,8 @@ from kyu_transformer.cli.flags import (  # noqa: E402
     SAMPLING_FLAGS, add_checkpoint_arguments, add_precision_argument, add_search_arguments,
     check_checkpoint_arguments, excluding, given_search_flags, refuse_clashes, search_settings)
 from kyu_transformer.cli.startup import start_tensorflow  # noqa: E402
+from kyu_transformer.decoding.archive import is_archive, read_archive  # noqa: E402
+from kyu_transformer.decoding.settings import SearchSettings  # noqa: E402
 from kyu_transformer.data.text import (  # noqa: E402
     DataError, check_data_dir, normalize_line, read_lines, split_files)
 from kyu_transformer.precision import AUTO  # noqa: E402
@@ -57,6 +60,10 @@ def parse_args(argv):
     parser.add_argument("--ctranslate2", default=None, metavar="DIR",
                         help="translate with this CTranslate2 model directory (export.py "
                              "--format ctranslate2), the subword model still from --logdir")
+    parser.add_argument("--target_prefix", default=None, metavar="FILE",
+                        help="each translation starts with its line of FILE (one per source "
+                             "line; an empty line: no prefix); with --src -, give - and end each "
+                             "input line with a tab and its prefix")
     parser.add_argument("--name", default=None, help="name of the output files")
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -80,7 +87,7 @@ def _given(args, flag):
 CLASHES = (
     (lambda args: args.ref and not args.src, "--ref goes with --src"),
     *excluding("score", ("ref",), "--score rates FILE by the model, not by references", _given),
-    *excluding("score", ("n_best", "plot_attention", "sampling_topk"),
+    *excluding("score", ("n_best", "plot_attention", "sampling_topk", "target_prefix"),
                "--score translates nothing", _given),
     *excluding("score", ("ctranslate2",), "--score scores with the logdir's Keras model", _given),
     *excluding("ctranslate2", ("ckpt", "average_last"),
@@ -89,6 +96,10 @@ CLASHES = (
                "the CTranslate2 model computes in the weight type it was converted to", _given),
     *excluding("ctranslate2", ("plot_attention",),
                "attention heatmaps come from the Keras model", _given),
+    (lambda args: is_archive(args.logdir) and (args.ckpt or args.average_last),
+     "--ckpt and --average_last choose a logdir's checkpoints; a .keras file holds its weights"),
+    (lambda args: (args.target_prefix == "-") != (args.src == "-") and args.target_prefix,
+     "--target_prefix - reads each prefix after a tab in the lines of --src -"),
     (lambda args: args.src == "-" and (args.score or args.n_best),
      lambda args: f"--src - translates standard input line by line; --"
                   f"{'score' if args.score else 'n_best'} needs a file (--src FILE) or --split"),
@@ -97,7 +108,7 @@ CLASHES = (
 
 def load_inputs(args, hparams):
     """Reads the sentences to translate; returns ``(name, sources, references or None, targets
-    of --score or None)``."""
+    of --score or None, prefixes of --target_prefix or None)``."""
     split = args.split or "test_2016_flickr"
     if args.src:
         (source_path, target_path), reader = (args.src, args.ref), read_lines
@@ -117,8 +128,13 @@ def load_inputs(args, hparams):
     if targets is not None and len(targets) != len(sources):
         raise DataError(f"{args.score} has {len(targets)} lines but {source_path} has "
                         f"{len(sources)}: --score needs one translation per source line")
+    prefixes = read_lines(args.target_prefix) if args.target_prefix else None
+    if prefixes is not None and len(prefixes) != len(sources):
+        raise DataError(f"{args.target_prefix} has {len(prefixes)} lines but {source_path} has "
+                        f"{len(sources)}: --target_prefix needs one line per source line (empty "
+                        "for no prefix)")
     name = args.name or (os.path.basename(args.src).split(".")[0] if args.src else split)
-    return name, sources, references, targets
+    return name, sources, references, targets, prefixes
 
 
 def write_lines(path, lines):
@@ -145,17 +161,19 @@ def plot_attention(model, settings, subwords, sources, count, out_dir, name):
         print(f"attention: {save_attention(coverage, *pieces, path)}")
 
 
-def load_ctranslate2(args):
-    """Loads the model of --ctranslate2 DIR, checked against the logdir's subwords; returns
+def load_ctranslate2(args, subwords):
+    """Loads the model of --ctranslate2 DIR, checked against the logdir's `subwords`; returns
     ``(translator, facts)``."""
     model_dir = args.ctranslate2
     if not os.path.isdir(model_dir):
         raise DataError(f"--ctranslate2 {model_dir}: no such directory")
     copied = os.path.join(model_dir, filenames.SUBWORDS)  # the converter copies it there
-    ours = os.path.join(args.logdir, filenames.SUBWORDS)
-    if os.path.isfile(copied) and not filecmp.cmp(copied, ours, shallow=False):
-        raise DataError(f"{model_dir} was converted with another subword model than {ours}: "
-                        "convert this logdir's model, or give the logdir it came from")
+    if os.path.isfile(copied):
+        with open(copied, "rb") as handle:
+            if handle.read() != subwords.serialized():
+                raise DataError(f"{model_dir} was converted with another subword model than "
+                                f"{args.logdir}'s: convert its model, or give the logdir it "
+                                "came from")
     start_tensorflow()  # which the conversion's module imports
     from kyu_transformer.export.ctranslate2 import CTranslate2Translator, ExportError
 
@@ -177,11 +195,11 @@ def load_ctranslate2(args):
                         "compute_type": loaded.compute_type}
 
 
-def load_translator(args, hparams):
+def load_translator(args, hparams, subwords):
     """Loads the logdir's model, or that of --ctranslate2 DIR; returns ``(translator, facts for
     the json)``."""
     if args.ctranslate2:
-        return load_ctranslate2(args)
+        return load_ctranslate2(args, subwords)
     devices = start_tensorflow()
     # On standard error, as the precision's line: with `--src -` standard output holds
     # translations only.
@@ -195,14 +213,44 @@ def load_translator(args, hparams):
         choice.update(precision_choice=line)
         print(line, file=sys.stderr)
 
-    try:
-        model, checkpoints, precision = load_trained(
-            hparams, args.logdir, args.ckpt, args.average_last, args.mixed_precision or AUTO, log)
-    except CheckpointError as error:
-        raise DataError(str(error)) from None
+    if is_archive(args.logdir):
+        model, checkpoints, precision = load_archive(args, hparams, log)
+    else:
+        try:
+            model, checkpoints, precision = load_trained(hparams, args.logdir, args.ckpt,
+                                                         args.average_last,
+                                                         args.mixed_precision or AUTO, log)
+        except CheckpointError as error:
+            raise DataError(str(error)) from None
     return Translator(model, args.settings), {
         "engine": "keras", "checkpoint": describe(checkpoints), "checkpoints": checkpoints,
         "mixed_precision": precision, "device": devices, **choice}
+
+
+def load_archive(args, hparams, log):
+    """Loads the `TranslationModel` of a `.keras` --logdir under the precision of
+    --mixed_precision; sets `args.settings` to its settings, the search flags given replacing
+    theirs; returns ``(transformer, [path], precision)`` as `load_trained` returns a logdir's."""
+    import keras
+
+    from kyu_transformer.precision import resolve_precision, set_precision
+
+    _, settings, _ = read_archive(args.logdir)
+    try:
+        args.settings = SearchSettings(**settings).replace(**given_search_flags(args))
+    except ValueError as error:
+        raise DataError(f"{args.logdir}: its search settings with the flags given: {error}")
+    precision = resolve_precision(args.mixed_precision or AUTO, hparams, log=log)
+    set_precision(precision)
+    loaded = keras.saving.load_model(args.logdir, compile=False)
+    return loaded.transformer, [args.logdir], precision
+
+
+def evaluation_dir(logdir):
+    """Returns where eval.py writes: <logdir>/eval, or <file>-eval beside a `.keras` file."""
+    if is_archive(logdir):
+        return os.path.splitext(logdir)[0] + "-" + filenames.EVAL
+    return os.path.join(logdir, filenames.EVAL)
 
 
 def write_scores(translator, subwords, sources, targets, out_dir, name):
@@ -238,21 +286,20 @@ def main(argv=None):
     try:
         hparams, subwords = read_trained(args.logdir)
         inputs = None if args.src == "-" else load_inputs(args, hparams)
-        translator, facts = load_translator(args, hparams)
+        translator, facts = load_translator(args, hparams, subwords)
     except (config.HParamsError, DataError) as error:
         raise SystemExit(f"error: {error}")
     if inputs is None:  # --src -: line by line, as it comes
-        for line in sys.stdin:
-            print(translator.translate([normalize_line(line)], subwords)[0], flush=True)
+        translate_stdin(translator, subwords, args.target_prefix == "-")
         return 0
-    name, sources, references, targets = inputs
-    out_dir = os.path.join(args.logdir, filenames.EVAL)
+    name, sources, references, targets, prefixes = inputs
+    out_dir = evaluation_dir(args.logdir)
     os.makedirs(out_dir, exist_ok=True)
     if targets is not None:
         write_scores(translator, subwords, sources, targets, out_dir, name)
         return 0
     translations, hypotheses, decode_seconds = write_translations(
-        translator, facts, subwords, sources, args, out_dir, name)
+        translator, facts, subwords, (sources, prefixes), args, out_dir, name)
     if args.plot_attention:
         plot_attention(translator.model, args.settings, subwords, sources, args.plot_attention,
                        out_dir, name)
@@ -260,6 +307,16 @@ def main(argv=None):
         write_result(hypotheses, references, translations, facts, args, out_dir, name,
                      seconds=(time.time() - started, decode_seconds))
     return 0
+
+
+def translate_stdin(translator, subwords, prefixed):
+    """Translates standard input line by line, as it comes, to standard output; `prefixed`:
+    each line is a source, a tab and the prefix its translation starts with."""
+    for line in sys.stdin:
+        source, _, prefix = line.partition("\t") if prefixed else (line, "", "")
+        texts, _ = translator.translate_texts([normalize_line(source)], subwords,
+                                              [normalize_line(prefix)] if prefixed else None)
+        print(texts[0][0], flush=True)
 
 
 def write_result(hypotheses, references, translations, facts, args, out_dir, name, seconds):
@@ -273,6 +330,8 @@ def write_result(hypotheses, references, translations, facts, args, out_dir, nam
     result.update(**facts, **{key: getattr(args.settings, key) for key in searched},
                   n_best=args.n_best, truncated_sources=translations.truncated_sources,
                   truncated_outputs=translations.truncated_outputs,
+                  target_prefix=args.target_prefix,
+                  truncated_prefixes=translations.truncated_prefixes,
                   num_sentences=len(hypotheses), seconds=round(seconds[0], 2),
                   decode_seconds=round(seconds[1], 2))
     path = filenames.evaluation_file(out_dir, name, filenames.RESULT)
@@ -282,11 +341,15 @@ def write_result(hypotheses, references, translations, facts, args, out_dir, nam
     print(f"scores: {path}")
 
 
-def write_translations(translator, facts, subwords, sources, args, out_dir, name):
-    """Translates, writes <name>.hyp.txt (and <name>.nbest.jsonl) and says what was cut; returns
-    ``(translations, hypotheses, seconds)``."""
+def write_translations(translator, facts, subwords, inputs, args, out_dir, name):
+    """Translates `inputs` ``(sources, prefixes or None)``, writes <name>.hyp.txt (and
+    <name>.nbest.jsonl) and says what was cut; returns ``(translations, hypotheses,
+    seconds)``."""
     decode_started = time.time()
-    translations = translator.translate_ids(subwords.encode(sources), n_best=args.n_best)
+    sources, prefixes = inputs
+    translations = translator.translate_ids(
+        subwords.encode(sources), n_best=args.n_best,
+        prefix_ids=None if prefixes is None else subwords.encode(prefixes))
     hypotheses = [subwords.decode(ids) for ids in translations.outputs]
     if args.n_best:  # the rows of <name>.nbest.jsonl
         rows = [{"source": source, "hypotheses": [{"text": subwords.decode(ids), "score": score}
@@ -312,6 +375,10 @@ def write_translations(translator, facts, subwords, sources, args, out_dir, name
     if translations.truncated_sources:
         print(f"note: {translations.truncated_sources} sentences were longer than maxlen1="
               f"{translator.maxlen1} subwords and were cut to it")
+    if translations.truncated_prefixes:
+        print(f"note: {translations.truncated_prefixes} prefixes were longer than their "
+              f"sentence's output limit (source length + {translator.settings.length_margin} "
+              f"subwords, at most {translator.max_length}) and were cut to it")
     if translations.truncated_outputs:
         print(f"note: {translations.truncated_outputs} translations reached their length limit "
               f"(source length + {translator.settings.length_margin} subwords, at most "

@@ -1,8 +1,10 @@
-"""Exports a trained model for use outside this checkout: a SavedModel or a CTranslate2 model.
+"""Exports a trained model for use outside this checkout: a SavedModel, a CTranslate2 model, or
+one .keras file (Keras loads it after `import kyu_transformer`).
 
     python export.py --logdir log/small --out export/small
     python export.py --logdir log/small --out export/small --beam_size 4 --n_best 4 --overwrite
     python export.py --logdir log/small --out export/ct2 --format ctranslate2 --quantization int8
+    python export.py --logdir log/small --out export/small.keras --format keras --beam_size 4
 
 The model comes from the logdir as for eval.py, decoding in float32 unless --mixed_precision says
 otherwise; docs/export.md describes both formats. The flags, --out and the logdir's files are
@@ -30,7 +32,7 @@ from kyu_transformer.safety.writes import (  # noqa: E402
     replace_directory, staging_beside, stops_cleanly_when_full, write_text)
 from kyu_transformer.training.logdir import read_trained  # noqa: E402
 
-FORMATS = ("saved_model", "ctranslate2")
+FORMATS = ("saved_model", "ctranslate2", "keras")
 EXAMPLE = "Zwei Hunde spielen im Schnee."
 
 
@@ -40,7 +42,8 @@ def parse_args(argv):
     add_checkpoint_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
     parser.add_argument("--format", default="saved_model", choices=FORMATS,
-                        help="saved_model (TensorFlow, text in and out) or ctranslate2")
+                        help="saved_model (TensorFlow, text in and out), ctranslate2, or keras "
+                             "(one file: the model, its subword model and search settings)")
     # --format ctranslate2 refuses these rather than ignoring them (check_args).
     add_search_arguments(parser, [flag for flag in SEARCH_FLAGS if flag != "seed"], helps={
         "batch_size": "most sentences the SavedModel decodes together (a request of any size "
@@ -74,6 +77,8 @@ def check_args(parser, args):
                      "the sample signature")
     args.sampling = (search_settings(parser, **{**searching, "beam_size": 1, **sampling})
                      if sampling else None)
+    if args.format == "keras":  # one set of settings: the file's, sampling or not
+        args.settings, args.sampling = search_settings(parser, **given), None
     check_checkpoint_arguments(parser, args)
 
 
@@ -87,6 +92,9 @@ CLASHES = (
     (lambda args: args.mixed_precision and args.format == "ctranslate2",
      lambda args: f"--mixed_precision ({args.mixed_precision}) applies to --format saved_model "
                   "only: a CTranslate2 model computes in its --quantization weight type"),
+    (lambda args: args.mixed_precision and args.format == "keras",
+     lambda args: f"--mixed_precision ({args.mixed_precision}) applies to --format saved_model "
+                  "only: a .keras file computes in the precision it is loaded under"),
     (lambda args: args.quantization and args.format != "ctranslate2",
      lambda args: f"--quantization ({args.quantization}) applies to --format ctranslate2 "
                   "only: a SavedModel keeps the model's float32 weights"),
@@ -98,9 +106,13 @@ EXPORT_MARKERS = ((filenames.SAVED_MODEL_GRAPH, filenames.SAVED_MODEL_SETTINGS),
                   (filenames.CTRANSLATE2_MODEL, filenames.CTRANSLATE2_SETTINGS))
 
 
-def check_out(out, overwrite, logdir):
+def check_out(out, overwrite, logdir, export_format):
     """Refuses (SystemExit) an `out` that is a file, is or holds the logdir, or is a non-empty
-    directory other than an earlier export, or that without `overwrite`."""
+    directory other than an earlier export, or that without `overwrite`; for --format keras, an
+    `out` that does not end with .keras, is a directory, or exists without `overwrite`."""
+    if export_format == "keras":
+        check_keras_out(out, overwrite)
+        return
     if os.path.exists(out) and not os.path.isdir(out):
         raise SystemExit(f"error: --out {out} is a file, not a directory")
     out_path, logdir_path = os.path.realpath(out), os.path.realpath(logdir)
@@ -117,6 +129,27 @@ def check_out(out, overwrite, logdir):
     if not overwrite:
         raise SystemExit(f"error: --out {out} already exists and is not empty; pass --overwrite "
                          "to replace it (the old one stays until the new export is complete)")
+
+
+def check_keras_out(out, overwrite):
+    """Refuses (SystemExit) a --format keras `out` that cannot be written or replaced."""
+    if not out.endswith(".keras"):
+        raise SystemExit(f"error: --out {out}: --format keras writes one file named *.keras")
+    if os.path.isdir(out):
+        raise SystemExit(f"error: --out {out} is a directory, not a .keras file")
+    if os.path.exists(out) and not overwrite:
+        raise SystemExit(f"error: --out {out} already exists; pass --overwrite to replace it "
+                         "(the old one stays until the new file is complete)")
+
+
+def write_keras_file(args, hparams, model, subwords, target):
+    """Writes the `TranslationModel` of `model` (its weights), `subwords` and --out's search
+    settings to the `.keras` file `target`."""
+    from kyu_transformer.decoding.translation_model import TranslationModel
+
+    translator = TranslationModel(hparams, args.settings, subwords)
+    translator.transformer.set_weights(model.get_weights())
+    translator.save(target)
 
 
 def load(args):
@@ -210,12 +243,24 @@ def print_ctranslate2_usage(out, args, checkpoint):
           "directory)")
 
 
+def print_keras_usage(out, args, checkpoint):
+    """Says what was written (`checkpoint`: its description) and how to load and use it."""
+    settings = args.settings
+    print(f"wrote {out}: checkpoint {checkpoint}, its subword model and search settings (beam "
+          f"{settings.beam_size}, alpha {settings.alpha}), weights float32")
+    print("load it in Python (Keras with kyu_transformer installed; no logdir needed):")
+    print("  import keras, kyu_transformer")
+    print(f"  translator = keras.saving.load_model({out!r})")
+    print(f"  print(translator.translate([{EXAMPLE!r}]))")
+    print(f"or evaluate it: python eval.py --logdir {out} --split test_2016_flickr")
+
+
 @stops_cleanly_when_full
 def main(argv=None):
     """Runs export.py: checks the flags and --out, loads the model, writes the export beside --out
     and puts it in place whole, then says how to use it; returns the exit status."""
     args = parse_args(argv)
-    check_out(args.out, args.overwrite, args.logdir)
+    check_out(args.out, args.overwrite, args.logdir, args.format)
     hparams, subwords, model, checkpoints, precision = load(args)
     from kyu_transformer.export import ctranslate2
     from kyu_transformer.training.checkpoints import describe
@@ -226,7 +271,10 @@ def main(argv=None):
         raise SystemExit(f"error: cannot write beside --out {args.out} ({error})") from None
     target = os.path.join(staging, "new")
     try:
-        if args.format == "ctranslate2":
+        if args.format == "keras":
+            write_keras_file(args, hparams, model, subwords, target + ".keras")
+            os.replace(target + ".keras", args.out)
+        elif args.format == "ctranslate2":
             try:
                 ctranslate2.convert(model, hparams, subwords, target,
                                     quantization=args.quantization or "float32")
@@ -234,10 +282,13 @@ def main(argv=None):
                 raise SystemExit(f"error: --format ctranslate2: {error}") from None
         else:
             signatures = write_saved_model(args, model, subwords, checkpoints, precision, target)
-        replace_directory(target, args.out, staging)
+        if args.format != "keras":
+            replace_directory(target, args.out, staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    if args.format == "ctranslate2":
+    if args.format == "keras":
+        print_keras_usage(args.out, args, describe(checkpoints))
+    elif args.format == "ctranslate2":
         print_ctranslate2_usage(args.out, args, describe(checkpoints))
     else:
         print_saved_model_usage(args.out, signatures, args, describe(checkpoints), precision)

@@ -63,6 +63,7 @@ TENSORFLOW_ONLY_MODULES = {
     "test_import_tf1.py": "TensorFlow 1 checkpoints, made in a tf.compat.v1 graph",
     "test_multi_worker.py": "tf.distribute multi-worker training",
     "test_optimizer.py": "the fused TensorFlow Adam kernel, tf.function and tf.distribute",
+    "test_prefixes.py": "target prefixes in the searches, which run on TensorFlow",
     "test_training.py": "the tf.distribute training loop",
     "test_updates.py": "the training step under tf.distribute",
 }

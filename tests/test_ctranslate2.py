@@ -17,7 +17,8 @@ from kyu_transformer.conventions import QUANTIZATIONS  # noqa: E402
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: E402
 from kyu_transformer.data.subwords import Subwords  # noqa: E402
 from kyu_transformer.data.text import load_split  # noqa: E402
-from kyu_transformer.decoding.search import output_limit, sequence_log_probs  # noqa: E402
+from kyu_transformer.decoding.scoring import sequence_log_probs  # noqa: E402
+from kyu_transformer.decoding.search import output_limit  # noqa: E402
 from kyu_transformer.decoding.translator import Translator  # noqa: E402
 from kyu_transformer.export.ctranslate2 import (  # noqa: E402
     CTranslate2Translator, ExportError, convert, device_options)

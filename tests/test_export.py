@@ -14,7 +14,7 @@ from kyu_transformer import filenames
 from kyu_transformer.conventions import EOS_ID, PAD_ID
 from kyu_transformer.data.text import load_split
 from kyu_transformer.decoding import search
-from kyu_transformer.decoding.search import length_penalty, sequence_log_probs
+from kyu_transformer.decoding.scoring import length_penalty, sequence_log_probs
 from kyu_transformer.decoding.translator import Translator
 from kyu_transformer.export import saved_model
 from kyu_transformer.precision import set_precision

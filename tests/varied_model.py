@@ -142,7 +142,7 @@ def clear_greedy_choices(model, source_ids, greedy, margin):
     import numpy as np
 
     from kyu_transformer.conventions import BOS_ID, EOS_ID
-    from kyu_transformer.decoding.translator import padded
+    from kyu_transformer.decoding.scoring import padded_ids as padded
 
     decoded = [i for i, ids in enumerate(source_ids) if ids]
     clear = []

@@ -27,6 +27,19 @@ class Subwords:
         self.path = model_path
         self.processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
 
+    @classmethod
+    def from_serialized(cls, model):
+        """Returns the subword model of the bytes `model` (`serialized`), kept in memory: its
+        `path` is None."""
+        subwords = cls.__new__(cls)
+        subwords.path = None
+        subwords.processor = sentencepiece.SentencePieceProcessor(model_proto=model)
+        return subwords
+
+    def serialized(self):
+        """Returns the model as bytes, as its file holds it."""
+        return self.processor.serialized_model_proto()
+
     @property
     def vocab_size(self):
         """Returns the number of pieces (ids) of the model."""

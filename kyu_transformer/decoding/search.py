@@ -2,7 +2,9 @@
 
 One `keras.ops.while_loop`, `search`, serves every strategy (`GreedySearch`, `BeamSearch`,
 `SamplingSearch`): the encoder runs once per batch, the decoder one cached position a step
-(`Transformer.decode_step`) until every sentence is done, each at its own limit.
+(`Transformer.decode_step`) until every sentence is done, each at its own limit. A target prefix
+forces each sentence's first tokens in every strategy (`forced_tokens`): they are scored by the
+model as forced decoding scores them, and the search goes on from them.
 """
 
 import collections
@@ -12,17 +14,13 @@ import tensorflow as tf
 from keras import ops
 
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID
+from kyu_transformer.decoding.scoring import length_penalty
 from kyu_transformer.decoding.settings import SearchSettings, checked_max_length
 
 _NEG_INF = -1.0e9  # score of impossible hypotheses (finite: no NaN in sums)
 # The score of a missing hypothesis where a fixed number is given (the SavedModel's `n_best`
 # columns).
 NO_HYPOTHESIS_SCORE = _NEG_INF
-
-
-def length_penalty(length, alpha):
-    """Returns GNMT's length penalty ``((5 + length) / 6) ** alpha`` (1 when alpha is 0)."""
-    return ops.power((5.0 + ops.cast(length, "float32")) / 6.0, alpha)
 
 
 def output_limit(source_length, maxlen1, max_length, length_margin):
@@ -125,13 +123,21 @@ def _top_k_rows(values, count):
     return best, indices, ops.max(block_maxima, axis=-1, keepdims=True)
 
 
-def _top_extensions(logits, alive_scores, count):
+def _top_extensions(logits, alive_scores, count, forced=None):
     """Returns ``(scores, beams, tokens)`` `(N, count)`: the best one-token extensions of
     `logits` `(N, K, V)` and `alive_scores` `(N, K)`, best first (no `(N, K, V)` log-softmax
-    made)."""
+    made). Where `forced` `(N,)` holds a token (not `PAD_ID`), a sentence's hypotheses extend by
+    it alone, scored by its log-probability; the other extensions are impossible."""
     batch, hypotheses, vocab = ops.shape(logits)[0], logits.shape[1], logits.shape[2]
     rows = ops.reshape(ops.cast(logits, "float32"), (-1, vocab))  # (N*K, V)
-    best_logits, best_tokens, maxima = _top_k_rows(rows, count)  # (N*K, count), .., (N*K, 1)
+    if forced is not None:
+        row_forced = ops.repeat(forced, hypotheses)[:, None]  # (N*K, 1)
+        maxima = ops.max(rows, axis=-1, keepdims=True)  # the normalizer's: of every token
+        barred = ops.logical_and(ops.not_equal(row_forced, PAD_ID),
+                                 ops.not_equal(ops.arange(vocab)[None, :], row_forced))
+        best_logits, best_tokens, _ = _top_k_rows(ops.where(barred, _NEG_INF, rows), count)
+    else:
+        best_logits, best_tokens, maxima = _top_k_rows(rows, count)  # (N*K, count), .., (N*K, 1)
     # logsumexp, reusing the row maxima the top-k has already found (one pass fewer).
     normalizer = maxima + ops.log(ops.sum(ops.exp(rows - maxima), axis=-1, keepdims=True))
     candidates = ops.reshape(best_logits - normalizer, (batch, hypotheses * count))
@@ -151,12 +157,22 @@ cross-attention averaged over heads (greedy search only, else None).
 """
 
 
-def search(model, source, max_length, strategy):
+def forced_tokens(prefix, step):
+    """Returns the token each sentence must take at `step` `(N,)`, `PAD_ID` where it is free:
+    `prefix` `(N, P)` holds each sentence's first tokens, padded with `PAD_ID` (P at least 1)."""
+    width = ops.shape(prefix)[1]
+    token = ops.take(prefix, ops.minimum(step, width - 1), axis=1)  # (N,)
+    return ops.where(step < width, token, PAD_ID)
+
+
+def search(model, source, max_length, strategy, prefix=None):
     """Returns the `Hypotheses` `strategy` finds with `model` (a `Transformer`) for `source`
     `(N, S)` (with EOS, 0-padded).
 
     `max_length`: most output tokens, EOS included, a Python int or an int tensor `(N,)` of
-    each sentence's own; `strategy`: a `GreedySearch`, `BeamSearch` or `SamplingSearch`.
+    each sentence's own; `strategy`: a `GreedySearch`, `BeamSearch` or `SamplingSearch`;
+    `prefix`: None, or each sentence's forced first tokens `(N, P)` int32, padded with `PAD_ID`
+    (``P >= 1``; a row of padding forces nothing), at most its limit.
     """
     memory, source_mask = model.encode(source, training=False)
     batch = ops.shape(source)[0]
@@ -167,6 +183,8 @@ def search(model, source, max_length, strategy):
     table = cache.pop("target_table")  # the same for every sentence
     state = {**strategy.start(batch, bound, width, ops.shape(source)[1]),
              "limits": limits, "cache": cache, "done": ops.zeros((batch,), "bool")}
+    if prefix is not None:  # in the state: it leaves with its sentence (`_retire`)
+        state["prefix"] = ops.cast(prefix, "int32")
     results = strategy.no_results(batch, width)
 
     def unfinished(step, *_):
@@ -177,7 +195,9 @@ def search(model, source, max_length, strategy):
         logits, cache, coverage = model.decode_step(
             tokens, step, {**state["cache"], "target_table": table}, self_mask)
         cache.pop("target_table")
-        state = strategy.advance(step, logits, coverage, self_mask, {**state, "cache": cache})
+        forced = forced_tokens(state["prefix"], step) if prefix is not None else None
+        state = strategy.advance(step, logits, coverage, self_mask, {**state, "cache": cache},
+                                 forced)
         all_done = ops.all(state["done"])
         state, results = strategy.leave(state, results, all_done)
         # Once all are done, jump to the end (the loop condition is on `step`).
@@ -189,7 +209,8 @@ def search(model, source, max_length, strategy):
 
 class _Strategy:
     """Defines what `search` asks of a strategy: `start` gives the state, `inputs` a step's
-    tokens and self-attention mask, `advance` the next state, `hypotheses` the result. `leave` may
+    tokens and self-attention mask, `advance` the next state (taking the `forced_tokens` of the
+    step where a prefix is given, else None), `hypotheses` the result. `leave` may
     retire done sentences to `results` (`no_results` at the start); by default the state holds
     them all to the end."""
 
@@ -225,16 +246,21 @@ class GreedySearch(_Strategy):
     def inputs(self, state):
         return state["last"], None  # one query per sentence: it sees every cache slot
 
-    def advance(self, step, logits, coverage, self_mask, state):
+    def advance(self, step, logits, coverage, self_mask, state, forced=None):
         done = state["done"]
         chosen = ops.cast(ops.argmax(logits, axis=-1), "int32")  # (N,)
+        if forced is not None:
+            chosen = ops.where(ops.equal(forced, PAD_ID), chosen, forced)
         chosen = ops.where(done, PAD_ID, chosen)  # finished sentences stay padded
         log_probs = state["log_probs"]
         if self.scores:
-            # log p(chosen) = logit - logsumexp, whose maximum is the chosen logit itself.
+            # log p(chosen) = logit - logsumexp; the logit of the argmax is the maximum itself.
             logits = ops.cast(logits, "float32")
             best = ops.max(logits, axis=-1, keepdims=True)  # (N, 1)
             log_prob = -ops.log(ops.sum(ops.exp(logits - best), axis=-1))  # (N,)
+            if forced is not None:
+                picked = ops.take_along_axis(logits, chosen[:, None], axis=-1)[:, 0]
+                log_prob = log_prob + (picked - best[:, 0])
             # Padding (finished sentences, or a PAD picked) is no token: as forced decoding.
             log_probs = log_probs + ops.where(ops.equal(chosen, PAD_ID), 0.0, log_prob)
         limit_reached = _at_limit(step, state)
@@ -282,9 +308,12 @@ class BeamSearch(_Strategy):
         return (ops.zeros((batch, self.n_best, width), "int32"),
                 ops.full((batch, self.n_best), _NEG_INF))
 
-    def advance(self, step, logits, coverage, self_mask, state):
+    def advance(self, step, logits, coverage, self_mask, state, forced=None):
         k, alpha = self.k, self.alpha
-        top_scores, top_beams, top_tokens = _top_extensions(logits, state["alive_scores"], 2 * k)
+        top_scores, top_beams, top_tokens = _top_extensions(logits, state["alive_scores"], 2 * k,
+                                                            forced)
+        if forced is not None:  # impossible stays impossible, not a sum of impossibles
+            top_scores = ops.where(top_scores < _NEG_INF / 2, _NEG_INF, top_scores)
         top_ids = ops.slice_update(_gather_beams(state["alive_ids"], top_beams), (0, 0, step),
                                    top_tokens[:, :, None])  # (N, 2K, L)
         ends = ops.equal(top_tokens, EOS_ID)
@@ -297,6 +326,9 @@ class BeamSearch(_Strategy):
         ending = ops.logical_or(ends, at_limit[:, None])
         ended_scores = ops.where(ending, top_scores / length_penalty(step + 1, alpha), _NEG_INF)
         ended_scores = ops.where(done[:, None], _NEG_INF, ended_scores)
+        if forced is not None:  # an impossible extension does not finish (penalized, it would
+            # look possible)
+            ended_scores = ops.where(top_scores > _NEG_INF / 2, ended_scores, _NEG_INF)
         pool_scores = ops.concatenate([state["finished_scores"], ended_scores], axis=1)  # (N, 3K)
         pool_ids = ops.concatenate([state["finished_ids"], top_ids], axis=1)
         finished_scores, finished_pick = ops.top_k(pool_scores, k)
@@ -344,10 +376,12 @@ class SamplingSearch(_Strategy):
                 "log_probs": ops.zeros((batch, n), "float32"),
                 "finished": ops.zeros((batch, n), "bool")}
 
-    def advance(self, step, logits, coverage, self_mask, state):
+    def advance(self, step, logits, coverage, self_mask, state, forced=None):
         logits = ops.cast(logits, "float32")  # (N, n, V)
         uniforms = _uniforms(self.seed, self.sentences, self.n, step)  # (N, n)
         chosen = _draw(logits, self.temperature, self.topk, self.topp, uniforms)
+        if forced is not None:  # drawn all the same: later draws do not depend on a prefix
+            chosen = ops.where(ops.equal(forced, PAD_ID)[:, None], chosen, forced[:, None])
         finished = state["finished"]
         chosen = ops.where(finished, PAD_ID, chosen)  # finished hypotheses stay padded
         best = ops.max(logits, axis=-1, keepdims=True)
@@ -462,15 +496,3 @@ def _write_results(results, state, n_best):
     sentences = state["rows"][:, None]
     return (ops.scatter_update(results[0], sentences, state["finished_ids"][:, :n_best]),
             ops.scatter_update(results[1], sentences, state["finished_scores"][:, :n_best]))
-
-
-def sequence_log_probs(model, source, outputs):
-    """Returns the model's log-probability `(N,)` of each output of `outputs` `(N, L)` (EOS
-    included, padding not), by forced decoding of `source`."""
-    target_in = ops.concatenate(
-        [ops.full((ops.shape(outputs)[0], 1), BOS_ID, "int32"), outputs[:, :-1]], axis=1)
-    target_in = ops.where(ops.equal(outputs, PAD_ID), PAD_ID, target_in)
-    logits = model({"source": source, "target_in": target_in}, training=False)
-    log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)
-    picked = ops.take_along_axis(log_probs, ops.cast(outputs, "int32")[..., None], axis=-1)[..., 0]
-    return ops.sum(ops.where(ops.equal(outputs, PAD_ID), 0.0, picked), axis=1)

@@ -13,9 +13,9 @@ import functools
 import numpy as np
 import tensorflow as tf
 
-from kyu_transformer.conventions import EOS_ID, PAD_ID, cut_at_end
-from kyu_transformer.decoding.search import (
-    NO_HYPOTHESIS_SCORE, length_penalty, output_limit, search, sequence_log_probs, strategy_for)
+from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, cut_at_end
+from kyu_transformer.decoding.scoring import padded_ids, score_outputs, sequence_log_probs
+from kyu_transformer.decoding.search import NO_HYPOTHESIS_SCORE, output_limit, search, strategy_for
 from kyu_transformer.decoding.settings import SearchSettings, checked_max_length
 
 
@@ -26,11 +26,30 @@ def encoder_inputs(ids, maxlen1):
     return tf.concat([ids, eos], axis=1)[:, :maxlen1]
 
 
-def decoding_order(lengths):
-    """Returns the indices of the sentences to decode `(M,)`: the non-empty ones, shortest
-    source first (a stable sort)."""
-    nonempty = tf.cast(tf.where(lengths > 0)[:, 0], tf.int32)
-    return tf.gather(nonempty, tf.argsort(tf.gather(lengths, nonempty), stable=True))
+def decoding_order(lengths, prefix_lengths=None):
+    """Returns the indices of the sentences to decode `(M,)`: those with a source or a prefix,
+    shortest source first (a stable sort)."""
+    decoded = lengths > 0
+    if prefix_lengths is not None:
+        decoded = tf.logical_or(decoded, prefix_lengths > 0)
+    chosen = tf.cast(tf.where(decoded)[:, 0], tf.int32)
+    return tf.gather(chosen, tf.argsort(tf.gather(lengths, chosen), stable=True))
+
+
+def check_prefix_ids(prefix_ids, count):
+    """Returns `prefix_ids` (None, or one list of ids per source) once checked: `count` of
+    them, holding no padding, BOS or EOS (a prefix is what the output starts with)."""
+    if prefix_ids is None:
+        return None
+    prefix_ids = [list(ids) for ids in prefix_ids]
+    if len(prefix_ids) != count:
+        raise ValueError(f"{count} sources but {len(prefix_ids)} prefixes: give one per source "
+                         "(empty for none)")
+    for index, ids in enumerate(prefix_ids):
+        if any(i in (PAD_ID, BOS_ID, EOS_ID) for i in ids):
+            raise ValueError(f"prefix {index}: holds padding, BOS or EOS ({ids}); a prefix is "
+                             "the output's first subwords")
+    return prefix_ids
 
 
 def ragged(sequences):
@@ -40,26 +59,26 @@ def ragged(sequences):
     return tf.RaggedTensor.from_row_lengths(flat, np.asarray(lengths, "int64"))
 
 
-def padded(sequences):
-    """Returns lists of ids as an int32 array `(N, L)` padded with `PAD_ID`."""
-    return ragged(sequences).to_tensor(default_value=PAD_ID).numpy()
-
-
-class Translations(collections.namedtuple("Translations", "hypotheses scores ended coverages "
-                                          "token_log_probs truncated_sources truncated_outputs")):
+class Translations(collections.namedtuple(
+        "Translations", "hypotheses scores ended coverages token_log_probs truncated_sources "
+        "truncated_outputs truncated_prefixes")):
     """Holds what `Engine.translate_ids` gives, per source in order.
 
-    `hypotheses`: output ids (EOS, padding removed), best first (an empty source: one empty,
-    scored 0, undecoded); `ended`: whether each ended with EOS (else it was cut at its limit);
-    `truncated_sources`, `truncated_outputs`: how many sources were cut to ``maxlen1``, and
-    best outputs at their limit. The other fields are None unless asked for (and for an empty
-    source).
+    `hypotheses`: output ids (EOS, padding removed), best first (an empty source without a
+    prefix: one empty, scored 0, undecoded); `ended`: whether each ended with EOS (else it was
+    cut at its limit); `truncated_sources`, `truncated_outputs`, `truncated_prefixes`: how many
+    sources were cut to ``maxlen1``, best outputs at their limit, and prefixes cut to their
+    sentence's limit. The other fields are None unless asked for (and for an empty source).
     """
 
     @property
     def outputs(self):
         """Returns each sentence's best output."""
         return [hypotheses[0] for hypotheses in self.hypotheses]
+
+
+# What one `Engine.translate_ids` call asks of each batch's `_decode`.
+Request = collections.namedtuple("Request", "n_best scored with_coverage with_log_probs seed")
 
 
 class Engine:
@@ -87,16 +106,18 @@ class Engine:
         return [order[first:first + size] for first in range(0, len(order), size)]
 
     def translate_ids(self, source_ids, n_best=None, with_coverage=False, with_log_probs=False,
-                      seed=None):
+                      seed=None, prefix_ids=None):
         """Translates lists of subword ids without EOS into `Translations` (batching changes no
         output).
 
         `n_best` hypotheses are scored (default the settings' `n_best`, unscored); `with_coverage`
         adds cross-attentions `(L, S)`, `with_log_probs` per-token log-probabilities; `seed`
-        (sampling's) defaults to the settings'.
+        (sampling's) defaults to the settings'; `prefix_ids`: None, or each source's prefix (ids
+        every output of it starts with, cut to the sentence's output limit; empty for none).
         """
         n = n_best or self.settings.n_best
         self._check_request(n, with_coverage, with_log_probs, seed)
+        prefix_ids = check_prefix_ids(prefix_ids, len(source_ids))
         found = {"hypotheses": [[[]] for _ in source_ids], "scores": [[0.0] for _ in source_ids],
                  "ended": [[True] for _ in source_ids], "coverages": [None] * len(source_ids),
                  "token_log_probs": [[] if with_log_probs else None for _ in source_ids]}
@@ -104,17 +125,26 @@ class Engine:
         lengths = ids.row_lengths().numpy()
         inputs = encoder_inputs(ids, self.maxlen1)
         limits = self.output_limits(lengths).astype("int32")
-        order = decoding_order(tf.constant(lengths)).numpy()
-        seed = self.settings.seed if seed is None else int(seed)
+        cut_prefixes = 0
+        if prefix_ids is not None:
+            cut_prefixes = sum(len(p) > limit for p, limit in zip(prefix_ids, limits))
+            prefix_ids = [p[:limit] for p, limit in zip(prefix_ids, limits.tolist())]
+        prefix_lengths = None
+        if prefix_ids is not None:
+            prefix_lengths = tf.constant([len(p) for p in prefix_ids], tf.int64)
+        order = decoding_order(tf.constant(lengths), prefix_lengths).numpy()
+        request = Request(n, n_best is not None, with_coverage, with_log_probs,
+                          self.settings.seed if seed is None else int(seed))
         for rows in self._batches(order):
-            batch = self._decode(tf.gather(inputs, rows), limits[rows], rows, n,
-                                 n_best is not None, with_coverage, with_log_probs, seed)
+            prefixes = None if prefix_ids is None else [prefix_ids[i] for i in rows]
+            batch = self._decode(tf.gather(inputs, rows), limits[rows], rows, prefixes, request)
             self._keep(found, rows, batch)
         return Translations(
             found["hypotheses"], found["scores"] if n_best else None, found["ended"],
             found["coverages"] if with_coverage else None,
             found["token_log_probs"] if with_log_probs else None,
-            self._cut_sources(lengths), sum(not found["ended"][i][0] for i in order))
+            self._cut_sources(lengths), sum(not found["ended"][i][0] for i in order),
+            cut_prefixes)
 
     def _cut_sources(self, lengths):
         """Counts the sources of these lengths (without EOS) that `encoder_inputs` cuts."""
@@ -152,16 +182,22 @@ class Engine:
                                  f"{', sampling' if settings.sampling else ''} and n_best="
                                  f"{n_best}: it is recorded for the greedy output only")
 
-    def translate(self, sentences, subwords):
-        """Returns the detokenized best translations of raw `sentences` (empty in, empty
-        out)."""
-        translations = self.translate_ids(subwords.encode(sentences))
-        return [subwords.decode(ids) for ids in translations.outputs]
+    def translate_texts(self, sentences, subwords, prefixes=None, n_best=None, seed=None):
+        """Translates raw `sentences` (empty in, empty out) with `subwords`; returns
+        ``(texts, scores)``: each sentence's hypotheses' texts, best first, and their scores (None
+        unless `n_best` is given). `prefixes`: None, or one raw text per sentence that its
+        outputs start with (empty for none); `n_best`, `seed`: as `translate_ids` takes them."""
+        prefix_ids = None
+        if prefixes is not None:
+            prefix_ids = subwords.encode([prefix or "" for prefix in prefixes])
+        found = self.translate_ids(subwords.encode(sentences), n_best=n_best, seed=seed,
+                                   prefix_ids=prefix_ids)
+        texts = [[subwords.decode(ids) for ids in hypotheses] for hypotheses in found.hypotheses]
+        return texts, found.scores
 
-
-class ScoredOutput(collections.namedtuple("ScoredOutput", "log_prob tokens score truncated")):
-    """Holds an output's log-probability, length (EOS included), score, and whether it was cut
-    to the Translator's `max_length` (then without EOS)."""
+    def replaced(self, **fields):
+        """Returns this engine with its settings' `fields` replaced."""
+        raise NotImplementedError
 
 
 class Translator(Engine):
@@ -172,7 +208,7 @@ class Translator(Engine):
 
     def __init__(self, model, settings=None, jit_compile=False, **fields):
         super().__init__(model.maxlen1, model.maxlen2, settings, **fields)
-        self.model = model
+        self.model, self.jit_compile = model, jit_compile
         # One trace serves every batch (shapes and limits are dynamic). No AutoGraph: the
         # control flow is already `ops.while_loop` / `ops.cond`, so it has nothing to convert.
         self._compiled = functools.partial(tf.function, jit_compile=jit_compile, autograph=False)
@@ -181,48 +217,42 @@ class Translator(Engine):
             lambda source, outputs: sequence_log_probs(self.model, source, outputs),
             input_signature=[tf.TensorSpec((None, None), tf.int32)] * 2)
 
-    def search_function(self, n_best, scores=True):
-        """Returns the compiled search (one per `n_best`; the SavedModel calls it too):
-        ``(source (N, S), limits (N,), sentences (N,), seed) -> Hypotheses``."""
-        # Only greedy search can leave scores out.
-        key = (n_best, scores or self.settings.beam_size > 1 or self.settings.sampling)
-        if key not in self._searches:
-            def run(source, limits, sentences, seed):
-                strategy = strategy_for(self.settings, n_best, key[1], seed, sentences)
-                return search(self.model, source, limits, strategy)
+    def replaced(self, **fields):
+        return Translator(self.model, self.settings.replace(**fields), self.jit_compile)
 
-            self._searches[key] = self._compiled(run, input_signature=[
-                tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((None,), tf.int32),
-                tf.TensorSpec((None,), tf.int32), tf.TensorSpec((), tf.int64)])
+    def search_function(self, n_best, scores=True, prefixed=False):
+        """Returns the compiled search (one per `n_best` and `prefixed`; the SavedModel calls it
+        too): ``(source (N, S), limits (N,), sentences (N,), seed) -> Hypotheses``, and a last
+        argument ``prefix (N, P)`` (`search`'s) if `prefixed`."""
+        # Only greedy search can leave scores out.
+        key = (n_best, scores or self.settings.beam_size > 1 or self.settings.sampling, prefixed)
+        if key not in self._searches:
+            def run(source, limits, sentences, seed, prefix=None):
+                strategy = strategy_for(self.settings, n_best, key[1], seed, sentences)
+                return search(self.model, source, limits, strategy, prefix)
+
+            signature = [tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((None,), tf.int32),
+                         tf.TensorSpec((None,), tf.int32), tf.TensorSpec((), tf.int64)]
+            if prefixed:
+                signature.append(tf.TensorSpec((None, None), tf.int32))
+            self._searches[key] = self._compiled(run, input_signature=signature)
         return self._searches[key]
 
-    def _decode(self, inputs, limits, sentences, n_best, scored, with_coverage, with_log_probs,
-                seed):
-        found = self.search_function(n_best, scored)(
-            inputs.to_tensor(), tf.constant(limits), tf.constant(sentences, tf.int32),
-            tf.constant(seed, tf.int64))
+    def _decode(self, inputs, limits, sentences, prefixes, request):
+        arguments = [inputs.to_tensor(), tf.constant(limits), tf.constant(sentences, tf.int32),
+                     tf.constant(request.seed, tf.int64)]
+        if prefixes is not None:
+            arguments.append(tf.constant(padded_ids(prefixes)))
+        found = self.search_function(request.n_best, request.scored,
+                                     prefixes is not None)(*arguments)
+        n_best = request.n_best
         return {"ids": found.ids.numpy()[:, :n_best],
                 "scores": found.scores.numpy()[:, :n_best] if found.scores is not None else None,
-                "coverages": found.coverage.numpy() if with_coverage else None}
+                "coverages": found.coverage.numpy() if request.with_coverage else None}
 
     def score_ids(self, source_ids, target_ids):
-        """Scores the given outputs by forced decoding; returns ``(scored, truncated_sources)``:
-        a `ScoredOutput` of each output, and how many sources were cut. A target gets EOS and is
-        cut to `max_length` (then without EOS), as beam search scores a hypothesis cut at its
-        limit."""
-        if len(source_ids) != len(target_ids):
-            raise ValueError(f"{len(source_ids)} sources but {len(target_ids)} targets")
-        targets = [(list(ids) + [EOS_ID])[:self.max_length] for ids in target_ids]
-        sources = encoder_inputs(ragged(source_ids), self.maxlen1)
-        # Sorted by length, so a batch pads little.
-        log_probs = np.zeros(len(targets))
-        order = sorted(range(len(targets)), key=lambda i: len(targets[i]))
-        for rows in self._batches(order):
-            source = tf.gather(sources, rows).to_tensor()
-            log_probs[rows] = self._log_probs(source, padded([targets[i] for i in rows])).numpy()
-        lengths = np.array([len(ids) for ids in targets])
-        scores = log_probs / np.asarray(length_penalty(lengths, self.settings.alpha), "float64")
-        cut = [len(ids) + 1 > self.max_length for ids in target_ids]
-        return ([ScoredOutput(*values) for values in
-                 zip(log_probs.tolist(), lengths.tolist(), scores.tolist(), cut)],
-                self._cut_sources([len(ids) for ids in source_ids]))
+        """Scores the given outputs by forced decoding (`scoring.score_outputs`, with this
+        translator's limits and alpha); returns ``(scored, truncated_sources)``."""
+        return score_outputs(self._log_probs, source_ids, target_ids,
+                             (self.maxlen1, self.max_length, self.settings.alpha),
+                             self.settings.batch_size)

@@ -17,7 +17,7 @@ from kyu_transformer import filenames
 from kyu_transformer.safety.writes import staging_beside, write_text
 from kyu_transformer.decoding.search import NO_HYPOTHESIS_SCORE
 # Named apart: `length_penalty` is also CTranslate2's own option in this module.
-from kyu_transformer.decoding.search import length_penalty as gnmt_penalty
+from kyu_transformer.decoding.scoring import length_penalty as gnmt_penalty
 from kyu_transformer.layers import sinusoid_table
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, QUANTIZATIONS, UNK_ID
 from kyu_transformer.decoding.translator import Engine
@@ -307,6 +307,13 @@ class CTranslate2Translator(Engine):
             self._pieces = json.load(handle)  # in id order
         self._ids_of = {piece: i for i, piece in enumerate(self._pieces)}
 
+    def replaced(self, **fields):
+        """Returns this engine with its settings' `fields` replaced, sharing the loaded model."""
+        engine = CTranslate2Translator(self.model_dir, self.settings.replace(**fields),
+                                       self.translator_options)
+        engine.translator = self.translator
+        return engine
+
     def load(self):
         """Returns the ``ctranslate2.Translator`` of the model, loaded at the first call."""
         if self.translator is None:
@@ -315,7 +322,7 @@ class CTranslate2Translator(Engine):
         return self.translator
 
     def translate_ids(self, source_ids, n_best=None, with_coverage=False, with_log_probs=False,
-                      seed=None):
+                      seed=None, prefix_ids=None):
         """Translates as `Engine.translate_ids` does; sources may also be lists of pieces
         (strings: those outside the vocabulary read as ``<unk>``, as CTranslate2 reads them)."""
         source_ids = [[self._ids_of.get(i, UNK_ID) if isinstance(i, str) else i for i in ids]
@@ -324,15 +331,23 @@ class CTranslate2Translator(Engine):
             checked = self.settings.replace(seed=self.settings.seed if seed is None else seed)
             self._ctranslate2.set_random_seed(checked.seed)
             self.translator = None
-        return super().translate_ids(source_ids, n_best, with_coverage, with_log_probs, seed)
+        return super().translate_ids(source_ids, n_best, with_coverage, with_log_probs, seed,
+                                     prefix_ids)
 
-    def _decode(self, inputs, limits, sentences, n_best, scored, with_coverage, with_log_probs,
-                seed):
+    def _decode(self, inputs, limits, sentences, prefixes, request):
         """Decodes one batch into ids `(n, K, L)` and scores `(n, K)` (samples sorted by score;
         a hypothesis CTranslate2 did not give is scored as impossible), and the first
-        hypotheses' log-probabilities."""
+        hypotheses' log-probabilities; `prefixes` go to CTranslate2's `target_prefix`."""
         settings = self.settings
+        n_best, with_log_probs = request.n_best, request.with_log_probs
         sources = [[self._pieces[i] for i in row] for row in inputs.to_list()]
+        prefix_log_probs = np.zeros(len(sources))
+        if prefixes is not None:
+            if with_log_probs:
+                raise ValueError("`with_log_probs` with prefixes is not given by "
+                                 f"{type(self).__name__}")
+            prefixes = [[self._pieces[i] for i in row] for row in prefixes]
+            prefix_log_probs = self._prefix_log_probs(sources, prefixes)
         penalty = settings.alpha if settings.beam_size > 1 else 0.0
         # No minimum length (else no output ends before one token), no cut (the front end's);
         # `return_logits_vocab` gives the log-probabilities (greedy only: beams fill it unreliably).
@@ -348,9 +363,12 @@ class CTranslate2Translator(Engine):
         for limit in sorted(set(limits.tolist())):
             group = [row for row, own in enumerate(limits) if own == limit]
             outputs = self.load().translate_batch(
-                [sources[row] for row in group], max_decoding_length=int(limit), **options)
+                [sources[row] for row in group], max_decoding_length=int(limit),
+                target_prefix=None if prefixes is None else [prefixes[row] for row in group],
+                **options)
             for row, output in zip(group, outputs):
-                hypotheses = [self._hypothesis(output, k, penalty, with_log_probs)
+                hypotheses = [self._hypothesis(output, k, penalty, with_log_probs,
+                                               prefix_log_probs[row])
                               for k in range(min(n_best, len(output.hypotheses)))]
                 if not hypotheses:  # none given: an empty output that ended, no score
                     ids[row, 0, 0] = EOS_ID
@@ -362,13 +380,26 @@ class CTranslate2Translator(Engine):
                     ids[row, k, :len(hypothesis)], scores[row, k] = hypothesis, score
         return {"ids": ids, "scores": scores, "token_log_probs": log_probs}
 
-    def _hypothesis(self, output, k, penalty, with_log_probs):
+    def _prefix_log_probs(self, sources, prefixes):
+        """Returns the log-probability `(n,)` of each prefix of piece lists `prefixes` (0 for
+        none) given its source, by CTranslate2's forced decoding (``score_batch``)."""
+        rows = [row for row, prefix in enumerate(prefixes) if prefix]
+        found = np.zeros(len(prefixes))
+        if rows:
+            scored = self.load().score_batch([sources[row] for row in rows],
+                                             [prefixes[row] for row in rows], max_input_length=0)
+            for row, result in zip(rows, scored):  # the last log-probability is EOS's
+                found[row] = sum(result.log_probs[:len(prefixes[row])])
+        return found
+
+    def _hypothesis(self, output, k, penalty, with_log_probs, prefix_log_prob=0.0):
         """Returns hypothesis `k` of `output` as ``(ids with EOS if it ended, our score,
         per-token log-probabilities or None)``; `penalty` is the exponent of CTranslate2's
-        length penalty."""
+        length penalty, `prefix_log_prob` that of the hypothesis' prefix."""
         ids = [self._ids_of.get(piece, UNK_ID) for piece in output.hypotheses[k]]
-        # CTranslate2's score is the log-probability divided by its own penalty.
-        log_prob = output.scores[k] * max(len(ids), 1) ** penalty
+        # CTranslate2's score is the log-probability of the tokens after the prefix, divided by
+        # its own penalty of the whole hypothesis' length.
+        log_prob = output.scores[k] * max(len(ids), 1) ** penalty + prefix_log_prob
         token_log_probs = None
         if with_log_probs:
             token_log_probs = [float(_log_softmax(np.asarray(logits))[token])

@@ -1,22 +1,28 @@
 """Saves a trained `Transformer` as a TensorFlow SavedModel: raw text in, n-best translations
 out.
 
-Its signatures (``serving_default``, ``ids``, ``sample``: docs/export.md) decode exactly as
+Its signatures (``serving_default``, ``ids``, ``sample``, ``prefixed``: docs/export.md) decode
+exactly as
 `decoding.translator.Translator`: its front end in the graph, around the search function a
 `Translator` of the same settings compiles. Columns without a hypothesis (where `Translator`
 leaves them out) hold an empty one scored `decoding.search.NO_HYPOTHESIS_SCORE`.
 """
 
+import json
+import os
+
 import tensorflow as tf
 
+from kyu_transformer import filenames
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID
 from kyu_transformer.decoding.search import NO_HYPOTHESIS_SCORE
-from kyu_transformer.decoding.settings import SEED_LIMIT
+from kyu_transformer.decoding.settings import SEED_LIMIT, SearchSettings
 from kyu_transformer.decoding.translator import Translator, decoding_order, encoder_inputs
 
 TEXT_SIGNATURE = "serving_default"
 IDS_SIGNATURE = "ids"
 SAMPLE_SIGNATURE = "sample"
+PREFIX_SIGNATURE = "prefixed"
 SERVE_EXTRA = 'pip install -e ".[serve]"'
 
 # What `data.text.normalize_line` (`str.split`) folds: all `str.isspace` characters; RE2's `\s`
@@ -49,16 +55,23 @@ class _Decoder(Translator):
         super().__init__(model, settings)
         # One function for every signature of these settings: the SavedModel holds it once.
         self.search = self.search_function(settings.n_best, scores=True)
+        self.prefixed_search = self.search_function(settings.n_best, scores=True, prefixed=True)
 
-    def decode(self, ids, seed=None):
+    def decode(self, ids, seed=None, prefix=None):
         """Decodes ragged source ids `(N, None)` int32 (without EOS) into ``(hypotheses,
         scores)``: ragged ids `(N * K, None)` (row ``n * K + k`` sentence n's k-th best, EOS and
-        padding removed) and scores `(N, K)` float32."""
+        padding removed) and scores `(N, K)` float32; `prefix`: None, or ragged ids `(N, None)`
+        each output starts with (cut to its sentence's limit)."""
         count, k = ids.nrows(out_type=tf.int32), self.settings.n_best
         lengths = tf.cast(ids.row_lengths(), tf.int32)
         sources = encoder_inputs(ids, self.maxlen1)
         limits = self.output_limits(lengths)
-        order = decoding_order(lengths)
+        if prefix is not None:
+            prefix = _cut_to_limits(prefix, limits)  # (N, P), P at least 1
+            order = decoding_order(lengths, tf.reduce_sum(
+                tf.cast(tf.not_equal(prefix, PAD_ID), tf.int32), axis=1))
+        else:
+            order = decoding_order(lengths)
         width = tf.maximum(tf.reduce_max(tf.gather(limits, order)), 0)  # 0 if none is decoded
         batch = self.settings.batch_size
         seed = tf.constant(0, tf.int64) if seed is None else seed
@@ -68,8 +81,10 @@ class _Decoder(Translator):
 
         def body(first, outputs, scores):
             rows = order[first:first + batch]
-            found = self.search(tf.gather(sources, rows).to_tensor(), tf.gather(limits, rows),
-                                rows, seed)
+            arguments = [tf.gather(sources, rows).to_tensor(), tf.gather(limits, rows), rows,
+                         seed]
+            found = (self.search(*arguments) if prefix is None
+                     else self.prefixed_search(*arguments, tf.gather(prefix, rows)))
             found_ids = found.ids[:, :k]
             found_ids = tf.pad(found_ids, [[0, 0], [0, 0], [0, width - tf.shape(found_ids)[2]]])
             outputs = tf.tensor_scatter_nd_update(outputs, rows[:, None], found_ids)
@@ -80,6 +95,15 @@ class _Decoder(Translator):
         _, outputs, scores = tf.while_loop(lambda first, *_: first < tf.size(order), body,
                                            (0, outputs, scores))
         return _cut_at_end(tf.reshape(outputs, [count * k, width])), scores
+
+
+def _cut_to_limits(prefix, limits):
+    """Returns ragged prefixes `(N, None)` as `search` takes them: `(N, P)` padded with
+    `PAD_ID` (P at least 1), each cut to its sentence's limit of `limits` `(N,)`."""
+    dense = prefix.to_tensor(default_value=PAD_ID)
+    dense = tf.pad(dense, [[0, 0], [0, 1]], constant_values=PAD_ID)  # at least one column
+    columns = tf.range(tf.shape(dense)[1])[None, :]
+    return tf.where(columns < limits[:, None], dense, PAD_ID)
 
 
 def normalize_text(text):
@@ -116,16 +140,22 @@ def _ids_function(decoder):
     return translate_ids
 
 
-def _text_function(tokenizer, decoder, seeded=False):
+def _text_function(tokenizer, decoder, seeded=False, prefixed=False):
     """Returns the concrete function of a text signature, which takes ``text`` (and ``seed``
-    if `seeded`)."""
+    if `seeded`, ``prefix`` if `prefixed`: the text each translation starts with, empty for
+    none)."""
     k = decoder.settings.n_best
 
-    def translate_text(text, seed=None):
+    def translate_text(text, seed=None, prefix=None):
         if seed is not None:  # as `SearchSettings` bounds a seed
             seed = _in_range(seed, "seed", SEED_LIMIT, SEED_LIMIT)
         ids = tokenizer.tokenize(normalize_text(text))
-        hypotheses, scores = decoder.decode(ids, seed)
+        if prefix is not None:
+            check = tf.debugging.assert_equal(tf.shape(prefix), tf.shape(text),
+                                              message="give one prefix per text")
+            with tf.control_dependencies([check]):
+                prefix = tokenizer.tokenize(normalize_text(prefix))
+        hypotheses, scores = decoder.decode(ids, seed, prefix)
         # `data.subwords.Subwords.decode` skips BOS as well as padding.
         pieces = tf.ragged.boolean_mask(hypotheses, tf.not_equal(hypotheses, BOS_ID))
         n_best = tf.reshape(tokenizer.detokenize(pieces), [tf.shape(text)[0], k])
@@ -134,8 +164,14 @@ def _text_function(tokenizer, decoder, seeded=False):
     inputs = [tf.TensorSpec((None,), tf.string, name="text")]
     if seeded:
         inputs.append(tf.TensorSpec((), tf.int64, name="seed"))
-    return tf.function(translate_text if seeded else lambda text: translate_text(text),
-                       input_signature=inputs, autograph=False).get_concrete_function()
+        function = translate_text
+    elif prefixed:
+        inputs.append(tf.TensorSpec((None,), tf.string, name="prefix"))
+        function = lambda text, prefix: translate_text(text, prefix=prefix)  # noqa: E731
+    else:
+        function = lambda text: translate_text(text)  # noqa: E731
+    return tf.function(function, input_signature=inputs,
+                       autograph=False).get_concrete_function()
 
 
 def save(model, subword_path, settings, out_dir, sampling=None):
@@ -159,8 +195,72 @@ def save(model, subword_path, settings, out_dir, sampling=None):
             # The op keeps the model bytes as a graph attribute.
             module.tokenizer = tensorflow_text.SentencepieceTokenizer(model=handle.read())
         signatures[TEXT_SIGNATURE] = _text_function(module.tokenizer, decoder)
+        signatures[PREFIX_SIGNATURE] = _text_function(module.tokenizer, decoder, prefixed=True)
         if sampling is not None:
             signatures[SAMPLE_SIGNATURE] = _text_function(module.tokenizer,
                                                           _Decoder(model, sampling), seeded=True)
     tf.saved_model.save(module, out_dir, signatures=signatures)
     return sorted(signatures)
+
+
+class SavedModelTranslator:
+    """Translates raw text with a SavedModel written by export.py, through its text signatures
+    (tensorflow-text must be installed), as `Translator` does with the settings it was exported
+    with: those of ``serving_default`` and ``prefixed``, or of ``sample`` (`replaced` chooses)."""
+
+    def __init__(self, export_dir, settings=None, loaded=None):
+        if import_tensorflow_text() is None:
+            raise ImportError(f"{export_dir}: a SavedModel's text signatures need "
+                              f"tensorflow-text: {SERVE_EXTRA}")
+        with open(os.path.join(export_dir, filenames.SAVED_MODEL_SETTINGS),
+                  encoding="utf-8") as handle:
+            self.record = json.load(handle)
+        self.export_dir = export_dir
+        self.loaded = loaded or tf.saved_model.load(export_dir)
+        self.settings = settings or self.exported_settings()[0]
+        self.maxlen1, self.maxlen2 = self.record["maxlen1"], self.record["maxlen2"]
+
+    def exported_settings(self):
+        """Returns the `SearchSettings` it was exported with: the text signatures', and the
+        sample signature's (or None)."""
+        record = self.record
+        settings = SearchSettings(**{name: record[name] for name in (
+            "beam_size", "alpha", "n_best", "length_margin", "batch_size")})
+        sample = record.get("sample")
+        return settings, sample and settings.replace(beam_size=1, **sample)
+
+    def replaced(self, **fields):
+        """Returns this translator with the settings' `fields` replaced, which must give the
+        settings of a signature: a SavedModel decodes only as it was exported."""
+        wanted = self.settings.replace(**fields)
+        if wanted not in self.exported_settings():
+            raise ValueError(f"{self.export_dir} decodes as it was exported "
+                             f"({self.exported_settings()[0]}); export again for {wanted}")
+        return SavedModelTranslator(self.export_dir, wanted, self.loaded)
+
+    def translate_texts(self, sentences, subwords=None, prefixes=None, n_best=None, seed=None):
+        """Translates as `Engine.translate_texts` does (the subword model is the SavedModel's
+        own: `subwords` is not read)."""
+        settings, text = self.settings, tf.constant(list(sentences), tf.string)
+        k = n_best or 1
+        if k > settings.n_best:
+            raise ValueError(f"n_best {k}: {self.export_dir} was exported with --n_best "
+                             f"{settings.n_best}")
+        if settings.sampling:
+            if prefixes is not None:
+                raise ValueError(f"{SAMPLE_SIGNATURE}: the signature takes no prefix")
+            seed = settings.seed if seed is None else seed
+            found = self.loaded.signatures[SAMPLE_SIGNATURE](
+                text=text, seed=tf.constant(seed, tf.int64))
+        elif prefixes is not None:
+            found = self.loaded.signatures[PREFIX_SIGNATURE](
+                text=text, prefix=tf.constant([p or "" for p in prefixes], tf.string))
+        else:
+            found = self.loaded.signatures[TEXT_SIGNATURE](text=text)
+        texts = [[t.decode("utf-8") for t in row] for row in found["n_best"].numpy().tolist()]
+        scores = found["scores"].numpy().tolist()
+        kept = [[j for j in range(k) if j == 0 or row[j] > NO_HYPOTHESIS_SCORE / 2]
+                for row in scores]
+        return ([[row[j] for j in columns] for row, columns in zip(texts, kept)],
+                [[row[j] for j in columns] for row, columns in zip(scores, kept)]
+                if n_best else None)

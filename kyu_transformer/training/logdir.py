@@ -11,6 +11,7 @@ from kyu_transformer import filenames
 from kyu_transformer.config import (
     CHOICES, DEFAULTS, RESUMABLE, SPEC, HParamsError, keys_of, load, save)
 from kyu_transformer.data.subwords import Subwords
+from kyu_transformer.decoding.archive import is_archive, read_archive
 from kyu_transformer.data.text import DataError, check_data_dir, ensure_multi30k, fingerprint
 from kyu_transformer.precision import AUTO, resolve_precision
 from kyu_transformer.safety.writes import copy_aside
@@ -67,7 +68,11 @@ def settle_logdir(hparams, overwrite):
 
 def read_trained(logdir):
     """Reads what decoding with a trained `logdir` needs before its weights: returns
-    ``(hparams, subwords)``, its `hparams.json` and subword model (`HParamsError`, `DataError`)."""
+    ``(hparams, subwords)``, its `hparams.json` and subword model (`HParamsError`, `DataError`);
+    from a `.keras` file's archive (`decoding.archive`) where `logdir` is one."""
+    if is_archive(logdir):
+        hparams, _, subwords = read_archive(logdir)
+        return hparams, subwords
     return (load(os.path.join(logdir, filenames.HPARAMS)),
             Subwords(os.path.join(logdir, filenames.SUBWORDS)))
 

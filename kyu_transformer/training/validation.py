@@ -1,12 +1,29 @@
-"""Scores validation BLEU after each epoch and keeps the best epoch's weights."""
+"""Scores validation BLEU after each epoch and keeps the best epoch's weights: train.py's hook
+(`ValidationBleu`) and the same for Keras' `fit` (`BleuCallback`)."""
 
 import json
 import os
+
+import keras
 
 from kyu_transformer import filenames
 from kyu_transformer.decoding.bleu import score
 from kyu_transformer.decoding.translator import Translator
 from kyu_transformer.safety.writes import replaced_atomically, write_text
+
+
+def translate_and_score(translator, sources, references, subwords):
+    """Returns sacreBLEU's `score` dict of `translator`'s best outputs for `sources` against
+    `references`: raw text with `subwords`, or, where `subwords` is None, lists of ids (scored
+    as words: ``"5 17 9"``)."""
+    if subwords is None:
+        outputs = translator.translate_ids(sources).outputs
+        hypotheses = [" ".join(map(str, ids)) for ids in outputs]
+        references = [" ".join(map(str, ids)) for ids in references]
+    else:
+        texts, _ = translator.translate_texts(sources, subwords)
+        hypotheses = [best for best, *_ in texts]
+    return score(hypotheses, references)
 
 
 class ValidationBleu:
@@ -24,8 +41,8 @@ class ValidationBleu:
         best."""
         if self.translator is None:
             self.translator = Translator(trainer.model, beam_size=1, batch_size=self.batch_size)
-        hypotheses = self.translator.translate(self.sources, self.subwords)
-        result = score(hypotheses, self.references)
+        result = translate_and_score(self.translator, self.sources, self.references,
+                                     self.subwords)
         logs.update(kind="eval", bleu=result["bleu"], chrf=result["chrf"])
         best_path = os.path.join(trainer.logdir, filenames.BEST_RECORD)
         best = None
@@ -33,7 +50,7 @@ class ValidationBleu:
             with open(best_path, encoding="utf-8") as handle:
                 best = json.load(handle)
         print(f"epoch {epoch}: validation BLEU {result['bleu']:.2f} chrF {result['chrf']:.2f} "
-              f"({len(hypotheses)} sentences, greedy)", flush=True)
+              f"({len(self.sources)} sentences, greedy)", flush=True)
         if best is not None and not result["bleu"] > best["bleu"]:
             return
         with replaced_atomically(os.path.join(trainer.logdir, filenames.BEST_WEIGHTS)) as temporary:
@@ -41,3 +58,43 @@ class ValidationBleu:
         best = {"bleu": result["bleu"], "chrf": result["chrf"], "epoch": epoch,
                 "step": logs["step"], "signature": result["signature"]}
         write_text(best_path, json.dumps(best, indent=2) + "\n")
+
+
+class BleuCallback(keras.callbacks.Callback):
+    """Scores validation BLEU (sacreBLEU) at each epoch's end of Keras' `fit`, as train.py does,
+    and keeps the best epoch's weights.
+
+    The scores go into the epoch's logs as ``val_bleu`` and ``val_chrf``: `fit`'s `History`
+    holds them, and a `keras.callbacks.TensorBoard` listed after this callback writes them (as
+    ``epoch_bleu``, ``epoch_chrf`` of its validation run). Decodes with TensorFlow's search.
+
+    Args:
+        sources, references: the validation sentences (raw text), or lists of ids where
+            `subwords` is None (scored as words: a task without a subword model).
+        subwords: the model's `data.subwords.Subwords`, or None.
+        restore_best_weights: at the end of `fit`, set the weights of the best epoch.
+        **settings: `SearchSettings` fields (default greedy search, as train.py's).
+    """
+
+    def __init__(self, sources, references, subwords=None, restore_best_weights=True,
+                 **settings):
+        super().__init__()
+        self.sources, self.references, self.subwords = sources, references, subwords
+        self.restore_best_weights = restore_best_weights
+        self.settings = {"beam_size": 1, **settings}
+        self.translator, self.best_bleu, self.best_epoch, self.best_weights = None, None, None, None
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.translator is None or self.translator.model is not self.model:
+            self.translator = Translator(self.model, **self.settings)
+        result = translate_and_score(self.translator, self.sources, self.references,
+                                     self.subwords)
+        if logs is not None:
+            logs.update(val_bleu=result["bleu"], val_chrf=result["chrf"])
+        if self.best_bleu is None or result["bleu"] > self.best_bleu:
+            self.best_bleu, self.best_epoch = result["bleu"], epoch
+            self.best_weights = self.model.get_weights()
+
+    def on_train_end(self, logs=None):
+        if self.restore_best_weights and self.best_weights is not None:
+            self.model.set_weights(self.best_weights)
