@@ -314,9 +314,8 @@ def translate_stdin(translator, subwords, prefixed):
     each line is a source, a tab and the prefix its translation starts with."""
     for line in sys.stdin:
         source, _, prefix = line.partition("\t") if prefixed else (line, "", "")
-        texts, _ = translator.translate_texts([normalize_line(source)], subwords,
-                                              [normalize_line(prefix)] if prefixed else None)
-        print(texts[0][0], flush=True)
+        print(translator.translate([normalize_line(source)], subwords,
+                                   [normalize_line(prefix)] if prefixed else None)[0], flush=True)
 
 
 def write_result(hypotheses, references, translations, facts, args, out_dir, name, seconds):

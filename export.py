@@ -106,7 +106,7 @@ EXPORT_MARKERS = ((filenames.SAVED_MODEL_GRAPH, filenames.SAVED_MODEL_SETTINGS),
                   (filenames.CTRANSLATE2_MODEL, filenames.CTRANSLATE2_SETTINGS))
 
 
-def check_out(out, overwrite, logdir, export_format):
+def check_out(out, overwrite, logdir, export_format="saved_model"):
     """Refuses (SystemExit) an `out` that is a file, is or holds the logdir, or is a non-empty
     directory other than an earlier export, or that without `overwrite`; for --format keras, an
     `out` that does not end with .keras, is a directory, or exists without `overwrite`."""

@@ -226,6 +226,35 @@ def test_per_token_log_probs_equal_ours(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_exact
+def test_prefixed_outputs_equal_ours_and_score_their_prefix(trained):
+    """With target prefixes (CTranslate2's `target_prefix`): greedy outputs and scores equal
+    `Translator`'s, and every hypothesis (beam's n-best too) starts with its prefix and scores
+    as forced decoding of the whole output (the prefix's log-probability counted).
+
+    Assumes a CPU, as the greedy comparison above."""
+    model, sources = trained["model"], trained["sources"][:120]
+    prefixes = [output[:row % 4] for row, output in enumerate(trained["ours"][:120])]
+    prefixes[5] = [20, 21, 22]  # subwords the model would not choose
+    engine = CTranslate2Translator(trained["exported"], beam_size=1)
+    theirs = engine.translate_ids(sources, n_best=1, prefix_ids=prefixes)
+    ours = Translator(model, beam_size=1).translate_ids(sources, n_best=1, prefix_ids=prefixes)
+    assert theirs.hypotheses == ours.hypotheses
+    np.testing.assert_allclose(theirs.scores, ours.scores, rtol=1e-5, atol=1e-5)
+    beams = engine.replaced(beam_size=4, alpha=0.6).translate_ids(sources, n_best=2,
+                                                                  prefix_ids=prefixes)
+    ended = [(row, j) for row, flags in enumerate(beams.ended) for j, flag in enumerate(flags)
+             if flag]
+    assert len(ended) > 150
+    for row, j in ended:
+        assert beams.hypotheses[row][j][:len(prefixes[row])] == prefixes[row]
+    forced, _ = Translator(model, alpha=0.6).score_ids(
+        [sources[row] for row, _ in ended], [beams.hypotheses[row][j] for row, j in ended])
+    np.testing.assert_allclose([beams.scores[row][j] for row, j in ended],
+                               [result.score for result in forced], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.slow
 def test_an_empty_source_has_one_empty_hypothesis_as_in_translator(varied, exported,
                                                                    sources):
     theirs = ctranslate2_translations(exported, [[]] + sources[:3], beam_size=3, n_best=2)

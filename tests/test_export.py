@@ -55,6 +55,10 @@ for key, call in request.items():
     signature = loaded[call["dir"]].signatures[call["signature"]]
     if "ids" in call:
         outputs = signature(ids=tf.constant(call["ids"], tf.int32, shape=call["shape"]))
+    elif "prefix" in call:
+        outputs = signature(text=tf.constant(call["text"], tf.string, shape=[len(call["text"])]),
+                            prefix=tf.constant(call["prefix"], tf.string,
+                                               shape=[len(call["prefix"])]))
     elif "seed" in call:
         outputs = signature(text=tf.constant(call["text"], tf.string, shape=[len(call["text"])]),
                             seed=tf.constant(call["seed"], tf.int64))
@@ -67,6 +71,11 @@ for key, call in request.items():
 results["kyu_transformer_imported"] = "kyu_transformer" in sys.modules
 json.dump(results, open(sys.argv[2], "w", encoding="utf-8"))
 """
+
+
+def prefixes_of(sentences):
+    """Prefixes of 0 to 4 words of `sentences`, one each."""
+    return [" ".join(sentence.split()[:row % 5]) for row, sentence in enumerate(sentences)]
 
 
 def run_export(logdir, out, *flags):
@@ -133,7 +142,10 @@ def served(varied, exports, tmp_path_factory):
     for key, (name, text, seed) in samples.items():
         request[key] = {"dir": exports[name]["dir"], "signature": saved_model.SAMPLE_SIGNATURE,
                         "text": text, "seed": seed}
-    for name in ("greedy", "beam"):
+    for name in ("greedy", "beam"):  # the first words of other sentences, some none
+        request[f"{name}_prefixed"] = {
+            "dir": exports[name]["dir"], "signature": saved_model.PREFIX_SIGNATURE,
+            "text": val[:60], "prefix": prefixes_of(val[100:160])}
         request[f"{name}_ids"] = {"dir": exports[name]["dir"],
                                   "signature": saved_model.IDS_SIGNATURE, "ids": _padded(ids),
                                   "shape": [len(ids), len(_padded(ids)[0])]}
@@ -268,7 +280,7 @@ def test_export_says_what_it_wrote_and_how_to_call_it(varied, exports):
     stdout = exports["beam"]["stdout"]
     assert f"wrote a SavedModel to {exports['beam']['dir']}" in stdout
     assert "beam 4, alpha 0.6, n_best 3, length margin 16" in stdout
-    assert "signatures: ids, sample, serving_default" in stdout
+    assert "signatures: ids, prefixed, sample, serving_default" in stdout
     assert "sample: 3 samples per sentence, top-k 5, top-p 0.9, temperature 1.0" in stdout
     assert "tf.saved_model.load(" in stdout and "tensorflow/serving" in stdout
     assert ":predict" in stdout
@@ -301,6 +313,7 @@ def test_saved_model_cli_lists_both_signatures(exports):
                             capture_output=True, text=True, env=environment(), timeout=300)
     assert result.returncode == 0, result.stderr
     for expected in ("signature_def['serving_default']", "signature_def['ids']",
+                     "signature_def['prefixed']", "inputs['prefix']",
                      "inputs['text']", "outputs['translations']", "outputs['n_best']",
                      "outputs['scores']", "inputs['ids']", "outputs['ids']"):
         assert expected in result.stdout
@@ -354,6 +367,27 @@ def test_translations_equal_the_translators_line_for_line(varied, served, name, 
     assert len(got) == len(expected) == 300
     assert [i for i, (a, b) in enumerate(zip(got, expected)) if a != b] == []
     assert len(set(got)) > 20  # a model that translates, not one repeating itself
+
+
+@needs_tensorflow_text
+@pytest.mark.slow
+@pytest.mark.parametrize("name, beam_size", [("greedy", 1), ("beam", 4)])
+def test_the_prefixed_signature_equals_the_translators_prefixed_translations(
+        varied, served, name, beam_size):
+    """The prefixed signature (text and prefix in; n-best and scores out, as the others) decodes
+    as `Translator` does with those prefixes; each translation starts with its prefix."""
+    translator = Translator(varied["model"], beam_size=beam_size, alpha=ALPHA,
+                            n_best=3 if name == "beam" else 1)
+    prefixes = prefixes_of(varied["val"][100:160])
+    texts, scores = translator.translate_texts(varied["val"][:60], varied["subwords"], prefixes,
+                                               n_best=translator.settings.n_best)
+    got = served[f"{name}_prefixed"]
+    assert got["translations"] == [row[0] for row in texts]
+    assert all(text.startswith(prefix) for text, prefix in zip(got["translations"], prefixes))
+    assert sum(bool(prefix) for prefix in prefixes) == 48
+    for row, (row_texts, row_scores) in enumerate(zip(texts, scores)):
+        assert got["n_best"][row][:len(row_texts)] == row_texts
+        np.testing.assert_allclose(got["scores"][row][:len(row_scores)], row_scores, rtol=1e-5)
 
 
 @needs_tensorflow_text

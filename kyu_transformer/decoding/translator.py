@@ -127,7 +127,7 @@ class Engine:
         limits = self.output_limits(lengths).astype("int32")
         cut_prefixes = 0
         if prefix_ids is not None:
-            cut_prefixes = sum(len(p) > limit for p, limit in zip(prefix_ids, limits))
+            cut_prefixes = int(sum(len(p) > limit for p, limit in zip(prefix_ids, limits)))
             prefix_ids = [p[:limit] for p, limit in zip(prefix_ids, limits.tolist())]
         prefix_lengths = None
         if prefix_ids is not None:
@@ -194,6 +194,11 @@ class Engine:
                                    prefix_ids=prefix_ids)
         texts = [[subwords.decode(ids) for ids in hypotheses] for hypotheses in found.hypotheses]
         return texts, found.scores
+
+    def translate(self, sentences, subwords, prefixes=None):
+        """Returns the best translation of each raw sentence (`translate_texts`)."""
+        texts, _ = self.translate_texts(sentences, subwords, prefixes)
+        return [best for best, *_ in texts]
 
     def replaced(self, **fields):
         """Returns this engine with its settings' `fields` replaced."""

@@ -21,8 +21,7 @@ def translate_and_score(translator, sources, references, subwords):
         hypotheses = [" ".join(map(str, ids)) for ids in outputs]
         references = [" ".join(map(str, ids)) for ids in references]
     else:
-        texts, _ = translator.translate_texts(sources, subwords)
-        hypotheses = [best for best, *_ in texts]
+        hypotheses = translator.translate(sources, subwords)
     return score(hypotheses, references)
 
 
