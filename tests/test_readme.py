@@ -1,6 +1,7 @@
-"""README.md's Python example, run as written, and the references of README.md and docs/*.md:
+"""README.md's Python examples, run as written, and the references of README.md and docs/*.md:
 every relative link leads to a file (and heading) that exists, every path and dotted name of the
-package they quote is there. The example needs no TensorFlow: it runs on either backend."""
+package they quote is there. The first example needs no TensorFlow: it runs on either backend;
+the second translates (TensorFlow), with the session's trained logdir for README's."""
 
 import ast
 import contextlib
@@ -62,14 +63,48 @@ def defaults():
         fast_paths.set_enabled(switch)
 
 
-@pytest.fixture(scope="module")
-def example():
-    """The names README's Python example leaves, run once as written."""
-    (code,) = code_blocks(read(README), "python")
+def run_examples(replacements=None):
+    """Runs README's Python examples in one namespace (the first, or both with `replacements`
+    ``{written: replaced}`` of the second's text); returns the names they leave."""
+    first, *rest = code_blocks(read(README), "python")
     namespace = {"__name__": "readme_example"}
     with defaults():
-        exec(compile(code, README, "exec"), namespace)  # noqa: S102
+        exec(compile(first, README, "exec"), namespace)  # noqa: S102
+        if replacements is not None:
+            (second,) = rest
+            for written, replaced in replacements.items():
+                assert written in second, written
+                second = second.replace(written, replaced)
+            exec(compile(second, README, "exec"), namespace)  # noqa: S102
     return namespace
+
+
+@pytest.fixture(scope="module")
+def example():
+    """The names README's first Python example leaves, run once as written."""
+    return run_examples()
+
+
+@pytest.mark.tensorflow_only("decoding")
+@pytest.mark.slow
+def test_the_translation_example_runs_on_a_trained_logdir(trained_tiny_logdir, tmp_path,
+                                                          capsys):
+    """README's second example, on the session's trained logdir (3 checkpoints: the last 2
+    averaged) and its .keras export."""
+    from tests import programs
+
+    keras_file = tmp_path / "small.keras"
+    exported = programs.run("export.py", "--logdir", trained_tiny_logdir, "--out", keras_file,
+                            "--format", "keras")
+    assert exported.returncode == 0, exported.stderr
+    names = run_examples({'"log/small"': repr(str(trained_tiny_logdir)),
+                          "average_last=8": "average_last=2",
+                          '"small.keras"': repr(str(keras_file)),
+                          '"log/toy"': repr(str(tmp_path / "toy"))})
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert printed[1].startswith("['Two puppies") and printed[2].startswith("[[Hypothesis(")
+    assert len(names["history"].history["val_bleu"]) == 2
+    assert os.listdir(tmp_path / "toy" / "validation")
 
 
 def test_the_example_user_model_hides_padding(example):
