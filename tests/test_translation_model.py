@@ -306,3 +306,26 @@ def test_bleu_callback_logs_each_epoch_and_restores_the_best_weights(tmp_path):
                   str(tmp_path / "tb" / "validation" / name))
               for value in event.summary.value if value.tag == "epoch_bleu"]
     np.testing.assert_allclose(logged, scores, rtol=1e-6)
+
+
+@pytest.mark.tensorflow_only("export.py")
+@pytest.mark.slow
+def test_export_refuses_a_keras_out_it_cannot_write_or_would_replace(exported, tmp_path):
+    earlier = exported["path"].read_bytes()
+    for flags, expected in (
+            (["--out", exported["path"]], f"error: --out {exported['path']} already exists; "
+                                          "pass --overwrite to replace it"),
+            (["--out", tmp_path / "small"], f"error: --out {tmp_path / 'small'}: --format keras "
+                                            "writes one file named *.keras"),
+            (["--out", tmp_path / "x.keras", "--mixed_precision", "bf16"],
+             "--mixed_precision (bf16) applies to --format saved_model only")):
+        refused = programs.run("export.py", "--logdir", exported["logdir"], "--format", "keras",
+                               *flags)
+        assert refused.returncode != 0 and "Traceback" not in refused.stderr
+        assert expected in refused.stderr.strip().splitlines()[-1], refused.stderr
+    assert exported["path"].read_bytes() == earlier
+    replaced = programs.run("export.py", "--logdir", exported["logdir"], "--format", "keras",
+                            "--out", exported["path"], "--overwrite", "--beam_size", "2")
+    assert replaced.returncode == 0, replaced.stderr
+    assert keras.saving.load_model(exported["path"]).settings.beam_size == 2
+    assert not [name for name in os.listdir(exported["path"].parent) if name.startswith(".")]
