@@ -71,8 +71,15 @@ def parse_args(argv):
 
 
 def check_args(parser, args):
-    """Stops with an error naming the flag, for a value out of range or flags that clash."""
-    args.settings = search_settings(parser, **given_search_flags(args))
+    """Stops with an error naming the flag, for a value out of range or flags that clash; the
+    search flags given replace a `.keras` --logdir's own settings."""
+    saved = None
+    if is_archive(args.logdir):
+        try:
+            saved = SearchSettings(**read_archive(args.logdir)[1])
+        except DataError as error:
+            raise SystemExit(f"error: --logdir {error}") from None
+    args.settings = search_settings(parser, saved, **given_search_flags(args))
     check_checkpoint_arguments(parser, args)
     refuse_clashes(parser, args, CLASHES)
 
@@ -214,7 +221,11 @@ def load_translator(args, hparams, subwords):
         print(line, file=sys.stderr)
 
     if is_archive(args.logdir):
-        model, checkpoints, precision = load_archive(args, hparams, log)
+        from kyu_transformer.decoding.text_translator import load_translation_model
+
+        loaded, precision = load_translation_model(args.logdir, args.mixed_precision or AUTO,
+                                                   log)
+        model, checkpoints = loaded.transformer, [args.logdir]
     else:
         try:
             model, checkpoints, precision = load_trained(hparams, args.logdir, args.ckpt,
@@ -225,25 +236,6 @@ def load_translator(args, hparams, subwords):
     return Translator(model, args.settings), {
         "engine": "keras", "checkpoint": describe(checkpoints), "checkpoints": checkpoints,
         "mixed_precision": precision, "device": devices, **choice}
-
-
-def load_archive(args, hparams, log):
-    """Loads the `TranslationModel` of a `.keras` --logdir under the precision of
-    --mixed_precision; sets `args.settings` to its settings, the search flags given replacing
-    theirs; returns ``(transformer, [path], precision)`` as `load_trained` returns a logdir's."""
-    import keras
-
-    from kyu_transformer.precision import resolve_precision, set_precision
-
-    _, settings, _ = read_archive(args.logdir)
-    try:
-        args.settings = SearchSettings(**settings).replace(**given_search_flags(args))
-    except ValueError as error:
-        raise DataError(f"{args.logdir}: its search settings with the flags given: {error}")
-    precision = resolve_precision(args.mixed_precision or AUTO, hparams, log=log)
-    set_precision(precision)
-    loaded = keras.saving.load_model(args.logdir, compile=False)
-    return loaded.transformer, [args.logdir], precision
 
 
 def evaluation_dir(logdir):
@@ -311,11 +303,19 @@ def main(argv=None):
 
 def translate_stdin(translator, subwords, prefixed):
     """Translates standard input line by line, as it comes, to standard output; `prefixed`:
-    each line is a source, a tab and the prefix its translation starts with."""
-    for line in sys.stdin:
+    each line is a source, a tab and the prefix its translation starts with (a prefix cut to its
+    sentence's output limit is said on standard error)."""
+    for number, line in enumerate(sys.stdin, start=1):
         source, _, prefix = line.partition("\t") if prefixed else (line, "", "")
-        print(translator.translate([normalize_line(source)], subwords,
-                                   [normalize_line(prefix)] if prefixed else None)[0], flush=True)
+        source, prefix = normalize_line(source), normalize_line(prefix)
+        if prefixed:
+            (source_ids, prefix_ids) = subwords.encode([source, prefix])
+            limit = int(translator.output_limits(len(source_ids)))
+            if len(prefix_ids) > limit:
+                print(f"note: line {number}: its prefix is longer than its output limit "
+                      f"({limit} subwords) and was cut to it", file=sys.stderr)
+        print(translator.translate([source], subwords, [prefix] if prefixed else None)[0],
+              flush=True)
 
 
 def write_result(hypotheses, references, translations, facts, args, out_dir, name, seconds):

@@ -97,7 +97,7 @@ CLASHES = (
                   "only: a .keras file computes in the precision it is loaded under"),
     (lambda args: args.quantization and args.format != "ctranslate2",
      lambda args: f"--quantization ({args.quantization}) applies to --format ctranslate2 "
-                  "only: a SavedModel keeps the model's float32 weights"),
+                  f"only: --format {args.format} keeps the model's float32 weights"),
 )
 
 

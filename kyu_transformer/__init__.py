@@ -28,6 +28,7 @@ _SAVED_BY_NAME = "kyu_transformer.decoding.translation_model"
 
 
 def __getattr__(name):
+    """Returns one of the names of `_PUBLIC`, importing its module the first time."""
     if name not in _PUBLIC:
         raise AttributeError(f"module 'kyu_transformer' has no attribute {name!r}")
     return getattr(importlib.import_module(_PUBLIC[name]), name)

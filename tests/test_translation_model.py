@@ -88,10 +88,11 @@ def exported(trained_tiny_logdir, tmp_path_factory):
     return {"logdir": logdir, "path": path, "hypotheses": hypotheses}
 
 
+# `import kyu_transformer` first, as the README says: Keras, imported after it, learns the class.
 LOAD_AND_TRANSLATE = r"""
 import json, sys
-import keras
 import kyu_transformer
+import keras
 
 model = keras.saving.load_model(sys.argv[1])
 print(json.dumps(model.translate(json.load(open(sys.argv[2], encoding="utf-8")))))
@@ -119,6 +120,7 @@ def test_a_keras_file_translates_as_eval_py_in_a_fresh_process_without_the_logdi
 
 @pytest.mark.tensorflow_only("decoding")
 @pytest.mark.slow
+@pytest.mark.cpu_exact  # a sentence alone and in a batch of 5 as in eval.py's batches
 def test_two_lines_translate_a_logdir_as_eval_py(exported):
     from kyu_transformer import load_translator
 
@@ -142,6 +144,7 @@ def test_two_lines_translate_a_logdir_as_eval_py(exported):
 
 @pytest.mark.tensorflow_only("the exports")
 @pytest.mark.slow
+@pytest.mark.cpu_exact  # CTranslate2's text against the Keras model's, each on its own device
 def test_every_export_loads_into_the_same_translator_and_takes_prefixes(exported, tmp_path):
     """A SavedModel and a CTranslate2 model load into `TextTranslator` as the logdir does and,
     all in float32 and greedy, translate alike with and without prefixes."""
@@ -167,6 +170,12 @@ def test_every_export_loads_into_the_same_translator_and_takes_prefixes(exported
         translator = load_translator(str(out), beam_size=1)
         assert translator.translate(sources) == expected[0], export_format
         assert translator.translate(sources, prefixes) == expected[1], export_format
+    for path, arguments in ((outs["ctranslate2"], {"average_last": 2}),
+                            (exported["path"], {"ckpt": "best"})):
+        with pytest.raises(ValueError, match="choose a logdir's checkpoints; an export holds"):
+            load_translator(str(path), **arguments)
+    with pytest.raises(ValueError, match="`mixed_precision` applies to a Keras model"):
+        load_translator(str(outs["ctranslate2"]), mixed_precision="bf16")
     if "saved_model" in outs:  # exported greedy: it decodes only so
         with pytest.raises(ValueError, match="decodes as it was exported"):
             load_translator(str(outs["saved_model"]), beam_size=3)
@@ -214,6 +223,7 @@ def test_a_file_written_on_tensorflow_gives_the_same_logits_and_scores_on_jax(ex
 
 @pytest.mark.tensorflow_only("eval.py")
 @pytest.mark.slow
+@pytest.mark.cpu_exact  # standard input decodes a line at a time, a file in batches
 def test_eval_py_starts_each_translation_with_its_prefix_line(exported, tmp_path):
     val, references, _ = load_split(MULTI30K, "val")
     lines = [" ".join(reference.split()[:row % 3]) for row, reference in
@@ -306,11 +316,20 @@ def test_bleu_callback_logs_each_epoch_and_restores_the_best_weights(tmp_path):
                   str(tmp_path / "tb" / "validation" / name))
               for value in event.summary.value if value.tag == "epoch_bleu"]
     np.testing.assert_allclose(logged, scores, rtol=1e-6)
+    # another fit is scored on its own: its best epoch, worse than the first fit's, is kept
+    model.fit(inputs, labels, batch_size=32, epochs=1, verbose=0, callbacks=[
+        keras.callbacks.LearningRateScheduler(lambda epoch, rate: 30.0), bleu, keep])
+    assert bleu.best_epoch == 0 and bleu.best_bleu < max(scores)
+    for restored, last in zip(model.get_weights(), weights[-1]):
+        np.testing.assert_array_equal(restored, last)
 
 
 @pytest.mark.tensorflow_only("export.py")
 @pytest.mark.slow
 def test_export_refuses_a_keras_out_it_cannot_write_or_would_replace(exported, tmp_path):
+    path = tmp_path / "small.keras"  # a copy: the module's other tests read the fixture's
+    shutil.copy(exported["path"], path)
+    exported = {**exported, "path": path}
     earlier = exported["path"].read_bytes()
     for flags, expected in (
             (["--out", exported["path"]], f"error: --out {exported['path']} already exists; "
@@ -328,4 +347,10 @@ def test_export_refuses_a_keras_out_it_cannot_write_or_would_replace(exported, t
                             "--out", exported["path"], "--overwrite", "--beam_size", "2")
     assert replaced.returncode == 0, replaced.stderr
     assert keras.saving.load_model(exported["path"]).settings.beam_size == 2
+    # eval.py checks the flags given against the file's settings, before TensorFlow loads
+    refused = programs.run("eval.py", "--logdir", exported["path"], "--n_best", "3")
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].endswith(
+        "error: --n_best (3) must be at most --beam_size (2): the search keeps only --beam_size "
+        "hypotheses"), refused.stderr
     assert not [name for name in os.listdir(exported["path"].parent) if name.startswith(".")]

@@ -96,14 +96,15 @@ def given_search_flags(args, names=SEARCH_FLAGS):
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
-def search_settings(parser, **fields):
-    """Returns `SearchSettings(**fields)`, or stops with the parser's error naming the flags
-    (also for a ``--seed`` without sampling, which `SearchSettings` cannot tell from its
-    default)."""
-    if fields.get("sampling_topk", 1) == 1 and "seed" in fields:
-        parser.error("--seed applies to sampling: give --sampling_topk K (0 for all tokens, 1 "
-                     "does not sample)")
+def search_settings(parser, base=None, **fields):
+    """Returns `base` (default `SearchSettings()`) with `fields` replaced, or stops with the
+    parser's error naming the flags (also for a ``--seed`` without sampling, which
+    `SearchSettings` cannot tell from its default)."""
     try:
-        return SearchSettings(**fields)
+        settings = (base or SearchSettings()).replace(**fields)
     except ValueError as error:
         parser.error(re.sub(r"`(\w+)`", r"--\1", str(error)))
+    if "seed" in fields and not settings.sampling:
+        parser.error("--seed applies to sampling: give --sampling_topk K (0 for all tokens, 1 "
+                     "does not sample)")
+    return settings

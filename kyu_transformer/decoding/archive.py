@@ -33,6 +33,7 @@ def read_archive(path):
             config = json.loads(archive.read(_CONFIG))
             subwords = Subwords.from_serialized(archive.read(_SUBWORDS))
         return config["config"]["hparams"], config["config"]["settings"], subwords
-    except (zipfile.BadZipFile, KeyError, ValueError, TypeError, OSError) as error:
+    except (zipfile.BadZipFile, KeyError, ValueError, TypeError, OSError,
+            RuntimeError) as error:  # RuntimeError: sentencepiece's, for a damaged model
         raise DataError(f"{path}: not a translator saved by kyu_transformer (export.py --format "
                         f"keras): {error}") from None

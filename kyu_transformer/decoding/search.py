@@ -380,7 +380,7 @@ class SamplingSearch(_Strategy):
         logits = ops.cast(logits, "float32")  # (N, n, V)
         uniforms = _uniforms(self.seed, self.sentences, self.n, step)  # (N, n)
         chosen = _draw(logits, self.temperature, self.topk, self.topp, uniforms)
-        if forced is not None:  # drawn all the same: later draws do not depend on a prefix
+        if forced is not None:  # (a draw is a hash of its step: drawing here shifts none later)
             chosen = ops.where(ops.equal(forced, PAD_ID)[:, None], chosen, forced[:, None])
         finished = state["finished"]
         chosen = ops.where(finished, PAD_ID, chosen)  # finished hypotheses stay padded

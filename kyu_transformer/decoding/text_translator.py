@@ -50,6 +50,8 @@ class TextTranslator:
         Returns:
             A list with an item per sentence (the item alone for one string).
         """
+        if n_best is not None and n_best < 1:
+            raise ValueError(f"`n_best` must be at least 1, got {n_best}")
         single = isinstance(sentences, str)
         if single:
             sentences, prefixes = [sentences], None if prefixes is None else [prefixes]
@@ -78,27 +80,45 @@ def load_translator(path, ckpt=None, average_last=0, mixed_precision="auto", **f
     or a CTranslate2 model directory (export.py's).
 
     `ckpt`, `average_last` choose a logdir's weights as eval.py's flags do; `mixed_precision`
-    (`no`, `bf16`, `fp16`, `auto`: chosen for this machine) is the Keras model's compute dtype;
-    `fields` are `SearchSettings` fields (``beam_size=4, alpha=1.0, ...``). A SavedModel decodes
-    with the settings it was exported with, a CTranslate2 model with its weight type.
+    (`no`, `bf16`, `fp16`, `auto`: chosen for this machine) is the Keras model's compute dtype
+    (a SavedModel computes as exported, a CTranslate2 model in its weight type); `fields` are
+    `SearchSettings` fields (``beam_size=4, alpha=1.0, ...``). A SavedModel decodes with the
+    settings it was exported with.
     """
+    if (ckpt or average_last) and (is_archive(path) or _export_of(path)):
+        raise ValueError(f"{path}: `ckpt` and `average_last` choose a logdir's checkpoints; "
+                         "an export holds its weights")
+    if is_archive(path):
+        return load_translation_model(path, mixed_precision)[0].translator(**fields)
+    export = _export_of(path)
+    if export and mixed_precision != "auto":
+        raise ValueError(f"{path}: `mixed_precision` applies to a Keras model; a {export} "
+                         "computes as it was exported")
     from kyu_transformer.cli.startup import start_tensorflow
 
     start_tensorflow()
-    if is_archive(path):
-        return _of_keras_file(path, mixed_precision, fields)
-    if os.path.isfile(os.path.join(path, filenames.SAVED_MODEL_SETTINGS)):
+    if export == "SavedModel":
         from kyu_transformer.export.saved_model import SavedModelTranslator
 
         translator = TextTranslator(SavedModelTranslator(path), None)
         return translator.with_settings(**fields) if fields else translator
-    if os.path.isfile(os.path.join(path, filenames.CTRANSLATE2_SETTINGS)):
+    if export == "CTranslate2 model":
         from kyu_transformer.data.subwords import Subwords
         from kyu_transformer.export.ctranslate2 import CTranslate2Translator
 
         return TextTranslator(CTranslate2Translator(path, **fields),
                               Subwords(os.path.join(path, filenames.SUBWORDS)))
     return _of_logdir(path, ckpt, average_last, mixed_precision, fields)
+
+
+def _export_of(path):
+    """Returns the kind of export the folder `path` holds (``SavedModel``, ``CTranslate2
+    model``), or None."""
+    if os.path.isfile(os.path.join(path, filenames.SAVED_MODEL_SETTINGS)):
+        return "SavedModel"
+    if os.path.isfile(os.path.join(path, filenames.CTRANSLATE2_SETTINGS)):
+        return "CTranslate2 model"
+    return None
 
 
 def _of_logdir(logdir, ckpt, average_last, mixed_precision, fields):
@@ -113,14 +133,16 @@ def _of_logdir(logdir, ckpt, average_last, mixed_precision, fields):
     return TextTranslator(Translator(model, **fields), subwords)
 
 
-def _of_keras_file(path, mixed_precision, fields):
-    """Returns the `TextTranslator` of a `.keras` file's `TranslationModel`, made under the
-    dtype policy of `mixed_precision` (chosen from the hyperparameters the archive holds)."""
+def load_translation_model(path, mixed_precision="auto", log=lambda line: None):
+    """Loads the `TranslationModel` of a `.keras` file under the Keras dtype policy of
+    `mixed_precision` (``auto``: chosen for this machine and the hyperparameters the archive
+    holds, the choice said through `log`); returns ``(model, precision)``."""
     import keras
 
     from kyu_transformer.decoding.archive import read_archive
     from kyu_transformer.precision import resolve_precision, set_precision
 
     hparams, _, _ = read_archive(path)
-    set_precision(resolve_precision(mixed_precision, hparams, log=lambda line: None))
-    return keras.saving.load_model(path, compile=False).translator(**fields)
+    precision = resolve_precision(mixed_precision, hparams, log=log)
+    set_precision(precision)
+    return keras.saving.load_model(path, compile=False), precision

@@ -14,7 +14,7 @@ import os
 import keras
 
 from kyu_transformer import filenames
-from kyu_transformer.decoding.settings import SearchSettings
+from kyu_transformer.decoding.settings import SearchSettings, checked_max_length
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -59,6 +59,9 @@ class TranslationModel(keras.Model):
 
     def save_assets(self, dir_path):
         """Writes the subword model into the archive's folder of this object's assets."""
+        if self.subwords is None:
+            raise ValueError("this TranslationModel has no subword model to save: give "
+                             "`subwords` when making it")
         with open(os.path.join(dir_path, filenames.SUBWORDS), "wb") as handle:
             handle.write(self.subwords.serialized())
 
@@ -96,9 +99,9 @@ class TranslationModel(keras.Model):
         eval.py --score), on any Keras backend."""
         from kyu_transformer.decoding.scoring import score_outputs, sequence_log_probs
 
-        settings = self.settings
-        limits = (self.transformer.maxlen1, settings.max_length or self.transformer.maxlen2,
-                  settings.alpha)
+        settings, maxlen2 = self.settings, self.transformer.maxlen2
+        limits = (self.transformer.maxlen1,
+                  checked_max_length(settings.max_length or maxlen2, maxlen2), settings.alpha)
         scored, _ = score_outputs(
             lambda source, outputs: sequence_log_probs(self.transformer, source, outputs),
             self.subwords.encode(sentences), self.subwords.encode(translations), limits,

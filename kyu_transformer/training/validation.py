@@ -83,6 +83,9 @@ class BleuCallback(keras.callbacks.Callback):
         self.settings = {"beam_size": 1, **settings}
         self.translator, self.best_bleu, self.best_epoch, self.best_weights = None, None, None, None
 
+    def on_train_begin(self, logs=None):
+        self.best_bleu, self.best_epoch, self.best_weights = None, None, None  # this fit's
+
     def on_epoch_end(self, epoch, logs=None):
         if self.translator is None or self.translator.model is not self.model:
             self.translator = Translator(self.model, **self.settings)
