@@ -15,8 +15,9 @@ import tensorflow as tf
 from kyu_transformer import config, filenames
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from kyu_transformer.data.text import load_split
+from kyu_transformer.decoding.scoring import length_penalty, sequence_log_probs
 from kyu_transformer.decoding.search import (
-    BeamSearch, GreedySearch, _top_k_rows, _uniforms, length_penalty, search, sequence_log_probs)
+    BeamSearch, GreedySearch, _top_k_rows, _uniforms, search)
 from kyu_transformer.decoding.translator import Translator
 from kyu_transformer.layers import DecoderBlock
 from kyu_transformer.model import Transformer
