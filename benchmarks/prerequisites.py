@@ -1,4 +1,5 @@
-"""What the benchmarks need beyond the package: the peers they compare with, the corpus."""
+"""What the benchmarks need beyond the package: the peers they compare with, the corpus, an
+earlier revision's tree; and the order they time things in (`in_turns`)."""
 
 import atexit
 import importlib
@@ -52,3 +53,11 @@ def tree_at(revision, *paths):
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
     return folder
+
+
+def in_turns(items, round_number):
+    """Returns `items` in the order of round `round_number` (from 0): as given in even rounds,
+    reversed in odd ones, so that no item always runs right after the same other one and the
+    machine's drifts reach all alike."""
+    items = list(items)
+    return items if round_number % 2 == 0 else items[::-1]

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from prerequisites import DEFAULT_DATA, ROOT, require_data, tree_at  # noqa: E402
+from prerequisites import DEFAULT_DATA, ROOT, in_turns, require_data, tree_at  # noqa: E402
 
 from kyu_transformer.training.plots import read_history  # noqa: E402
 
@@ -86,8 +86,7 @@ def main():
     medians = {label: [] for label in trees}
     subwords = {label: [] for label in trees}
     for round_number in range(args.rounds):
-        order = list(trees) if round_number % 2 == 0 else list(reversed(trees))
-        for label in order:
+        for label in in_turns(trees, round_number):
             logdir = os.path.join(scratch, f"{round_number}-{len(medians[label])}-{label[:2]}")
             records, epoch_one = run_program(trees[label], logdir, args, hparams[label],
                                              subwords[label])

@@ -42,7 +42,7 @@ import tensorflow as tf  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from prerequisites import require, tree_at  # noqa: E402
+from prerequisites import in_turns, require, tree_at  # noqa: E402
 from train_comparison import keras_hub_model, training_flops  # noqa: E402
 
 from kyu_transformer.losses import LabelSmoothedCrossEntropy  # noqa: E402
@@ -169,8 +169,7 @@ def measure(steps_by_name, features, labels, steps, repeats, warmup=3):
             step(features, labels).numpy()
     rates = {name: [] for name in steps_by_name}
     for repeat in range(repeats):
-        order = list(steps_by_name.items())
-        for name, step in (order if repeat % 2 == 0 else order[::-1]):
+        for name, step in in_turns(steps_by_name.items(), repeat):
             started = time.perf_counter()
             for _ in range(steps):
                 loss = step(features, labels)

@@ -125,17 +125,29 @@ def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
             f"error: argument --shape: {error}"), rejected.stderr
 
 
-@pytest.mark.slow  # four train.py runs of a few updates
+def test_benchmarks_time_in_turns_reversed_every_other_round():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from prerequisites import in_turns
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+
+    assert [in_turns(["a", "b", "c"], number) for number in range(3)] == [
+        ["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    assert in_turns({"x": 1, "y": 2}.items(), 1) == [("y", 2), ("x", 1)]
+
+
+@pytest.mark.slow  # two train.py runs of a few updates
 def test_the_program_comparison_runs_both_trees_in_turns_and_prints_the_ratio():
+    """One round end to end (each later round in turns: `in_turns`)."""
     _skip_unless_git_checkout()
     result = programs.run("benchmarks/train_program_speed.py", "--baseline", "HEAD", "--hparams",
-                          "tiny", "--steps", "3", "--rounds", "2", "--data_dir", MULTI30K,
+                          "tiny", "--steps", "3", "--rounds", "1", "--data_dir", MULTI30K,
                           "--baseline_hparams", "tiny,vocab_size=300")
     assert result.returncode == 0, result.stderr[-3000:]
     runs = [line for line in result.stdout.splitlines() if line.startswith("round ")]
     assert [line.split(":")[0] for line in runs] == [
-        "round 1, this checkout", "round 1, at HEAD", "round 2, at HEAD",
-        "round 2, this checkout"]
+        "round 1, this checkout", "round 1, at HEAD"]
     assert all("over 3 updates" in line for line in runs)
     assert "ratio this checkout / at HEAD: " in result.stdout
     # each program runs its own hparams (two recipes compared on one machine)

@@ -107,7 +107,7 @@ def test_kills_signals_and_a_second_run_lose_nothing(tmp_path):
     stop_with_two_signals(process, logdir, flags)
     chooser = random.Random(5)
     kills = 0
-    for attempt in range(4):
+    for attempt in range(3):
         process = run_train(logdir, *flags, wait=False)
         if attempt % 2 == 0:  # the moment a checkpoint is being written
             wait_for(lambda: any("_temp" in name for name in os.listdir(checkpoints))
@@ -122,7 +122,7 @@ def test_kills_signals_and_a_second_run_lose_nothing(tmp_path):
         # whatever the moment, the newest checkpoint loads cleanly
         if list_checkpoints(str(logdir)):
             load_model(config.load(str(logdir / "hparams.json")), str(logdir))
-    assert kills >= 3
+    assert kills >= 2
     newest = list_checkpoints(str(logdir))[-1]
     finished = run_train(logdir, *flags)
     assert finished.returncode == 0, finished.stdout + finished.stderr
