@@ -79,6 +79,9 @@ def check_args(parser, args):
             saved = SearchSettings(**read_archive(args.logdir)[1])
         except DataError as error:
             raise SystemExit(f"error: --logdir {error}") from None
+        except (TypeError, ValueError) as error:  # settings no SearchSettings takes
+            raise SystemExit(f"error: --logdir {args.logdir}: its search settings are not "
+                             f"valid ({error})") from None
     args.settings = search_settings(parser, saved, **given_search_flags(args))
     check_checkpoint_arguments(parser, args)
     refuse_clashes(parser, args, CLASHES)

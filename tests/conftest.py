@@ -144,20 +144,7 @@ SLOW_FIXTURES = {"trained", "trained_logdir", "trained_tiny_logdir", "varied",
                  "varied_tiny_logdir"}
 
 
-# The modules that run longest (seconds of one process at a3b5756, 2 cores: 136, 123, 107, 97,
-# 83, 77, 68, 65, 61, 40), collected first. pytest-xdist's `--dist loadfile` hands each process
-# the next module in collection order as it frees up; with the longest first, the short ones
-# even out the end (longest-first scheduling), where the alphabetical order left a long one
-# (test_updates.py) to one process while the other had finished.
-LONGEST_MODULES = ("test_benchmarks.py", "test_faults.py", "test_updates.py",
-                   "test_multi_worker.py", "test_decoding.py", "test_training.py",
-                   "test_export.py", "test_translation_model.py", "test_ctranslate2.py",
-                   "test_loss_scale.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: place for place, name in enumerate(LONGEST_MODULES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: tests in order
     for item in items:
         if SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
