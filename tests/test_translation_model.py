@@ -363,4 +363,15 @@ def test_export_refuses_a_keras_out_it_cannot_write_or_would_replace(exported, t
     assert refused.stderr.strip().splitlines()[-1].endswith(
         "error: --n_best (3) must be at most --beam_size (2): the search keeps only --beam_size "
         "hypotheses"), refused.stderr
+    (tmp_path / "damaged.keras").write_bytes(earlier[:1000])
+    for flags, expected in (
+            (["--logdir", exported["path"], "--average_last", "2"],
+             "--ckpt and --average_last choose a logdir's checkpoints; a .keras file holds its "
+             "weights"),
+            (["--logdir", tmp_path / "damaged.keras"],
+             f"error: --logdir {tmp_path / 'damaged.keras'}: not a translator saved by "
+             "kyu_transformer (export.py --format keras)")):
+        refused = programs.run("eval.py", *flags)
+        assert refused.returncode != 0 and "Traceback" not in refused.stderr
+        assert expected in refused.stderr.strip().splitlines()[-1], refused.stderr
     assert not [name for name in os.listdir(exported["path"].parent) if name.startswith(".")]
