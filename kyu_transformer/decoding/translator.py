@@ -52,6 +52,12 @@ def check_prefix_ids(prefix_ids, count):
     return prefix_ids
 
 
+def real_hypotheses(scores):
+    """Returns the columns of a sentence's hypothesis `scores` that hold a hypothesis: the first,
+    and those not scored as impossible (a search may find fewer than asked)."""
+    return [0] + [j for j in range(1, len(scores)) if scores[j] > NO_HYPOTHESIS_SCORE / 2]
+
+
 def ragged(sequences):
     """Returns lists of ids as a ragged int32 tensor `(N, None)`."""
     lengths = [len(sequence) for sequence in sequences]
@@ -159,8 +165,7 @@ class Engine:
         k = ids.shape[1]
         for row, index in enumerate(rows):
             scores = batch["scores"][row] if batch["scores"] is not None else np.zeros(k)
-            # Rows scored as impossible (fewer real hypotheses than asked) are left out.
-            kept = [0] + [j for j in range(1, k) if scores[j] > NO_HYPOTHESIS_SCORE / 2]
+            kept = real_hypotheses(scores)
             found["hypotheses"][index] = [outputs[row * k + j] for j in kept]
             found["scores"][index] = [float(scores[j]) for j in kept]
             found["ended"][index] = [bool(ended[row, j]) for j in kept]

@@ -17,7 +17,8 @@ from kyu_transformer import filenames
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID
 from kyu_transformer.decoding.search import NO_HYPOTHESIS_SCORE
 from kyu_transformer.decoding.settings import SEED_LIMIT, SearchSettings
-from kyu_transformer.decoding.translator import Translator, decoding_order, encoder_inputs
+from kyu_transformer.decoding.translator import (
+    Translator, decoding_order, encoder_inputs, real_hypotheses)
 
 TEXT_SIGNATURE = "serving_default"
 IDS_SIGNATURE = "ids"
@@ -261,8 +262,7 @@ class SavedModelTranslator:
             found = self.loaded.signatures[TEXT_SIGNATURE](text=text)
         texts = [[t.decode("utf-8") for t in row] for row in found["n_best"].numpy().tolist()]
         scores = found["scores"].numpy().tolist()
-        kept = [[j for j in range(k) if j == 0 or row[j] > NO_HYPOTHESIS_SCORE / 2]
-                for row in scores]
+        kept = [real_hypotheses(row[:k]) for row in scores]
         return ([[row[j] for j in columns] for row, columns in zip(texts, kept)],
                 [[row[j] for j in columns] for row, columns in zip(scores, kept)]
                 if n_best else None)
