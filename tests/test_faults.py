@@ -164,7 +164,8 @@ def test_a_run_with_every_regularizer_killed_within_an_accumulated_update_resume
     fall between updates): a run killed after a checkpoint inside its first epoch retakes the
     update it was in, resumes into the same segmentations, masks and rates, and ends as the
     uninterrupted run, bit for bit, and with the same loss at every logged step (the steps
-    retaken too); another seed ends elsewhere. Steps, the cap and the plan count updates.
+    retaken too); with residual dropout alone the run ends elsewhere (the others take
+    effect: the comparison can fail). Steps, the cap and the plan count updates.
     Exact on any device: both runs pass --deterministic (TensorFlow's deterministic ops) and
     compute on one machine's same device, TensorFloat-32 off or on in both."""
     flags = ["--num_epochs", "2", "--steps_per_epoch", "12", "--accumulate_steps", "2",
@@ -187,12 +188,8 @@ def test_a_run_with_every_regularizer_killed_within_an_accumulated_update_resume
     # (a line's loss is the mean over the steps since the process's last line: checkpoints
     # on the lines' steps keep the resumed run's windows those of the straight run)
     assert len(losses["straight"]) == 8 and set(losses["log"]) == set(losses["straight"])
-    other_seed = run_train(tmp_path / "seed", *flags, *regularizers, "--seed", "7", wait=False)
     plain = run_train(tmp_path / "plain", *flags, "--dropout_rate", "0.2")
-    assert plain.returncode == 0 and digest(plain.stdout) != digest(straight_output)
-    other_output = other_seed.communicate(timeout=600)[0]
-    assert other_seed.returncode == 0, other_output
-    assert digest(other_output) not in ([], digest(straight_output))
+    assert plain.returncode == 0 and digest(plain.stdout) not in ([], digest(straight_output))
 
 
 def test_unwritable_logdir_fails_at_start(tmp_path):

@@ -64,22 +64,26 @@ def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_pa
 
     Exact on any device: both workers apply the same all-reduced gradients (an all-reduce
     gives every worker the same bits) by elementwise updates."""
-    logdir = tmp_path / "log"
-    results = run_workers(tmp_path, [logdir, logdir], two_seeds=True)
+    # `auto` is the chief's to resolve: a worker that cannot read the chief's hparams.json
+    # (here: a logdir of its own, as without a shared file system) takes the chief's choice
+    # instead of making its own, and writes nothing there.
+    logdir, worker_dir = tmp_path / "log", tmp_path / "worker_auto"
+    results = run_workers(tmp_path, [logdir, worker_dir], "--mixed_precision", "auto",
+                          two_seeds=True)
     for code, output in results:
         assert code == 0, output[-4000:]
     assert len(digests(results)) == 2 and len(set(digests(results))) == 1, digests(results)
     assert all("Strategy with 2 replica(s)" in out for _, out in results)
     assert all("done: 2 epochs, 12 steps" in out for _, out in results)
-    # the chief's files, once; nothing left behind by the other worker
-    assert sorted(os.listdir(logdir / "checkpoints")) == [
-        "checkpoint", "ckpt-12.data-00000-of-00001", "ckpt-12.index",
-        "ckpt-6.data-00000-of-00001", "ckpt-6.index"]
-    assert len(os.listdir(logdir / "train")) == 1
+    assert "mixed_precision auto: no (" in results[0][1]
+    assert "mixed_precision auto" not in results[1][1]
+    assert json.loads((logdir / "hparams.json").read_text())["mixed_precision"] == "no"
+    assert not worker_dir.exists() or not any(worker_dir.rglob("*")), list(worker_dir.rglob("*"))
     assert os.listdir(tmp_path / "tmp1") == []
 
-    # --overwrite: the chief alone moves the old logdir aside, the other worker waits
-    # for it (instead of reading the old hparams.json and refusing, or racing the move).
+    # --overwrite, one logdir for both (a shared file system): the chief alone moves the old
+    # logdir aside, the other worker waits for it (instead of reading the old hparams.json and
+    # refusing, or racing the move); the chief's files, once; nothing left by the other worker.
     results = run_workers(tmp_path, [logdir, logdir], "--overwrite", "--d_model", "64")
     for code, output in results:
         assert code == 0, output[-4000:]
@@ -88,6 +92,11 @@ def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_pa
     assert "--overwrite" not in results[1][1]
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("log.old-")]) == 1
     assert json.loads((logdir / "hparams.json").read_text())["d_model"] == 64
+    assert sorted(os.listdir(logdir / "checkpoints")) == [
+        "checkpoint", "ckpt-12.data-00000-of-00001", "ckpt-12.index",
+        "ckpt-6.data-00000-of-00001", "ckpt-6.index"]
+    assert len(os.listdir(logdir / "train")) == 1
+    assert os.listdir(tmp_path / "tmp1") == []
 
     # A worker that does not see the chief's logdir (no shared file system) would start
     # from step 0 while the chief resumes from step 12: both stop, saying so.
@@ -106,17 +115,6 @@ def test_two_workers_train_to_identical_weights_and_only_the_chief_writes(tmp_pa
     assert results[0][0] != 0 and "was trained with other hyperparameters" in results[0][1]
     assert results[1][0] != 0
     assert "error: the chief stopped before training (see its output)" in results[1][1]
-
-    # `auto` is the chief's to resolve: a worker that cannot read the chief's hparams.json
-    # (here: a logdir of its own) takes the chief's choice instead of making its own.
-    chief_dir, worker_dir = tmp_path / "chief_auto", tmp_path / "worker_auto"
-    results = run_workers(tmp_path, [chief_dir, worker_dir], "--mixed_precision", "auto")
-    for code, output in results:
-        assert code == 0, output[-4000:]
-    assert "mixed_precision auto: no (" in results[0][1]
-    assert "mixed_precision auto" not in results[1][1]
-    assert len(set(digests(results))) == 1
-    assert json.loads((chief_dir / "hparams.json").read_text())["mixed_precision"] == "no"
 
 
 def test_a_signal_to_one_worker_stops_both_after_the_same_update_with_a_checkpoint(tmp_path):
