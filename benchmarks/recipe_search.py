@@ -2,9 +2,11 @@
 
     python benchmarks/recipe_search.py --name NAME --hparams small,dropout_rate=0.3
         [--commit REV] [--runs_dir DIR] [--data_dir DIR] [--alphas 0.6 1.0 1.4 1.8]
-        [--average_last 8] [--mixed_precision no] [--test] [--eval_only]
+        [--average_last 8] [--mixed_precision no] [--budget small] [--test] [--eval_only]
 
-The code is the repository's files at REV (default HEAD, `git archive`), so that work on the
+First the candidate's training compute is counted (`training_flops.py` of the same files:
+every batch its run trains on) beside `--budget`'s: a candidate over it is refused. The code is
+the repository's files at REV (default HEAD, `git archive`), so that work on the
 checkout does not touch a run of an hour. Training is `train.py --hparams H` into
 `DIR/NAME` (its wall time, its peak memory from `os.wait4`, and the precision it trained in,
 as hparams.json saved `auto`'s choice); a stopped candidate resumes
@@ -85,8 +87,8 @@ def run_logged(command, log_path, cwd):
 def failed(command, code, log_path, record_path):
     """The line a failed part ends the search with (the parts before it are in search.json)."""
     program = next(os.path.basename(word) for word in command if word.endswith(".py"))
-    again = ("run the same command again to go on" if program == "train.py" else
-             "run the same command with --eval_only to score again")
+    again = ("run the same command with --eval_only to score again" if program == "eval.py"
+             else "run the same command again to go on")
     return (f"error: {program} stopped ({code}); see {log_path}. What was done is in "
             f"{record_path}: {again}")
 
@@ -134,6 +136,33 @@ def bleu(tree, args, logdir, split, alpha, record_path):
         return json.load(handle)["bleu"]
 
 
+def count_flops(tree, args, record, record_path):
+    """Counts the candidate's training FLOPs and the budget recipe's (`training_flops.py` at
+    the candidate's commit) into `record`; stops with one line where the candidate's exceed
+    the budget. A resumed candidate keeps its counts."""
+    counted_for = [args.hparams, record["commit"], args.budget]
+    if record.get("flops_counted_for") == counted_for:
+        return
+    counts_path = os.path.join(args.runs_dir, f"{args.name}.flops.json")
+    command = [sys.executable, os.path.join(tree, "benchmarks", "training_flops.py"),
+               "--hparams", args.hparams, "--budget", args.budget, "--data_dir", args.data_dir,
+               "--scratch", os.path.join(args.runs_dir, "flops"), "--json", counts_path]
+    log_path = os.path.join(args.runs_dir, f"{args.name}.flops.log")
+    code, output = run_logged(command, log_path, tree)[:2]
+    if code != 0:
+        sys.exit(failed(command, code, log_path, record_path))
+    print(output.strip())
+    with open(counts_path, encoding="utf-8") as handle:
+        counts = json.load(handle)
+    record.update(flops_counted_for=counted_for, flops=counts["candidate"]["flops"],
+                  updates=counts["candidate"]["updates"], budget=args.budget,
+                  budget_flops=counts["budget"]["flops"], flops_ratio=round(counts["ratio"], 3))
+    save(record, record_path)
+    if counts["ratio"] > 1:
+        sys.exit(f"error: {args.name} would train on {counts['ratio']:.2f} times the FLOPs of "
+                 f"--budget {args.budget}: fewer epochs or a smaller model")
+
+
 def save(record, path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_text(path, json.dumps(record, indent=2))
@@ -150,6 +179,8 @@ def main():
     parser.add_argument("--average_last", type=int, default=8)
     parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"],
                         help="eval.py's precision of decoding, the same for every figure")
+    parser.add_argument("--budget", default="small",
+                        help="the recipe whose training FLOPs a candidate may not exceed")
     parser.add_argument("--test", action="store_true", help="also score test_2016_flickr")
     parser.add_argument("--eval_only", action="store_true", help="the logdir is trained")
     args = parser.parse_args()
@@ -173,6 +204,7 @@ def main():
                   decoded_in=args.mixed_precision,
                   date=record.get("date") or datetime.date.today().isoformat())
     if not args.eval_only:
+        count_flops(tree, args, record, record_path)
         train(tree, args, logdir, record, record_path)
     # val scored again may choose another alpha, or decode in another precision: an earlier
     # test figure would no longer be this record's
@@ -189,7 +221,8 @@ def main():
     save(record, record_path)
     val = " / ".join(f"{record['val'][str(alpha)]:.2f}" for alpha in args.alphas)
     print(f"| {record['date']} | `{commit}` | {args.name}: `{args.hparams}` | "
-          f"{record.get('steps')} | {record.get('train_minutes')} min | {val} "
+          f"{record.get('steps')} ({record.get('flops_ratio')} of {record.get('budget')}'s "
+          f"FLOPs) | {record.get('train_minutes')} min | {val} "
           f"({record['alpha']}) | {record.get('test', '')} | {record.get('max_rss_gb')} GB |")
 
 

@@ -159,16 +159,19 @@ def test_the_program_comparison_runs_both_trees_in_turns_and_prints_the_ratio():
     assert "error: --baseline no-such-revision: " in rejected.stderr
 
 
-@pytest.mark.slow  # trains a tiny model (stopped once), then eval.py four times
+@pytest.mark.slow  # counts, trains a tiny model (stopped once), then eval.py four times
 def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(tmp_path):
-    """Stopped by SIGTERM in training, a candidate keeps its minutes so far in search.json and
-    says so in one line; run again, it resumes, and val's best alpha is the one tested."""
+    """A candidate's training FLOPs are those of the batches its run trains on, beside the
+    budget's. Stopped by SIGTERM in training, a candidate keeps its minutes so far in
+    search.json and says so in one line; run again, it resumes, and val's best alpha is the
+    one tested."""
     _skip_unless_git_checkout()
     data_dir = os.path.join(ROOT, "tests", "data", "multi30k")
+    candidate, budget = "tiny,steps_per_epoch=60,checkpoint_every=5", "tiny,num_epochs=3"
 
     def recipe_search(*flags, alphas=("0.6", "1.4")):
         return [sys.executable, os.path.join(ROOT, "benchmarks", "recipe_search.py"),
-                "--name", "c", "--hparams", "tiny,steps_per_epoch=60,checkpoint_every=5",
+                "--name", "c", "--hparams", candidate, "--budget", budget,
                 "--runs_dir", str(tmp_path), "--data_dir", data_dir, "--alphas", *alphas,
                 "--average_last", "2", *flags]
 
@@ -189,6 +192,10 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
         f"{tmp_path / 'c' / 'search.json'}: run the same command again to go on")
     stopped = json.loads((tmp_path / "c" / "search.json").read_text())
     assert stopped["train_minutes"] > 0 and stopped["max_rss_gb"] > 0.1
+    counted = _training_flops_of_the_batches(candidate, data_dir, tmp_path / "counted")
+    assert (stopped["updates"], stopped["flops"]) == counted  # exactly: integers
+    assert 0.5 < stopped["flops_ratio"] < 1  # 60 updates against 90 of like batches
+    assert stopped["flops_ratio"] == round(stopped["flops"] / stopped["budget_flops"], 3)
     assert stopped["steps"] is None and "val" not in stopped
     result = subprocess.run(command, capture_output=True, text=True, timeout=900,
                             env=environment)
@@ -212,6 +219,8 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
     assert record["val"][record["alpha"]] == max(record["val"].values())
     row = result.stdout.strip().splitlines()[-1]
     assert row.startswith(f"| {record['date']} | `{head}` | c: `tiny,") and " (" in row
+    assert f"| 60 ({stopped['flops_ratio']} of {budget}'s FLOPs) |" in row
+    assert "training FLOPs of" not in result.stdout  # resumed: counted once, at the start
     # scored again in float32 without --test (at one alpha): the bfloat16 test figure does not stay
     rescored = subprocess.run(recipe_search("--mixed_precision", "no", "--eval_only",
                                             alphas=("1.4",)),
@@ -219,6 +228,38 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
     assert rescored.returncode == 0, rescored.stderr[-3000:]
     record = json.loads((tmp_path / "c" / "search.json").read_text())
     assert record["decoded_in"] == "no" and "test" not in record and record["steps"] == 60
+    # a candidate over its budget is refused, in one line, before it trains
+    over = subprocess.run([*recipe_search(), "--name", "big", "--budget", "tiny,num_epochs=1,"
+                           "steps_per_epoch=30"], capture_output=True, text=True, timeout=600,
+                          env=environment)
+    assert over.returncode != 0 and "Traceback" not in over.stderr, over.stderr[-3000:]
+    assert re.search(r"error: big would train on 2\.\d\d times the FLOPs of --budget tiny,"
+                     r"num_epochs=1,steps_per_epoch=30: fewer epochs or a smaller model$",
+                     over.stderr.strip()), over.stderr
+    assert not (tmp_path / "big" / "checkpoints").exists()
+
+
+def _training_flops_of_the_batches(spec, data_dir, model_dir):
+    """``(updates, FLOPs)`` of recipe `spec`'s run: `training_flops` of each batch its
+    `Corpus` gives, at the shape the batch really has."""
+    import hparams as hp
+    from kyu_transformer.data.corpus import Corpus
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from train_comparison import training_flops
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    hparams = hp.parse(spec)
+    corpus = Corpus(data_dir, str(model_dir), hparams, log=lambda line: None)
+    shape = {key: hparams[key] for key in ("vocab_size", "d_model", "d_ff", "num_blocks")}
+    updates = flops = 0
+    for epoch in range(hparams["num_epochs"]):
+        for features, _ in corpus.train_batches(epoch).take(hparams["steps_per_epoch"]):
+            rows, source_width = features["source"].shape
+            updates, flops = updates + 1, flops + training_flops(
+                shape, rows, source_width, features["target_in"].shape[1])
+    return updates, flops
 
 
 # A `sitecustomize` that makes `import tensorflow` fail, as where TensorFlow is not installed: on

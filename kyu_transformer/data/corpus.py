@@ -90,6 +90,17 @@ class Corpus:
     def train_batches(self, epoch, skip=0, share=None):
         """Returns the global batches of `epoch` (a `tf.data.Dataset`) from batch `skip` on,
         shuffled with ``seed + epoch``; `share`: see `pipeline.BatchReader`."""
-        return pipeline.make_dataset(
-            *self.train_columns(epoch), self.hparams["batch_size"], self.hparams["batch_tokens"],
-            self.maxlens, seed=self.hparams["seed"] + epoch, skip=skip, share=share)
+        return pipeline.make_dataset(*self.train_columns(epoch), *self._batching(epoch),
+                                     skip=skip, share=share)
+
+    def train_batch_shapes(self, epoch):
+        """Returns ``(rows, source width, target width)`` of each batch of `epoch`, in the
+        order `train_batches` gives them, without reading an id: ``(batches, 3)``."""
+        columns = self.train_columns(epoch)
+        plan = pipeline.epoch_plan(*columns, *self._batching(epoch))
+        return pipeline.batch_shapes(*columns, plan, self.maxlens)
+
+    def _batching(self, epoch):
+        """``(batch_size, batch_tokens, maxlens, seed)`` of `epoch`'s plan."""
+        return (self.hparams["batch_size"], self.hparams["batch_tokens"], self.maxlens,
+                self.hparams["seed"] + epoch)

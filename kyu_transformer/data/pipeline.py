@@ -69,10 +69,8 @@ class BatchReader:
     def __call__(self, source_begins, source_ends, target_begins, target_ends):
         rows = len(source_begins)
         first, last = (0, rows) if self.share is None else replica_rows(rows, *self.share)
-        source_width = padded_length(int((source_ends - source_begins).max()) + 1,
-                                     self.maxlens[0])
-        target_width = padded_length(int((target_ends - target_begins).max()) + 1,
-                                     self.maxlens[1])
+        source_width, target_width = padded_widths(source_ends - source_begins,
+                                                   target_ends - target_begins, self.maxlens)
         source = np.full((rows, source_width), PAD_ID, np.int32)
         target_in = np.full((rows, target_width), PAD_ID, np.int32)
         target_out = target_in.copy()
@@ -95,19 +93,42 @@ def fitting_pairs(sources, targets, maxlens):
     return np.flatnonzero(fits)
 
 
-def make_dataset(sources, targets, batch_size, batch_tokens=0, maxlens=(None, None), seed=0,
-                 skip=0, share=None):
-    """Returns the batches ``({"source", "target_in"}, target_out)`` of the pairs of
-    `IdColumn`s `sources` and `targets` that fit `maxlens` with their markers, from batch
-    `skip` on (those before are not read), in the order `batch_plan` gives with `seed`: the
-    same batches for the same seed. Its `cardinality()` is its count of batches. `share`:
-    see `BatchReader`."""
+def padded_widths(source_lengths, target_lengths, maxlens):
+    """Returns the widths ``(source, target)`` of a batch whose sentences have these counts of
+    ids (without markers), each side padded to `padded_length` under its cap of `maxlens`."""
+    return tuple(padded_length(int(np.max(lengths)) + 1, cap)
+                 for lengths, cap in zip((source_lengths, target_lengths), maxlens))
+
+
+def epoch_plan(sources, targets, batch_size, batch_tokens=0, maxlens=(None, None), seed=0):
+    """Returns an epoch's batches of the pairs of `IdColumn`s `sources` and `targets` that fit
+    `maxlens` with their markers, in the order `batch_plan` gives with `seed`, as ``(pairs,
+    begins, ends)``: batch ``b`` holds the pairs numbered ``pairs[begins[b]:ends[b]]``."""
     kept = fitting_pairs(sources, targets, maxlens)  # (pairs,) of the columns
     lengths = np.maximum(sources.lengths()[kept], targets.lengths()[kept]) + 1  # with markers
     caps = [cap for cap in maxlens if cap is not None]
     longest = max(caps) if caps else padded_length(int(lengths.max(initial=1)))
     order, begins, ends = batch_plan(lengths, batch_size, batch_tokens, longest, seed)
-    pairs = kept[order]
+    return kept[order], begins, ends
+
+
+def batch_shapes(sources, targets, plan, maxlens=(None, None)):
+    """Returns ``(rows, source width, target width)`` of each batch of `plan` (`epoch_plan`'s),
+    as `BatchReader` pads it: ``(batches, 3)`` int64."""
+    pairs, begins, ends = plan
+    source_lengths, target_lengths = sources.lengths()[pairs], targets.lengths()[pairs]
+    return np.array([(end - begin, *padded_widths(source_lengths[begin:end],
+                                                  target_lengths[begin:end], maxlens))
+                     for begin, end in zip(begins, ends)], np.int64).reshape(-1, 3)
+
+
+def make_dataset(sources, targets, batch_size, batch_tokens=0, maxlens=(None, None), seed=0,
+                 skip=0, share=None):
+    """Returns the batches ``({"source", "target_in"}, target_out)`` of `epoch_plan`'s pairs
+    of `IdColumn`s `sources` and `targets`, from batch `skip` on (those before are not read):
+    the same batches for the same seed. Its `cardinality()` is its count of batches. `share`:
+    see `BatchReader`."""
+    pairs, begins, ends = epoch_plan(sources, targets, batch_size, batch_tokens, maxlens, seed)
     # The plan as constants of the dataset's function, freed with it: every pair's offsets in
     # the plan's order (N,), a batch's rows within them (batches,).
     offsets = [tf.constant(array[pairs]) for column in (sources, targets)
