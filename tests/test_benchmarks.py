@@ -233,9 +233,11 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
                            "steps_per_epoch=30"], capture_output=True, text=True, timeout=600,
                           env=environment)
     assert over.returncode != 0 and "Traceback" not in over.stderr, over.stderr[-3000:]
-    assert re.search(r"error: big would train on 2\.\d\d times the FLOPs of --budget tiny,"
-                     r"num_epochs=1,steps_per_epoch=30: fewer epochs or a smaller model$",
-                     over.stderr.strip()), over.stderr
+    ratio = json.loads((tmp_path / "big" / "search.json").read_text())["flops_ratio"]
+    assert 1.5 < ratio < 2.5  # 60 updates against 30 of like batches
+    assert over.stderr.strip().splitlines()[-1] == (
+        f"error: big would train on {ratio:.2f} times the FLOPs of --budget tiny,num_epochs=1,"
+        "steps_per_epoch=30: fewer epochs or a smaller model")
     assert not (tmp_path / "big" / "checkpoints").exists()
 
 
