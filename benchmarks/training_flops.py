@@ -8,8 +8,8 @@ model (trained once into `--scratch`, as train.py trains it into a logdir), each
 from the pairs' lengths (`Corpus.train_batch_shapes`: the same buckets, shuffles and padding),
 at most `steps_per_epoch` updates an epoch. Each batch counts `train_comparison.training_flops`
 at its padded shape (forward and backward of every matrix product, attention's and the output
-layer's included). With `--budget H`, recipe H is counted too and the ratio printed: a
-candidate of the recipe search may not exceed today's `small`.
+layer's included). With `--budget H`, recipe H is counted too and the ratio printed; a recipe
+over its budget ends with an error (exit 1) after the counts are written.
 """
 
 import argparse
@@ -59,7 +59,7 @@ def describe(counted):
             f"batches, {counted['epochs']} epochs), {counted['flops'] / 1e15:.2f} PFLOP")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hparams", required=True, help="the recipe, as train.py's --hparams")
     parser.add_argument("--budget", default=None, metavar="H",
@@ -68,7 +68,7 @@ def main():
     parser.add_argument("--scratch", default=os.path.join(ROOT, "runs", "flops"),
                         help="where the recipes' subword models and prepared corpora are kept")
     parser.add_argument("--json", default=None, help="also write the counts to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     data_dir = require_data(args.data_dir)
     try:
         counted = {"candidate": count(args.hparams, data_dir, args.scratch)}
@@ -78,13 +78,14 @@ def main():
         sys.exit(f"error: {error}")
     print(f"training FLOPs of {describe(counted['candidate'])}")
     if args.budget:
-        ratio = counted["candidate"]["flops"] / counted["budget"]["flops"]
-        counted["ratio"] = ratio
-        print(f"budget, {describe(counted['budget'])}; ratio {ratio:.3f}"
-              f"{'' if ratio <= 1 else ' (over the budget)'}")
+        counted["ratio"] = counted["candidate"]["flops"] / counted["budget"]["flops"]
+        print(f"budget, {describe(counted['budget'])}; ratio {counted['ratio']:.3f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(counted, handle, indent=2)
+    if counted.get("ratio", 0) > 1:
+        sys.exit(f"error: {args.hparams} would train on {counted['ratio']:.2f} times the FLOPs "
+                 f"of --budget {args.budget}: fewer epochs or a smaller model")
 
 
 if __name__ == "__main__":
