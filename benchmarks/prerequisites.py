@@ -1,6 +1,8 @@
 """What the benchmarks need beyond the package: the peers they compare with, the corpus, an
-earlier revision's tree; and the order they time things in (`in_turns`)."""
+earlier revision's tree, a recipe flag's check (`recipe`); and the order they time things in
+(`in_turns`)."""
 
+import argparse
 import atexit
 import importlib
 import os
@@ -35,6 +37,13 @@ def require_data(data_dir):
                          "--hparams small` once (it downloads Multi30k to data/multi30k) or "
                          "pass --data_dir.")
     return data_dir
+
+
+def recipe(value):
+    """An argparse type: a recipe as train.py's --hparams takes it (not empty)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("expected a recipe, as train.py's --hparams")
+    return value
 
 
 def tree_at(revision, *paths):

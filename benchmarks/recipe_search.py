@@ -4,8 +4,10 @@
         [--commit REV] [--runs_dir DIR] [--data_dir DIR] [--alphas 0.6 1.0 1.4 1.8]
         [--average_last 8] [--mixed_precision no] [--budget small] [--test] [--eval_only]
 
-First the candidate's training compute is counted (`training_flops.py` of the same files:
-every batch its run trains on) beside `--budget`'s: a candidate over it is refused. The code is
+First the candidate's training compute is counted (`training_flops.py` of the same files, or
+of this checkout for a commit older than it: every batch its run trains on) beside
+`--budget`'s, once per candidate: a candidate over it is refused; a signal during the count
+discards it. The code is
 the repository's files at REV (default HEAD, `git archive`), so that work on the
 checkout does not touch a run of an hour. Training is `train.py --hparams H` into
 `DIR/NAME` (its wall time, its peak memory from `os.wait4`, and the precision it trained in,
@@ -31,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from prerequisites import DEFAULT_DATA, ROOT, require_data, tree_at  # noqa: E402
+from prerequisites import DEFAULT_DATA, ROOT, recipe, require_data, tree_at  # noqa: E402
 
 from kyu_transformer import filenames  # noqa: E402
 from kyu_transformer.safety.writes import write_text  # noqa: E402
@@ -140,13 +142,18 @@ def count_flops(tree, args, record, record_path):
     """Counts the candidate's training FLOPs and the budget recipe's (`training_flops.py` at
     the candidate's commit) into `record`; stops with that program's line where the
     candidate's exceed the budget. A resumed candidate keeps its counts."""
-    counted_for = [args.hparams, record["commit"], args.budget]
+    counted_for = [args.hparams, record["commit"], args.budget, args.data_dir]
     if record.get("flops_counted_for") == counted_for:
         return
     counts_path = os.path.join(args.runs_dir, f"{args.name}.flops.json")
-    command = [sys.executable, os.path.join(tree, "benchmarks", "training_flops.py"),
-               "--hparams", args.hparams, "--budget", args.budget, "--data_dir", args.data_dir,
-               "--scratch", os.path.join(args.runs_dir, "flops"), "--json", counts_path]
+    script = os.path.join(tree, "benchmarks", "training_flops.py")
+    if not os.path.isfile(script):  # a commit older than the count
+        print(f"note: {record['commit']} has no benchmarks/training_flops.py: counted with "
+              "this checkout's, on the batches its own code makes")
+        script = os.path.join(ROOT, "benchmarks", "training_flops.py")
+    command = [sys.executable, script, "--hparams", args.hparams, "--budget", args.budget,
+               "--data_dir", args.data_dir, "--scratch", os.path.join(args.runs_dir, "flops"),
+               "--json", counts_path]
     log_path = os.path.join(args.runs_dir, f"{args.name}.flops.log")
     code, output = run_logged(command, log_path, tree)[:2]
     lines = output.strip().splitlines()
@@ -167,7 +174,8 @@ def save(record, path):
     write_text(path, json.dumps(record, indent=2))
 
 
-def main():
+def parse_args():
+    """Parses the flags; the folders made absolute, the runs' folder made."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--name", required=True, help="the candidate's name (its logdir)")
     parser.add_argument("--hparams", required=True, help="train.py's --hparams")
@@ -178,7 +186,7 @@ def main():
     parser.add_argument("--average_last", type=int, default=8)
     parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"],
                         help="eval.py's precision of decoding, the same for every figure")
-    parser.add_argument("--budget", default="small",
+    parser.add_argument("--budget", default="small", type=recipe,
                         help="the recipe whose training FLOPs a candidate may not exceed")
     parser.add_argument("--test", action="store_true", help="also score test_2016_flickr")
     parser.add_argument("--eval_only", action="store_true", help="the logdir is trained")
@@ -186,6 +194,11 @@ def main():
     args.data_dir = os.path.abspath(require_data(args.data_dir))
     args.runs_dir = os.path.abspath(args.runs_dir)
     os.makedirs(args.runs_dir, exist_ok=True)
+    return args
+
+
+def main():
+    args = parse_args()
     parsed = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", args.commit],
                             capture_output=True, text=True)
     if parsed.returncode != 0:
@@ -218,11 +231,17 @@ def main():
         record["test"] = bleu(tree, args, logdir, "test_2016_flickr", record["alpha"],
                               record_path)
     save(record, record_path)
+    print(row(record, args))
+
+
+def row(record, args):
+    """The candidate's Markdown row for `benchmarks/RESULTS.md`."""
     val = " / ".join(f"{record['val'][str(alpha)]:.2f}" for alpha in args.alphas)
-    print(f"| {record['date']} | `{commit}` | {args.name}: `{args.hparams}` | "
-          f"{record.get('steps')} ({record.get('flops_ratio')} of {record.get('budget')}'s "
-          f"FLOPs) | {record.get('train_minutes')} min | {val} "
-          f"({record['alpha']}) | {record.get('test', '')} | {record.get('max_rss_gb')} GB |")
+    counted = (f" ({record['flops_ratio']} of {record['budget']}'s FLOPs)"
+               if "flops_ratio" in record else "")  # a candidate counted before the count
+    return (f"| {record['date']} | `{record['commit']}` | {args.name}: `{args.hparams}` | "
+            f"{record.get('steps')}{counted} | {record.get('train_minutes')} min | {val} "
+            f"({record['alpha']}) | {record.get('test', '')} | {record.get('max_rss_gb')} GB |")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import math
 import os
 import sys
 
-from prerequisites import DEFAULT_DATA, ROOT, require_data
+from prerequisites import DEFAULT_DATA, ROOT, recipe, require_data
 from train_comparison import training_flops
 
 sys.path.insert(0, ROOT)
@@ -27,6 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402
 from kyu_transformer.data.corpus import Corpus  # noqa: E402
+from kyu_transformer.safety.writes import write_text  # noqa: E402
 
 # What the subword model depends on: recipes alike in these share a scratch folder.
 SUBWORD_KEYS = ("vocab_size", "subword_model_type", "seed", "src_lang", "tgt_lang")
@@ -38,8 +39,8 @@ def count(spec, data_dir, scratch):
     key = json.dumps([os.path.abspath(data_dir)] + [hparams[name] for name in SUBWORD_KEYS])
     model_dir = os.path.join(scratch, hashlib.sha256(key.encode()).hexdigest()[:12])
     corpus = Corpus(data_dir, model_dir, hparams, log=lambda line: None)
-    shape = {name: hparams[name] for name in ("d_model", "d_ff", "num_blocks")}
-    shape["vocab_size"] = corpus.subwords.vocab_size
+    # The model's sizes: its output layer has `vocab_size` rows, whatever the pieces' count.
+    shape = {name: hparams[name] for name in ("vocab_size", "d_model", "d_ff", "num_blocks")}
     per_update, cap = hparams["accumulate_steps"], hparams["steps_per_epoch"]
     batches = updates = flops = 0
     for epoch in range(hparams["num_epochs"]):
@@ -62,7 +63,7 @@ def describe(counted):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hparams", required=True, help="the recipe, as train.py's --hparams")
-    parser.add_argument("--budget", default=None, metavar="H",
+    parser.add_argument("--budget", default=None, metavar="H", type=recipe,
                         help="also count recipe H and print the ratio")
     parser.add_argument("--data_dir", default=DEFAULT_DATA)
     parser.add_argument("--scratch", default=os.path.join(ROOT, "runs", "flops"),
@@ -74,15 +75,21 @@ def main(argv=None):
         counted = {"candidate": count(args.hparams, data_dir, args.scratch)}
         if args.budget:
             counted["budget"] = count(args.budget, data_dir, args.scratch)
-    except ValueError as error:  # HParamsError among them
+    except ValueError as error:  # HParamsError and DataError among them
         sys.exit(f"error: {error}")
+    except OSError as error:  # a scratch folder or disk that cannot take the corpus
+        sys.exit(f"error: --scratch {args.scratch}: {error}")
+    except KeyboardInterrupt:
+        sys.exit("error: stopped by a signal before the counts were done; nothing written")
     print(f"training FLOPs of {describe(counted['candidate'])}")
     if args.budget:
         counted["ratio"] = counted["candidate"]["flops"] / counted["budget"]["flops"]
         print(f"budget, {describe(counted['budget'])}; ratio {counted['ratio']:.3f}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(counted, handle, indent=2)
+        try:
+            write_text(args.json, json.dumps(counted, indent=2))
+        except OSError as error:
+            sys.exit(f"error: --json {args.json}: {error}")
     if counted.get("ratio", 0) > 1:
         sys.exit(f"error: {args.hparams} would train on {counted['ratio']:.2f} times the FLOPs "
                  f"of --budget {args.budget}: fewer epochs or a smaller model")

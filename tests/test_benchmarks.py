@@ -184,8 +184,9 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
         f"{tmp_path / 'c' / 'search.json'}: run the same command again to go on")
     stopped = json.loads((tmp_path / "c" / "search.json").read_text())
     assert stopped["train_minutes"] > 0 and stopped["max_rss_gb"] > 0.1
-    counted = _training_flops_of_the_batches(candidate, data_dir, tmp_path / "counted")
-    assert (stopped["updates"], stopped["flops"]) == counted  # exactly: integers
+    # the batches of the candidate's own logdir: its subword model and prepared corpus
+    assert (stopped["updates"], stopped["flops"]) == _training_flops_of_the_batches(
+        candidate, data_dir, tmp_path / "c")  # exactly: integers
     assert 0.5 < stopped["flops_ratio"] < 1  # 60 updates against 90 of like batches
     assert stopped["flops_ratio"] == round(stopped["flops"] / stopped["budget_flops"], 3)
     assert stopped["steps"] is None and "val" not in stopped
@@ -220,19 +221,23 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
     assert rescored.returncode == 0, rescored.stderr[-3000:]
     record = json.loads((tmp_path / "c" / "search.json").read_text())
     assert record["decoded_in"] == "no" and "test" not in record and record["steps"] == 60
-    # a candidate over its budget is refused, in one line, once both are counted (in this
-    # process: recipe_search.py ends with the line of the program it ran)
+def test_a_recipe_over_its_budget_is_refused_once_both_are_counted(tmp_path):
+    """`training_flops.py --budget`: the counts written, then one line and exit 1 for a recipe
+    over the budget (recipe_search.py ends with that line)."""
+    data_dir = os.path.join(ROOT, "tests", "data", "multi30k")
     counts = tmp_path / "over.json"
-    flops_main = _benchmark_module("training_flops").main
     with pytest.raises(SystemExit) as refused:
-        flops_main(["--hparams", candidate, "--budget", "tiny,num_epochs=1,steps_per_epoch=30",
-                    "--data_dir", data_dir, "--scratch", str(tmp_path / "flops"),
-                    "--json", str(counts)])
-    ratio = json.loads(counts.read_text())["ratio"]
-    assert 1.5 < ratio < 2.5  # 60 updates against 30 of like batches
-    assert str(refused.value) == (
-        f"error: {candidate} would train on {ratio:.2f} times the FLOPs of --budget tiny,"
-        "num_epochs=1,steps_per_epoch=30: fewer epochs or a smaller model")
+        _benchmark_module("training_flops").main([
+            "--hparams", "tiny,steps_per_epoch=60", "--budget", "tiny,steps_per_epoch=30",
+            "--data_dir", data_dir, "--scratch", str(tmp_path / "flops"), "--json", str(counts)])
+    written = json.loads(counts.read_text())
+    ratio = written["ratio"]
+    assert written["candidate"]["updates"] == 60 and written["budget"]["updates"] == 30
+    assert 1.5 < ratio < 2.5  # twice the updates, of like batches
+    assert ratio == written["candidate"]["flops"] / written["budget"]["flops"]
+    assert refused.value.code == (  # a message: exit status 1
+        f"error: tiny,steps_per_epoch=60 would train on {ratio:.2f} times the FLOPs of --budget "
+        "tiny,steps_per_epoch=30: fewer epochs or a smaller model")
 
 
 def _benchmark_module(name):

@@ -164,8 +164,8 @@ def test_a_run_with_every_regularizer_killed_within_an_accumulated_update_resume
     fall between updates): a run killed after a checkpoint inside its first epoch retakes the
     update it was in, resumes into the same segmentations, masks and rates, and ends as the
     uninterrupted run, bit for bit, and with the same loss at every logged step (the steps
-    retaken too); with residual dropout alone the run ends elsewhere (the others take
-    effect: the comparison can fail). Steps, the cap and the plan count updates.
+    retaken too); with residual dropout alone (no other regularizer, the plain schedule) the
+    run ends elsewhere: the comparison can fail. Steps, the cap and the plan count updates.
     Exact on any device: both runs pass --deterministic (TensorFlow's deterministic ops) and
     compute on one machine's same device, TensorFloat-32 off or on in both."""
     flags = ["--num_epochs", "2", "--steps_per_epoch", "12", "--accumulate_steps", "2",

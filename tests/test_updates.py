@@ -189,7 +189,7 @@ def test_jit_compile_trains_as_the_plain_step(tmp_path):
     equal within the rounding Adam magnifies. Assumes a CPU: the plain runs take the GPU where
     one is seen."""
     mirrored = programs.start("-c", JIT_SCRIPT, ROOT, tmp_path)
-    tolerance = adam_rounding_tolerance(updates=3)
+    tolerance = adam_rounding_tolerance(updates=2)  # each run below makes two
     alone = jit_batches()[::2]  # XLA compiles each shape: two are enough here
     plain = train_to_the_end(alone, tmp_path / "plain")
     compiled = train_to_the_end(alone, tmp_path / "jit", jit_compile=True)
