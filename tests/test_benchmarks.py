@@ -221,6 +221,8 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
     assert rescored.returncode == 0, rescored.stderr[-3000:]
     record = json.loads((tmp_path / "c" / "search.json").read_text())
     assert record["decoded_in"] == "no" and "test" not in record and record["steps"] == 60
+
+
 def test_a_recipe_over_its_budget_is_refused_once_both_are_counted(tmp_path):
     """`training_flops.py --budget`: the counts written, then one line and exit 1 for a recipe
     over the budget (recipe_search.py ends with that line)."""
