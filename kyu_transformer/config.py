@@ -43,6 +43,10 @@ SPEC = {
                 "longest source, in subwords with EOS; longer pairs are dropped"),
     "maxlen2": (100, ARCHITECTURE,
                 "longest target, in subwords with BOS/EOS; longer pairs are dropped"),
+    "bidirectional_epochs": (0, RUN,
+                             "BiT: the first N epochs train on every pair both ways (source to "
+                             "target and target to source, one vocabulary), the others source "
+                             "to target; 0: off"),
     "batch_size": (128, RUN, "most sentence pairs in a batch"),
     "batch_tokens": (4096, RUN, "most (padded) tokens on either side of a batch; 0: no limit"),
     # model
@@ -116,7 +120,7 @@ POSITIVE = ("vocab_size", "maxlen1", "maxlen2", "batch_size", "d_model", "d_ff",
             "num_heads", "lr", "warmup_steps", "num_epochs", "keep_checkpoints", "log_every",
             "epsilon", "eval_batch_size", "accumulate_steps")
 NON_NEGATIVE = ("batch_tokens", "steps_per_epoch", "max_minutes", "checkpoint_every",
-                "eval_sentences", "seed", "subword_alpha", "decay_steps")
+                "eval_sentences", "seed", "subword_alpha", "decay_steps", "bidirectional_epochs")
 RATES = ("dropout_rate", "smoothing", "relu_dropout", "word_dropout")
 
 

@@ -231,6 +231,34 @@ def columns(sources, targets):
     return column_of(sources), column_of(targets)
 
 
+def test_columns_joined_read_both_arrays_where_they_are_through_the_pipeline(tmp_path):
+    """`IdColumn.joined`: the sentences of two columns over two arrays on disk (memory-mapped,
+    not copied), read by the pipeline's batches: every pair both ways, as BiT trains."""
+    def on_disk(name, sequences):
+        column = column_of(sequences)
+        path = tmp_path / name
+        column.ids.tofile(path)
+        return IdColumn(np.memmap(path, np.int32, mode="r"), column.begins, column.ends)
+
+    sources = on_disk("sources", [[5, 6], [7], [8, 9, 10]])
+    targets = on_disk("targets", [[11], [12, 13], [14, 15]])
+    forth, back = IdColumn.joined(sources, targets), IdColumn.joined(targets, sources)
+    assert lists_of(forth) == [[5, 6], [7], [8, 9, 10], [11], [12, 13], [14, 15]]
+    assert lists_of(back) == [[11], [12, 13], [14, 15], [5, 6], [7], [8, 9, 10]]
+    assert isinstance(forth.ids.first, np.memmap) and isinstance(forth.ids.second, np.memmap)
+    pairs = set()
+    for source, _, target_out in collect(pipeline.make_dataset(forth, back, batch_size=2)):
+        for row in range(len(source)):
+            pairs.add((tuple(source[row][source[row] > EOS_ID]),
+                       tuple(target_out[row][target_out[row] > EOS_ID])))
+    assert pairs == {((5, 6), (11,)), ((7,), (12, 13)), ((8, 9, 10), (14, 15)),
+                     ((11,), (5, 6)), ((12, 13), (7,)), ((14, 15), (8, 9, 10))}
+    same = IdColumn.joined(sources.rows(slice(0, 1)), sources.rows(slice(2, 3)))
+    assert same.ids is sources.ids and lists_of(same) == [[5, 6], [8, 9, 10]]  # no chain
+    with pytest.raises(IndexError, match="cross the border"):
+        forth.ids[5:7]  # no sentence lies across the two arrays
+
+
 def test_markers_are_added_and_pairs_too_long_with_them_dropped():
     batches = collect(pipeline.make_dataset(
         *columns([[5, 6], [5] * 9, [7], [6, 6, 6]], [[8], [9], [10] * 9, [11, 12, 13]]),

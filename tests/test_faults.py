@@ -159,26 +159,28 @@ def killed_at_first_checkpoint_and_resumed(tmp_path, flags):
 
 def test_a_run_with_every_regularizer_killed_within_an_accumulated_update_resumes_bit_identical(
         tmp_path):
-    """Attention, ReLU, word and residual dropout, sampled segmentations and the decaying
-    schedule, with `--accumulate_steps 2` (a step is an update of two batches; checkpoints
-    fall between updates): a run killed after a checkpoint inside its first epoch retakes the
-    update it was in, resumes into the same segmentations, masks and rates, and ends as the
-    uninterrupted run, bit for bit, and with the same loss at every logged step (the steps
-    retaken too); with residual dropout alone (no other regularizer, the plain schedule) the
-    run ends elsewhere: the comparison can fail. Steps, the cap and the plan count updates.
+    """Attention, ReLU, word and residual dropout, sampled segmentations, the decaying
+    schedule and a first epoch on the pairs both ways (BiT), with `--accumulate_steps 2` (a
+    step is an update of two batches; checkpoints fall between updates): a run killed after a
+    checkpoint inside its first epoch retakes the update it was in, resumes into the same
+    segmentations, masks and rates, and ends as the uninterrupted run, bit for bit, and with the
+    same loss at every logged step (the steps retaken too); with residual dropout alone (no
+    other regularizer, the plain schedule, one direction) the run ends elsewhere: the comparison
+    can fail. Steps, the cap and the plan count updates.
     Exact on any device: both runs pass --deterministic (TensorFlow's deterministic ops) and
     compute on one machine's same device, TensorFloat-32 off or on in both."""
     flags = ["--num_epochs", "2", "--steps_per_epoch", "12", "--accumulate_steps", "2",
              "--checkpoint_every", "3", "--log_every", "3", "--deterministic"]
     regularizers = ["--dropout_rate", "0.2", "--attention_dropout", "0.1", "--relu_dropout",
                     "0.2", "--word_dropout", "0.1", "--subword_alpha", "0.5", "--decay_steps",
-                    "50"]
+                    "50", "--bidirectional_epochs", "1"]
     straight, resumed = killed_at_first_checkpoint_and_resumed(tmp_path, flags + regularizers)
     step = re.search(r"resuming from \S+ckpt-(\d+) at step (\d+),", resumed.stdout)
     assert step and step.group(1) == step.group(2), resumed.stdout
     # mid-epoch, the data position said in updates (twice as many batches)
     assert re.search(r"epoch 1/2 \(resuming after [1-9]\d* steps\)", resumed.stdout)
     assert "subword regularization: alpha 0.5" in resumed.stdout
+    assert "both ways (BiT): the first 1 epochs" in resumed.stdout
     assert "done: 2 epochs, 24 steps" in resumed.stdout
     straight_output = straight.communicate(timeout=600)[0]
     assert straight.returncode == 0, straight_output

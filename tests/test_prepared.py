@@ -134,6 +134,26 @@ def test_the_subword_sample_is_every_pair_in_order_up_to_its_size_then_a_seeded_
 
 
 @pytest.mark.tensorflow_only("the Corpus builds tf.data batches")
+def test_bidirectional_epochs_train_every_pair_both_ways_then_one_way(tmp_path):
+    """BiT: the first `bidirectional_epochs` epochs hold every pair and every pair reversed
+    (twice the batches), the later ones the pairs as given; the counting of FLOPs sees them."""
+    from kyu_transformer.data.corpus import Corpus
+
+    lines = []
+    corpus = Corpus(MULTI30K, str(tmp_path / "log"), hp.parse("tiny,bidirectional_epochs=1"),
+                    log=lines.append)
+    forth, back = corpus.train_columns(0)
+    sources, targets = corpus.train_columns(1)
+    assert (sources, targets) == (corpus.prepared.sources, corpus.prepared.targets)
+    assert lists_of(forth) == lists_of(sources) + lists_of(targets)
+    assert lists_of(back) == lists_of(targets) + lists_of(sources)
+    both, one = len(corpus.train_batch_shapes(0)), len(corpus.train_batch_shapes(1))
+    assert 1.8 * one < both < 2.2 * one
+    assert ("both ways (BiT): the first 1 epochs train on every pair and every pair reversed "
+            "(twice the batches)") in lines
+
+
+@pytest.mark.tensorflow_only("the Corpus builds tf.data batches")
 def test_the_corpus_trains_todays_subword_model_on_a_corpus_within_the_sample(tmp_path):
     """Multi30k's 29,000 pairs are within the sample: the subword model is the one trained on
     every training sentence, sources then targets (as before the sample)."""

@@ -484,17 +484,17 @@ def test_mixed_precision_trains(tmp_path, multi30k_tiny, precision):
 
 def test_the_plan_counts_an_epochs_updates_and_its_estimate_keeps_to_the_budget():
     epoch = tf.data.Dataset.range(59).batch(2)  # 30 batches, a count tf.data knows
-    assert UpdatePlan.of_run(epoch, 3, 0, 0).total == 90
-    assert UpdatePlan.of_run(epoch, 3, 5, 0).total == 15  # steps_per_epoch caps each epoch
+    assert UpdatePlan.of_run([(epoch, 3)], 0, 0).total == 90
+    assert UpdatePlan.of_run([(epoch, 3)], 5, 0).total == 15  # steps_per_epoch caps each epoch
     unknown = epoch.filter(lambda batch: True)  # counted by going through it
     assert int(unknown.cardinality()) == tf.data.UNKNOWN_CARDINALITY
-    assert UpdatePlan.of_run(unknown, 3, 0, 0).total == 90
-    assert UpdatePlan.of_run(unknown, 3, 5, 0).total == 15
+    assert UpdatePlan.of_run([(unknown, 3)], 0, 0).total == 90
+    assert UpdatePlan.of_run([(unknown, 3)], 5, 0).total == 15
     # updates of 4 batches: 8 an epoch, the last of 2; the cap counts updates
-    assert UpdatePlan.of_run(epoch, 3, 0, 0, per_update=4).total == 24
-    assert UpdatePlan.of_run(epoch, 3, 5, 0, per_update=4).total == 15
-    assert UpdatePlan.of_run(epoch, 3, 8, 0, per_update=4).total == 24
-    resumed = UpdatePlan.of_run(epoch, 3, 0, 20)
+    assert UpdatePlan.of_run([(epoch, 3)], 0, 0, per_update=4).total == 24
+    assert UpdatePlan.of_run([(epoch, 3)], 5, 0, per_update=4).total == 15
+    assert UpdatePlan.of_run([(epoch, 3)], 8, 0, per_update=4).total == 24
+    resumed = UpdatePlan.of_run([(epoch, 3)], 0, 20)
     assert resumed.line(40) == ("plan: 3 epochs of about 30 updates, about 90 updates "
                                 "(70 to go), or 40 min of training")
     # a decay that ends before the plan does is said; one within 5% of its end is not
@@ -503,6 +503,13 @@ def test_the_plan_counts_an_epochs_updates_and_its_estimate_keeps_to_the_budget(
         "`decay_steps` is 80: the learning rate is 0 for the last 10 planned updates (set it "
         "to about the planned updates, or 0)")
     assert "warning" not in resumed.line(0, decay_steps=86) + resumed.line(0, decay_steps=200)
+    # epochs of two kinds (the first on the pairs both ways): each counted, in turn
+    both_ways = tf.data.Dataset.range(119).batch(2)  # 60 batches
+    mixed = UpdatePlan.of_run([(both_ways, 1), (epoch, 2)], 0, 0)
+    assert mixed.total == 60 + 2 * 30
+    assert mixed.line() == ("plan: 3 epochs (1 of about 60 updates, then 2 of about 30 "
+                            "updates), about 120 updates")
+    assert UpdatePlan.of_run([(both_ways, 1), (epoch, 2)], 20, 0).parts == [(3, 20)]  # capped
     measured = UpdatePlan.WARM_UP + UpdatePlan.MEASURE
     estimates = [resumed.seconds_left(step) for step in range(21, 21 + measured)]
     assert estimates[:-1] == [None] * (measured - 1)  # warm-up, then the pace is measured

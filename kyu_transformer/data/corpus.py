@@ -5,7 +5,7 @@ import os
 
 from kyu_transformer import filenames
 from kyu_transformer.data import pipeline
-from kyu_transformer.data.prepared import PreparedSplit
+from kyu_transformer.data.prepared import IdColumn, PreparedSplit
 from kyu_transformer.data.subwords import (
     SUBWORD_SAMPLE_SENTENCES, SegmentationSampler, Subwords, sample_pairs)
 from kyu_transformer.data.text import (
@@ -41,6 +41,9 @@ class Corpus:
         self.prepared = PreparedSplit.open_or_prepare(cache, paths, reader, self.fingerprint,
                                                       self.subwords, log)
         self._report(data_dir, log)
+        if hparams["bidirectional_epochs"]:
+            log(f"both ways (BiT): the first {hparams['bidirectional_epochs']} epochs train on "
+                "every pair and every pair reversed (twice the batches)")
         self.sampler = None
         if hparams.get("subword_alpha", 0.0) > 0:
             self.sampler = self._sampler(paths, reader, hparams["subword_alpha"], log)
@@ -80,12 +83,16 @@ class Corpus:
     def train_columns(self, epoch):
         """Returns ``(sources, targets)`` of `epoch` as `IdColumn`s: the best segmentations,
         or with `subword_alpha` those drawn with ``(seed, epoch)``, so that a resumed run draws
-        the same."""
+        the same; in the first `bidirectional_epochs`, every pair both ways."""
         if self.sampler is None:
-            return self.prepared.sources, self.prepared.targets
-        drawn = self.sampler.draw([self.hparams["seed"], epoch])
-        half = len(drawn) // 2  # the sampler holds the sources, then the targets
-        return drawn.rows(slice(0, half)), drawn.rows(slice(half, None))
+            sources, targets = self.prepared.sources, self.prepared.targets
+        else:
+            drawn = self.sampler.draw([self.hparams["seed"], epoch])
+            half = len(drawn) // 2  # the sampler holds the sources, then the targets
+            sources, targets = drawn.rows(slice(0, half)), drawn.rows(slice(half, None))
+        if epoch < self.hparams["bidirectional_epochs"]:  # BiT (Ding et al., 2021)
+            return IdColumn.joined(sources, targets), IdColumn.joined(targets, sources)
+        return sources, targets
 
     def train_batches(self, epoch, skip=0, share=None):
         """Returns the global batches of `epoch` (a `tf.data.Dataset`) from batch `skip` on,

@@ -53,6 +53,38 @@ class IdColumn:
         """Returns sentence `row`'s ids as an int32 array."""
         return np.asarray(self.ids[self.begins[row]:self.ends[row]], np.int32)
 
+    @classmethod
+    def joined(cls, first, second):
+        """Returns the column of `first`'s sentences, then `second`'s, reading their ids where
+        they are (no copy: a corpus on disk stays there)."""
+        ids, shift = first.ids, 0
+        if second.ids is not first.ids:
+            ids, shift = ChainedIds(first.ids, second.ids), len(first.ids)
+        return cls(ids, np.concatenate([first.begins, second.begins + shift]),
+                   np.concatenate([first.ends, second.ends + shift]))
+
+
+class ChainedIds:
+    """Two flat id arrays read as one: positions from ``len(first)`` on are `second`'s. A slice
+    lies within one of them (a sentence is never split)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __len__(self):
+        return len(self.first) + len(self.second)
+
+    def __getitem__(self, index):
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("ChainedIds reads a slice of consecutive ids")
+        start, stop, _ = index.indices(len(self))
+        border = len(self.first)
+        if stop <= border:
+            return self.first[start:stop]
+        if start >= border:
+            return self.second[start - border:stop - border]
+        raise IndexError(f"ids {start}:{stop} cross the border of two arrays at {border}")
+
 
 class PreparedSplit:
     """A prepared training split in `folder`: ``sources`` and ``targets`` (`IdColumn`s of

@@ -44,35 +44,49 @@ class TimeBudget:
 
 
 class UpdatePlan:
-    """Counts the updates a run makes (`epochs` of `per_epoch`, `done` of them before this
-    process) and estimates how long the rest takes at the pace measured here."""
+    """Counts the updates a run makes (`parts`: ``(epochs, updates an epoch)`` of each kind of
+    epoch in turn, `done` of them before this process) and estimates how long the rest takes at
+    the pace measured here."""
 
     WARM_UP = 10  # updates left out of the pace: the first ones trace and compile
     MEASURE = 20  # updates timed before the first estimate is said
 
-    def __init__(self, epochs, per_epoch, done):
-        self.epochs, self.per_epoch, self.done = epochs, per_epoch, done
-        self.total = epochs * per_epoch
+    def __init__(self, parts, done):
+        self.parts, self.done = parts, done
+        self.total = sum(epochs * per_epoch for epochs, per_epoch in parts)
         self._mark = None  # (step, time) once warmed up
 
     @classmethod
-    def of_run(cls, first_epoch, epochs, steps_per_epoch, done, per_update=1):
-        """Returns the plan of a run whose first epoch is the dataset `first_epoch`, of
-        `per_update` batches an update (the last of an epoch takes those left). Where the dataset
-        does not know the count of its batches, they are counted by going through them."""
-        if steps_per_epoch:
-            first_epoch = first_epoch.take(steps_per_epoch * per_update)
-        batches = int(first_epoch.cardinality())
-        if batches < 0:  # tf.data.UNKNOWN_CARDINALITY (an epoch is never endless)
-            batches = int(first_epoch.reduce(0, lambda count, _: count + 1))
-        return cls(epochs, math.ceil(batches / per_update), done)
+    def of_run(cls, kinds, steps_per_epoch, done, per_update=1):
+        """Returns the plan of a run whose epochs are `kinds`: ``(dataset of an epoch, epochs
+        alike)`` in turn, of `per_update` batches an update (the last of an epoch takes those
+        left). Where a dataset does not know the count of its batches, they are counted by
+        going through them."""
+        parts = []
+        for dataset, epochs in kinds:
+            if steps_per_epoch:
+                dataset = dataset.take(steps_per_epoch * per_update)
+            batches = int(dataset.cardinality())
+            if batches < 0:  # tf.data.UNKNOWN_CARDINALITY (an epoch is never endless)
+                batches = int(dataset.reduce(0, lambda count, _: count + 1))
+            per_epoch = math.ceil(batches / per_update)
+            if parts and parts[-1][1] == per_epoch:  # alike after all (a cap): one part
+                epochs += parts.pop()[0]
+            parts.append((epochs, per_epoch))
+        return cls(parts, done)
 
     def line(self, minutes=0, decay_steps=0):
         """Returns what the run says at its start, with a warning if the rate decays to 0 well
         before the planned updates end."""
         left = max(self.total - self.done, 0)
-        line = (f"plan: {self.epochs} epochs of about {self.per_epoch:,} updates, about "
-                f"{self.total:,} updates" + (f" ({left:,} to go)" if self.done else "")
+        epochs = [f"{count} of about {per_epoch:,} updates" for count, per_epoch in self.parts]
+        if len(epochs) == 1:
+            epochs = f"{self.parts[0][0]} epochs of about {self.parts[0][1]:,} updates"
+        else:
+            epochs = (f"{sum(count for count, _ in self.parts)} epochs "
+                      f"({', then '.join(epochs)})")
+        line = (f"plan: {epochs}, about {self.total:,} updates"
+                + (f" ({left:,} to go)" if self.done else "")
                 + (f", or {minutes:g} min of training" if minutes else ""))
         # Later epochs may bucket into a few batches more or less: a 5% margin.
         if decay_steps and decay_steps < 0.95 * self.total:

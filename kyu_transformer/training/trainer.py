@@ -142,8 +142,8 @@ class Trainer:
         self._train_step.stop_requested.assign(0.0)
         with StopRequests() as self._stop_requests:
             resumed_from = self._resume()
-            self.plan = UpdatePlan.of_run(make_epoch_batches(0), self.hparams["num_epochs"],
-                                          steps_per_epoch, self.global_step(), self.per_update)
+            self.plan = UpdatePlan.of_run(self._epoch_kinds(make_epoch_batches), steps_per_epoch,
+                                          self.global_step(), self.per_update)
             if self.chief and self.verbose:
                 print(self.plan.line(self.budget.minutes, self.schedule.decay_steps), flush=True)
             # A run killed after its budget was spent (and saved) trains no further.
@@ -158,6 +158,14 @@ class Trainer:
         return {"resumed_from": resumed_from, "steps": self.global_step(),
                 "epochs": int(self.epoch.numpy()), "stopped": stopped, "last_loss": self.last_loss,
                 "train_seconds": self.budget.used(), "checkpoint": self.last_saved}
+
+    def _epoch_kinds(self, make_epoch_batches):
+        """Returns ``(first epoch's batches, epochs alike)`` of the run's kinds of epoch: those
+        on the pairs both ways (`bidirectional_epochs`), then the others."""
+        epochs = self.hparams["num_epochs"]
+        both_ways = min(self.hparams.get("bidirectional_epochs", 0), epochs)
+        return [(make_epoch_batches(first), count)
+                for first, count in ((0, both_ways), (both_ways, epochs - both_ways)) if count]
 
     def _resume(self):
         """Restores the latest checkpoint, then opens the log and the clock; returns its path."""
