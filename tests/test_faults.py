@@ -90,9 +90,10 @@ def test_kills_signals_and_a_second_run_lose_nothing(tmp_path):
     """Kills at any moment (also during checkpoint writes), SIGTERM and SIGINT, a second
     run on the logdir: the same command resumes, ending as an uninterrupted run.
 
-    Resumption restores the weights, the optimizer, the data position and the
-    dropout layers' random states (dropout is on): the masks of a resumed step are
-    those the uninterrupted run draws at that step, so the weights end bit-identical.
+    Resumption restores the weights, the optimizer, the data position (in epochs on the pairs
+    both ways, BiT's, read from the prepared files) and the dropout layers' random states
+    (dropout is on): the masks of a resumed step are those the uninterrupted run draws at that
+    step, so the weights end bit-identical.
     Exact on any device: both runs pass --deterministic (TensorFlow's deterministic ops) and
     compute on one machine's same device, TensorFloat-32 off or on in both."""
     logdir = tmp_path / "log"
@@ -100,7 +101,7 @@ def test_kills_signals_and_a_second_run_lose_nothing(tmp_path):
     # Three epochs: the signals come in the second, and the run has a third still to train
     # whenever the poll sees their moment (on a busy machine it may see it late).
     flags = ["--num_epochs", "3", "--steps_per_epoch", "60", "--checkpoint_every", "4",
-             "--dropout_rate", "0.1", "--deterministic"]
+             "--dropout_rate", "0.1", "--deterministic", "--bidirectional_epochs", "2"]
     process = run_train(logdir, *flags, wait=False)
     wait_for(lambda: logged_steps(logdir), process)
     second_run_is_refused(process, logdir, flags)
@@ -180,7 +181,7 @@ def test_a_run_with_every_regularizer_killed_within_an_accumulated_update_resume
     # mid-epoch, the data position said in updates (twice as many batches)
     assert re.search(r"epoch 1/2 \(resuming after [1-9]\d* steps\)", resumed.stdout)
     assert "subword regularization: alpha 0.5" in resumed.stdout
-    assert "both ways (BiT): the first 1 epochs" in resumed.stdout
+    assert "both ways (BiT): the first epoch trains" in resumed.stdout
     assert "done: 2 epochs, 24 steps" in resumed.stdout
     straight_output = straight.communicate(timeout=600)[0]
     assert straight.returncode == 0, straight_output

@@ -41,9 +41,11 @@ class Corpus:
         self.prepared = PreparedSplit.open_or_prepare(cache, paths, reader, self.fingerprint,
                                                       self.subwords, log)
         self._report(data_dir, log)
-        if hparams["bidirectional_epochs"]:
-            log(f"both ways (BiT): the first {hparams['bidirectional_epochs']} epochs train on "
-                "every pair and every pair reversed (twice the batches)")
+        both_ways = hparams["bidirectional_epochs"]
+        if both_ways:
+            epochs = "epoch trains" if both_ways == 1 else f"{both_ways} epochs train"
+            log(f"both ways (BiT): the first {epochs} on every pair and every pair reversed "
+                "(about twice the batches)")
         self.sampler = None
         if hparams.get("subword_alpha", 0.0) > 0:
             self.sampler = self._sampler(paths, reader, hparams["subword_alpha"], log)

@@ -135,10 +135,12 @@ class Trainer:
         batches ``({"source", "target_in"}, target_out)``, the same for the same epoch, from
         batch `skip` on (a resumed run starts where it stopped), the rows of the replicas
         `share` (see `distribute_batches`; None: all) filled at least; `steps_per_epoch` caps
-        an epoch's updates. Returns a dict: ``resumed_from``, ``steps``, ``epochs``,
-        ``stopped`` (``"done"``, ``"time"``, ``"SIGTERM"``...), ``last_loss`` (the mean loss of
-        the last summary's updates), ``train_seconds`` (resumed runs included) and
-        ``checkpoint`` (the last saved, on the chief)."""
+        an epoch's updates; the plan counts the first `bidirectional_epochs` apart (their
+        batches hold every pair both ways, `Corpus.train_columns`). Returns a dict:
+        ``resumed_from``, ``steps``, ``epochs``, ``stopped`` (``"done"``, ``"time"``,
+        ``"SIGTERM"``...), ``last_loss`` (the mean loss of the last summary's updates),
+        ``train_seconds`` (resumed runs included) and ``checkpoint`` (the last saved, on the
+        chief)."""
         self._train_step.stop_requested.assign(0.0)
         with StopRequests() as self._stop_requests:
             resumed_from = self._resume()
