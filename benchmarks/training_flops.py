@@ -15,7 +15,6 @@ over its budget ends with an error (exit 1) after the counts are written.
 import argparse
 import hashlib
 import json
-import math
 import os
 import sys
 
@@ -28,6 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import hparams as hp  # noqa: E402
 from kyu_transformer.data.corpus import Corpus  # noqa: E402
 from kyu_transformer.safety.writes import write_text  # noqa: E402
+from kyu_transformer.training.clock import epoch_updates  # noqa: E402
 
 # What the subword model depends on: recipes alike in these share a scratch folder.
 SUBWORD_KEYS = ("vocab_size", "subword_model_type", "seed", "src_lang", "tgt_lang")
@@ -41,14 +41,13 @@ def count(spec, data_dir, scratch):
     corpus = Corpus(data_dir, model_dir, hparams, log=lambda line: None)
     # The model's sizes: its output layer has `vocab_size` rows, whatever the pieces' count.
     shape = {name: hparams[name] for name in ("vocab_size", "d_model", "d_ff", "num_blocks")}
-    per_update, cap = hparams["accumulate_steps"], hparams["steps_per_epoch"]
     batches = updates = flops = 0
     for epoch in range(hparams["num_epochs"]):
         shapes = corpus.train_batch_shapes(epoch)
-        if cap:
-            shapes = shapes[:cap * per_update]
-        batches += len(shapes)
-        updates += math.ceil(len(shapes) / per_update)
+        trained, made = epoch_updates(len(shapes), hparams["steps_per_epoch"],
+                                      hparams["accumulate_steps"])
+        shapes = shapes[:trained]
+        batches, updates = batches + trained, updates + made
         flops += sum(training_flops(shape, int(rows), int(source), int(target))
                      for rows, source, target in shapes)
     return {"hparams": spec, "shape": shape, "epochs": hparams["num_epochs"],

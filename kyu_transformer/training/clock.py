@@ -43,6 +43,14 @@ class TimeBudget:
         return line + f"; {self.left() / 60:.1f} of the {self.minutes:g} min budget left"
 
 
+def epoch_updates(batches, steps_per_epoch, per_update):
+    """Returns ``(batches trained, updates)`` of an epoch of `batches`: updates of `per_update`
+    batches (the last takes those left), at most `steps_per_epoch` of them (0: no cap)."""
+    if steps_per_epoch:
+        batches = min(batches, steps_per_epoch * per_update)
+    return batches, math.ceil(batches / per_update)
+
+
 class UpdatePlan:
     """Counts the updates a run makes (`parts`: ``(epochs, updates an epoch)`` of each kind of
     epoch in turn, `done` of them before this process) and estimates how long the rest takes at
@@ -64,12 +72,12 @@ class UpdatePlan:
         going through them."""
         parts = []
         for dataset, epochs in kinds:
-            if steps_per_epoch:
+            if steps_per_epoch:  # (counted no further than the cap)
                 dataset = dataset.take(steps_per_epoch * per_update)
             batches = int(dataset.cardinality())
             if batches < 0:  # tf.data.UNKNOWN_CARDINALITY (an epoch is never endless)
                 batches = int(dataset.reduce(0, lambda count, _: count + 1))
-            per_epoch = math.ceil(batches / per_update)
+            _, per_epoch = epoch_updates(batches, steps_per_epoch, per_update)
             if parts and parts[-1][1] == per_epoch:  # alike after all (a cap): one part
                 epochs += parts.pop()[0]
             parts.append((epochs, per_epoch))
