@@ -165,7 +165,7 @@ def prepare(folder, paths, reader, subwords, files, log=print):
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    progress.done(counts["pairs"], time.time() - started, folder)
+    progress.done(counts["pairs"], record["seconds"], folder)
 
 
 def _append(encoded, handles, end, dtype, unknown):
