@@ -18,7 +18,8 @@ import json
 import os
 
 from kyu_transformer.conventions import (
-    LAYER_NORM_EPSILON, NORM_POSITIONS, check_choice, check_decay, check_heads, check_rates)
+    LAYER_NORM_EPSILON, NORM_POSITIONS, NORM_TYPES, check_choice, check_decay, check_heads,
+    check_rates)
 from kyu_transformer.precision import AUTO, PRECISION_POLICIES
 from kyu_transformer.safety.writes import write_text
 
@@ -60,6 +61,12 @@ SPEC = {
     "word_dropout": (0.0, RUN, "dropout of whole token embeddings, source and target"),
     "norm_position": (NORM_POSITIONS[0], ARCHITECTURE,
                       "layer norm after (post) or before (pre) each sub-layer"),
+    "norm_type": (NORM_TYPES[0], ARCHITECTURE,
+                  "each normalization a layer norm (layer) or a ScaleNorm (scale: the vector "
+                  "scaled to one learned length; with pre, 'Transformers without Tears')"),
+    "fix_norm": (False, ARCHITECTURE,
+                 "FixNorm: every embedding row read at length 1, so the logits are the final "
+                 "state's length times cosines"),
     "sinusoid": (True, ARCHITECTURE, "sinusoid (true) or learned (false) positions"),
     "share_embeddings": (True, ARCHITECTURE, "one embedding table for source, target and output"),
     "epsilon": (LAYER_NORM_EPSILON, ARCHITECTURE, "layer-norm epsilon"),
@@ -114,7 +121,8 @@ def keys_of(role):
     return tuple(name for name, (_, key_role, _) in SPEC.items() if key_role == role)
 
 
-CHOICES = {"norm_position": NORM_POSITIONS, "mixed_precision": (*PRECISION_POLICIES, AUTO),
+CHOICES = {"norm_position": NORM_POSITIONS, "norm_type": NORM_TYPES,
+           "mixed_precision": (*PRECISION_POLICIES, AUTO),
            "subword_model_type": ("unigram", "bpe")}
 POSITIVE = ("vocab_size", "maxlen1", "maxlen2", "batch_size", "d_model", "d_ff", "num_blocks",
             "num_heads", "lr", "warmup_steps", "num_epochs", "keep_checkpoints", "log_every",

@@ -28,6 +28,10 @@ QUANTIZATIONS = ("float32", "int8", "int8_float32")
 # original) or before the sub-layer ("pre").
 NORM_POSITIONS = ("post", "pre")
 
+# What each normalization computes: layer norm (mean and variance, a gain and a bias per unit)
+# or ScaleNorm (Nguyen & Salazar 2019: the vector scaled to one learned length).
+NORM_TYPES = ("layer", "scale")
+
 # 1e-6 as OpenNMT-tf and tensor2tensor; the original's 1e-8 is zero in float16. Trained models
 # keep theirs (a TensorFlow 1 import: 1e-8).
 LAYER_NORM_EPSILON = 1e-6

@@ -4,7 +4,8 @@
 Where the original was wrong the default is corrected (see each layer): the sinusoid exponent,
 padding told by `PAD_ID`, linear Q/K/V projections, masking that holds in float16. A sub-layer
 `F` (attention, feed-forward) sits in a residual connection as the paper's section 3.1 says:
-``"post"`` (the original) computes ``LN(x + Dropout(F(x)))``, ``"pre"`` ``x + Dropout(F(LN(x)))``.
+``"post"`` (the original) computes ``LN(x + Dropout(F(x)))``, ``"pre"`` ``x + Dropout(F(LN(x)))``,
+``LN`` a layer norm (`Normalize`) or, with ``norm_type="scale"``, a `ScaleNorm`.
 Shapes in comments: ``N`` batch, ``T_q``/``T_k`` query/key steps, ``C`` width, ``h`` heads,
 ``d_k`` head width, ``V`` vocabulary. Masks are boolean (``True`` = keep), given or read from the
 Keras mask.
@@ -18,7 +19,8 @@ from keras import ops
 
 from kyu_transformer import fast_paths as fast
 from kyu_transformer.conventions import (
-    LAYER_NORM_EPSILON, NORM_POSITIONS, PAD_ID, check_choice, check_heads, check_rates)
+    LAYER_NORM_EPSILON, NORM_POSITIONS, NORM_TYPES, PAD_ID, check_choice, check_heads,
+    check_rates)
 from kyu_transformer.replicas import replica_seeds
 
 ENCODING_STYLES = ("interleaved", "concat")
@@ -57,6 +59,63 @@ class Normalize(keras.layers.LayerNormalization):
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
+class ScaleNorm(keras.layers.Layer):
+    """Scales each vector to one learned length (ScaleNorm, Nguyen & Salazar 2019, "Transformers
+    without Tears"): a single gain `g` in place of layer norm's centring and per-unit gains and
+    biases.
+
+    Args:
+      epsilon: Small number added to the squared length (a zero vector gives zeros, not a
+        division by zero).
+
+    Call arguments:
+      inputs: A tensor `(..., C)`.
+
+    Returns:
+      ``g * x / sqrt(sum(x^2) + epsilon)`` over the last axis (float32 arithmetic), same shape;
+      `g` starts at ``sqrt(C)``, the length of a unit-variance vector.
+    """
+
+    def __init__(self, epsilon=LAYER_NORM_EPSILON, **kwargs):
+        super().__init__(**kwargs)
+        self.epsilon = float(epsilon)
+        self.supports_masking = True
+
+    def build(self, input_shape):
+        # float32 even when read under a mixed policy, as layer norm's weights
+        self.gain = self.add_weight(
+            name="gain", shape=(), autocast=False,
+            initializer=keras.initializers.Constant(math.sqrt(input_shape[-1])))
+
+    def call(self, inputs):
+        x = ops.cast(inputs, "float32")
+        squared_length = ops.sum(ops.square(x), axis=-1, keepdims=True)  # (..., 1)
+        scale = self.gain * ops.rsqrt(squared_length + self.epsilon)  # (..., 1)
+        return ops.cast(x * scale, inputs.dtype)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return dict(super().get_config(), epsilon=self.epsilon)
+
+
+def make_norm(norm_type, epsilon, name):
+    """Returns the normalization `norm_type` names (`NORM_TYPES`): a `Normalize` (layer norm) or
+    a `ScaleNorm`, with `epsilon`."""
+    check_choice("norm_type", norm_type, NORM_TYPES)
+    return (Normalize if norm_type == "layer" else ScaleNorm)(epsilon=epsilon, name=name)
+
+
+def unit_rows(table):
+    """Returns a table `(V, C)` with each row scaled to length 1 (float32 arithmetic, in the
+    table's dtype); a zero row (padding) stays zero."""
+    rows = ops.cast(table, "float32")
+    squared = ops.maximum(ops.sum(ops.square(rows), axis=-1, keepdims=True), 1e-24)  # (V, 1)
+    return ops.cast(rows * ops.rsqrt(squared), table.dtype)
+
+
+@keras.saving.register_keras_serializable(package="kyu_transformer")
 class Embedding(keras.layers.Layer):
     """Looks token ids up in a table and multiplies them by ``sqrt(C)`` (the original
     ``embedding`` with its defaults ``zero_pad=True, scale=True``); `PAD_ID` embeds to zeros.
@@ -68,6 +127,8 @@ class Embedding(keras.layers.Layer):
       vocab_size: Number of ids `V`.
       num_units: Width `C` of an embedding.
       embeddings_initializer: Initializer of the table (Glorot uniform, the original's Xavier).
+      unit_norm: FixNorm (Nguyen & Chiang 2018): every row is read at length 1 (`unit_rows`),
+        by the lookups and by `attend`, whose logits are then lengths times cosines.
 
     Call arguments:
       inputs: Integer ids `(N, T)`.
@@ -77,13 +138,15 @@ class Embedding(keras.layers.Layer):
       Embeddings `(N, T, C)`, with the Keras mask ``ids != PAD_ID``.
     """
 
-    def __init__(self, vocab_size, num_units, embeddings_initializer="glorot_uniform", **kwargs):
+    def __init__(self, vocab_size, num_units, embeddings_initializer="glorot_uniform",
+                 unit_norm=False, **kwargs):
         super().__init__(**kwargs)
         if vocab_size < 1 or num_units < 1:
             raise ValueError(
                 f"`vocab_size` and `num_units` must be positive, got {vocab_size} and {num_units}.")
         self.vocab_size, self.num_units = int(vocab_size), int(num_units)
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+        self.unit_norm = bool(unit_norm)
         self.supports_masking = True
 
     def build(self, input_shape=None):
@@ -99,10 +162,12 @@ class Embedding(keras.layers.Layer):
         return ops.where(ops.convert_to_tensor(self._keep_rows > 0), table, ops.zeros_like(table))
 
     def table(self):
-        """Returns the lookup table `(V, C)` in the compute dtype, its padding row zero."""
+        """Returns the lookup table `(V, C)` in the compute dtype, its padding row zero (and the
+        others of length 1 with `unit_norm`)."""
         if not self.built:
             self.build()
-        table = ops.cast(self.embeddings, self.compute_dtype)  # (V, C)
+        table = unit_rows(self.embeddings) if self.unit_norm else self.embeddings
+        table = ops.cast(table, self.compute_dtype)  # (V, C)
         return table * ops.cast(self._keep_rows, self.compute_dtype)
 
     def call(self, inputs, table=None):
@@ -125,7 +190,7 @@ class Embedding(keras.layers.Layer):
     def get_config(self):
         initializer = keras.initializers.serialize(self.embeddings_initializer)
         return dict(super().get_config(), vocab_size=self.vocab_size, num_units=self.num_units,
-                    embeddings_initializer=initializer)
+                    embeddings_initializer=initializer, unit_norm=self.unit_norm)
 
 
 def sinusoid_table(maxlen, num_units, style="interleaved"):
@@ -357,7 +422,8 @@ class MultiHeadAttention(keras.layers.Layer):
       output_projection: If True, a `Dense` (`output_dense`) maps the concatenated heads.
       norm_position: ``"post"`` (the original) or ``"pre"`` (see the module's docstring); in
         pre-norm self-attention the normalized queries are also the keys and values.
-      epsilon: Epsilon of the `Normalize` layer (`norm`).
+      epsilon: Epsilon of the normalization (`norm`).
+      norm_type: ``"layer"`` (a `Normalize`, the original) or ``"scale"`` (a `ScaleNorm`).
       residual_dropout_rate: Dropout before the residual sum (training only; 0 originally).
 
     Call arguments:
@@ -381,7 +447,8 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def __init__(self, num_heads=8, dropout_rate=0.0, causality=False, use_bias=True,
                  projection_activation=None, output_projection=False, norm_position="post",
-                 epsilon=LAYER_NORM_EPSILON, residual_dropout_rate=0.0, **kwargs):
+                 epsilon=LAYER_NORM_EPSILON, residual_dropout_rate=0.0, norm_type="layer",
+                 **kwargs):
         super().__init__(**kwargs)
         check_choice("norm_position", norm_position, NORM_POSITIONS)
         check_rates(dropout_rate=dropout_rate, residual_dropout_rate=residual_dropout_rate)
@@ -390,10 +457,10 @@ class MultiHeadAttention(keras.layers.Layer):
         self.projection_activation = keras.activations.get(projection_activation)
         self.output_projection = bool(output_projection)
         self.norm_position, self.epsilon = norm_position, float(epsilon)
-        self.residual_dropout_rate = float(residual_dropout_rate)
+        self.residual_dropout_rate, self.norm_type = float(residual_dropout_rate), norm_type
         self.attention = ScaledDotProductAttention(self.dropout_rate)
         self.residual_dropout = Dropout(self.residual_dropout_rate)
-        self.norm = Normalize(epsilon=self.epsilon, name="norm")
+        self.norm = make_norm(norm_type, self.epsilon, name="norm")
         self.supports_masking = True
 
     def build(self, queries_shape, keys_shape=None, values_shape=None):
@@ -471,7 +538,8 @@ class MultiHeadAttention(keras.layers.Layer):
             causality=self.causality, use_bias=self.use_bias,
             projection_activation=keras.activations.serialize(self.projection_activation),
             output_projection=self.output_projection, norm_position=self.norm_position,
-            epsilon=self.epsilon, residual_dropout_rate=self.residual_dropout_rate)
+            epsilon=self.epsilon, residual_dropout_rate=self.residual_dropout_rate,
+            norm_type=self.norm_type)
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -483,7 +551,7 @@ class FeedForward(keras.layers.Layer):
       num_units: ``(inner, outer)`` widths; `outer` must equal the input width.
       dropout_rate: Dropout on the output before the residual sum (training).
       activation: Activation of the inner layer (``"relu"`` as the original).
-      norm_position, epsilon: As `MultiHeadAttention`'s.
+      norm_position, epsilon, norm_type: As `MultiHeadAttention`'s.
       inner_dropout_rate: Dropout on the inner activations (training; 0 originally).
 
     Call arguments:
@@ -495,7 +563,7 @@ class FeedForward(keras.layers.Layer):
 
     def __init__(self, num_units=(2048, 512), dropout_rate=0.0, activation="relu",
                  norm_position="post", epsilon=LAYER_NORM_EPSILON, inner_dropout_rate=0.0,
-                 **kwargs):
+                 norm_type="layer", **kwargs):
         super().__init__(**kwargs)
         check_choice("norm_position", norm_position, NORM_POSITIONS)
         check_rates(dropout_rate=dropout_rate, inner_dropout_rate=inner_dropout_rate)
@@ -510,7 +578,8 @@ class FeedForward(keras.layers.Layer):
         self.inner_dropout = Dropout(self.inner_dropout_rate)
         self.outer_dense = keras.layers.Dense(self.num_units[1], name="outer_dense")
         self.dropout = Dropout(self.dropout_rate)
-        self.norm = Normalize(epsilon=self.epsilon, name="norm")
+        self.norm_type = norm_type
+        self.norm = make_norm(norm_type, self.epsilon, name="norm")
         self.supports_masking = True
 
     def build(self, input_shape):
@@ -535,7 +604,8 @@ class FeedForward(keras.layers.Layer):
         return dict(super().get_config(), num_units=list(self.num_units),
                     dropout_rate=self.dropout_rate, inner_dropout_rate=self.inner_dropout_rate,
                     activation=keras.activations.serialize(self.activation),
-                    norm_position=self.norm_position, epsilon=self.epsilon)
+                    norm_position=self.norm_position, epsilon=self.epsilon,
+                    norm_type=self.norm_type)
 
 
 def label_smoothing(inputs, epsilon=0.1):
@@ -556,9 +626,10 @@ class _Block(keras.layers.Layer):
 
     def __init__(self, num_heads, d_ff, dropout_rate=0.0, norm_position="post",
                  epsilon=LAYER_NORM_EPSILON, attention_dropout_rate=None, inner_dropout_rate=0.0,
-                 **kwargs):
+                 norm_type="layer", **kwargs):
         super().__init__(**kwargs)
         check_choice("norm_position", norm_position, NORM_POSITIONS)
+        check_choice("norm_type", norm_type, NORM_TYPES)
         self.num_heads, self.d_ff = int(num_heads), int(d_ff)
         attention_rate = dropout_rate if attention_dropout_rate is None else attention_dropout_rate
         check_rates(dropout_rate=dropout_rate, inner_dropout_rate=inner_dropout_rate,
@@ -566,25 +637,26 @@ class _Block(keras.layers.Layer):
         self.dropout_rate, self.inner_dropout_rate = float(dropout_rate), float(inner_dropout_rate)
         self.attention_dropout_rate = float(attention_rate)
         self.norm_position, self.epsilon = norm_position, float(epsilon)
-        self.fast_paths = fast.enabled()
+        self.norm_type, self.fast_paths = norm_type, fast.enabled()
         self.supports_masking = True
 
     def _attention(self, name, causality=False):
         return set_fast_paths(MultiHeadAttention(
             num_heads=self.num_heads, dropout_rate=self.attention_dropout_rate,
             causality=causality, output_projection=True, norm_position=self.norm_position,
-            epsilon=self.epsilon, residual_dropout_rate=self.dropout_rate, name=name),
-            self.fast_paths)
+            epsilon=self.epsilon, residual_dropout_rate=self.dropout_rate,
+            norm_type=self.norm_type, name=name), self.fast_paths)
 
     def _feed_forward(self, d_model):
         return set_fast_paths(FeedForward(
             (self.d_ff, d_model), dropout_rate=self.dropout_rate,
             norm_position=self.norm_position, epsilon=self.epsilon,
-            inner_dropout_rate=self.inner_dropout_rate, name="feed_forward"), self.fast_paths)
+            inner_dropout_rate=self.inner_dropout_rate, norm_type=self.norm_type,
+            name="feed_forward"), self.fast_paths)
 
     def get_config(self):
         names = ("num_heads", "d_ff", "dropout_rate", "norm_position", "epsilon",
-                 "attention_dropout_rate", "inner_dropout_rate")
+                 "attention_dropout_rate", "inner_dropout_rate", "norm_type")
         return dict(super().get_config(), **{name: getattr(self, name) for name in names})
 
 
@@ -596,7 +668,7 @@ class EncoderBlock(_Block):
     Args:
       num_heads: Attention heads; d_ff: inner width of the feed-forward net.
       dropout_rate: Dropout on each sub-layer's output.
-      norm_position, epsilon: As `MultiHeadAttention`'s, for every sub-layer.
+      norm_position, epsilon, norm_type: As `MultiHeadAttention`'s, for every sub-layer.
       attention_dropout_rate: Dropout on the attention weights; None: `dropout_rate`.
       inner_dropout_rate: Dropout on the feed-forward net's inner activations.
 

@@ -7,9 +7,10 @@ import keras
 from keras import ops
 
 from kyu_transformer.conventions import (
-    LAYER_NORM_EPSILON, NORM_POSITIONS, PAD_ID, check_choice, check_heads, check_rates)
+    LAYER_NORM_EPSILON, NORM_POSITIONS, NORM_TYPES, PAD_ID, check_choice, check_heads,
+    check_rates)
 from kyu_transformer.layers import (
-    DecoderBlock, Dropout, Embedding, EncoderBlock, Normalize, PositionalEncoding, set_fast_paths)
+    DecoderBlock, Dropout, Embedding, EncoderBlock, PositionalEncoding, make_norm, set_fast_paths)
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -31,6 +32,9 @@ class Transformer(keras.Model):
       attention_dropout: Dropout on the attention weights; None: `dropout_rate`.
       relu_dropout: Dropout on the feed-forward nets' inner activations.
       word_dropout: Dropout of whole token embeddings (before the positions), on both sides.
+      norm_type: ``"layer"`` (layer norm, the original) or ``"scale"`` (`ScaleNorm`), for every
+        normalization.
+      fix_norm: Every embedding row read at length 1 (`Embedding`'s `unit_norm`, FixNorm).
 
     Call arguments:
       inputs: ``{"source": ids (N, S), "target_in": ids (N, T)}``, the target shifted right
@@ -43,9 +47,11 @@ class Transformer(keras.Model):
     def __init__(self, vocab_size, d_model=512, d_ff=2048, num_blocks=6, num_heads=8,
                  maxlen1=100, maxlen2=100, dropout_rate=0.1, norm_position="post",
                  sinusoid=True, share_embeddings=True, epsilon=LAYER_NORM_EPSILON,
-                 attention_dropout=None, relu_dropout=0.0, word_dropout=0.0, **kwargs):
+                 attention_dropout=None, relu_dropout=0.0, word_dropout=0.0, norm_type="layer",
+                 fix_norm=False, **kwargs):
         super().__init__(**kwargs)
         check_choice("norm_position", norm_position, NORM_POSITIONS)
+        check_choice("norm_type", norm_type, NORM_TYPES)
         attention_dropout = dropout_rate if attention_dropout is None else attention_dropout
         check_rates(dropout_rate=dropout_rate, attention_dropout=attention_dropout,
                     relu_dropout=relu_dropout, word_dropout=word_dropout)
@@ -57,10 +63,13 @@ class Transformer(keras.Model):
         self.sinusoid, self.share_embeddings = bool(sinusoid), bool(share_embeddings)
         self.epsilon, self.word_dropout = float(epsilon), float(word_dropout)
         self.attention_dropout, self.relu_dropout = float(attention_dropout), float(relu_dropout)
+        self.norm_type, self.fix_norm = norm_type, bool(fix_norm)
 
-        self.target_embedding = Embedding(vocab_size, d_model, name="target_embedding")
-        self.source_embedding = (self.target_embedding if share_embeddings
-                                 else Embedding(vocab_size, d_model, name="source_embedding"))
+        self.target_embedding = Embedding(vocab_size, d_model, unit_norm=fix_norm,
+                                          name="target_embedding")
+        self.source_embedding = (
+            self.target_embedding if share_embeddings
+            else Embedding(vocab_size, d_model, unit_norm=fix_norm, name="source_embedding"))
         self.source_positions = PositionalEncoding(maxlen1, d_model, sinusoid=sinusoid,
                                                    name="source_positions")
         self.target_positions = PositionalEncoding(maxlen2, d_model, sinusoid=sinusoid,
@@ -72,13 +81,13 @@ class Transformer(keras.Model):
         args = dict(num_heads=num_heads, d_ff=d_ff, dropout_rate=dropout_rate,
                     norm_position=norm_position, epsilon=epsilon,
                     attention_dropout_rate=self.attention_dropout,
-                    inner_dropout_rate=self.relu_dropout)
+                    inner_dropout_rate=self.relu_dropout, norm_type=norm_type)
         self.encoder_blocks = [EncoderBlock(**args, name=f"encoder_{i}") for i in range(num_blocks)]
         self.decoder_blocks = [DecoderBlock(**args, name=f"decoder_{i}") for i in range(num_blocks)]
         # A pre-norm stack leaves its last residual sum unnormalized: it ends with a norm.
         pre_norm = norm_position == "pre"
-        self.encoder_norm = Normalize(epsilon, name="encoder_norm") if pre_norm else None
-        self.decoder_norm = Normalize(epsilon, name="decoder_norm") if pre_norm else None
+        self.encoder_norm = make_norm(norm_type, epsilon, "encoder_norm") if pre_norm else None
+        self.decoder_norm = make_norm(norm_type, epsilon, "decoder_norm") if pre_norm else None
 
     @classmethod
     def from_hparams(cls, hparams, **kwargs):

@@ -18,9 +18,10 @@ EMBEDDINGS = "shared_weight_matrix/weight_mat"  # input embeddings of both sides
 # Its flags that make the model, and those of training that mean the same here.
 MODEL_KEYS = ("vocab_size", "d_model", "d_ff", "num_blocks", "num_heads", "maxlen1", "maxlen2")
 TRAINING_KEYS = ("dropout_rate", "smoothing")
-# That model in this project's terms (post-norm, sinusoids zero at padding, one table, its
-# layer-norm epsilon): --hparams must keep them.
-FIXED = {"norm_position": "post", "sinusoid": True, "share_embeddings": True, "epsilon": 1e-8}
+# That model in this project's terms (post-norm with layer norms, sinusoids zero at padding, one
+# table read as it is, its layer-norm epsilon): --hparams must keep them.
+FIXED = {"norm_position": "post", "norm_type": "layer", "fix_norm": False, "sinusoid": True,
+         "share_embeddings": True, "epsilon": 1e-8}
 # Adam's slots and accumulators, and the step: training state, not the model.
 OPTIMIZER_NAMES = ("beta1_power", "beta2_power", "global_step")
 OPTIMIZER_SUFFIXES = ("/Adam", "/Adam_1")

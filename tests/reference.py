@@ -9,6 +9,11 @@ def layer_norm(x, gamma, beta, epsilon):
     return gamma * (x - mean) / np.sqrt(variance + epsilon) + beta
 
 
+def scale_norm(x, gain, epsilon):
+    """ScaleNorm: each vector scaled to length `gain` (Nguyen & Salazar 2019)."""
+    return gain * x / np.sqrt((x ** 2).sum(-1, keepdims=True) + epsilon)
+
+
 def softmax(x):
     shifted = np.exp(x - x.max(-1, keepdims=True))
     return shifted / shifted.sum(-1, keepdims=True)

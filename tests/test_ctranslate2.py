@@ -352,12 +352,15 @@ def test_quantized_models_write_and_translate(trained, tmp_path, quantization):
 
 # -------------------------------------------------------- untrained models
 
-@pytest.mark.parametrize("norm_position, share_embeddings, sinusoid", [
-    ("pre", True, True), ("pre", False, False), ("post", False, False)])
+@pytest.mark.parametrize("norm_position, share_embeddings, sinusoid, norm_type, fix_norm", [
+    ("pre", True, True, "layer", False), ("pre", False, False, "layer", False),
+    ("post", False, False, "layer", False), ("pre", True, True, "scale", True),
+    ("post", False, True, "scale", False)])
 @pytest.mark.cpu_exact
 def test_untrained_models_convert_exactly(subwords, tmp_path, norm_position, share_embeddings,
-                                          sinusoid):
-    """Pre-norm, a source table apart, learned positions; an epsilon far from CTranslate2's.
+                                          sinusoid, norm_type, fix_norm):
+    """Pre-norm, a source table apart, learned positions, ScaleNorm (each gain its own) and
+    FixNorm; an epsilon far from CTranslate2's.
 
     With epsilon 1e-2, a conversion that left CTranslate2's default epsilon
     in place would be off by about 1e-3 in log-probability.
@@ -365,7 +368,12 @@ def test_untrained_models_convert_exactly(subwords, tmp_path, norm_position, sha
     whose kernels round otherwise and may tip a near-tie between two tokens.
     """
     model = _random_model(subwords.vocab_size, norm_position, share_embeddings=share_embeddings,
-                          sinusoid=sinusoid, epsilon=1e-2)
+                          sinusoid=sinusoid, epsilon=1e-2, norm_type=norm_type,
+                          fix_norm=fix_norm)
+    gains = [weight for weight in model.weights if weight.path.endswith("/gain")]
+    assert len(gains) == (norm_type == "scale") * (5 * 2 + 2 * (norm_position == "pre"))
+    for gain, value in zip(gains, np.random.default_rng(5).uniform(2.0, 8.0, len(gains))):
+        gain.assign(value)
     out_dir = convert(model, {"epsilon": 1e-2}, subwords, str(tmp_path / "model"))
     val, _, _ = load_split(MULTI30K, "val")
     sources = subwords.encode(val[:80])

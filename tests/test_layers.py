@@ -10,7 +10,8 @@ from keras import ops
 from kyu_transformer.conventions import LAYER_NORM_EPSILON
 from kyu_transformer.layers import (
     DecoderBlock, Dropout, Embedding, EncoderBlock, FeedForward, MultiHeadAttention, Normalize,
-    PositionalEncoding, ScaledDotProductAttention, label_smoothing, project_heads)
+    PositionalEncoding, ScaledDotProductAttention, ScaleNorm, label_smoothing, make_norm,
+    project_heads)
 from tests import reference
 from tests.test_fast_paths import switched
 
@@ -79,6 +80,53 @@ def test_normalize_over_another_axis_matches_numpy(rng):
     moved = np.moveaxis(x, 1, -1)
     expected = np.moveaxis(reference.layer_norm(moved, 1.0, 0.0, layer.epsilon), -1, 1)
     np.testing.assert_allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- ScaleNorm
+
+def test_scale_norm_matches_numpy_and_keeps_a_zero_vector_zero(rng):
+    x = rng.normal(size=(2, 5, 8)).astype("float32") * 3 + 1
+    x[1, 4] = 0.0  # a padding position's state
+    layer = ScaleNorm(epsilon=1e-2)
+    layer.build(x.shape)
+    np.testing.assert_allclose(layer.gain, math.sqrt(8))  # a unit-variance vector's length
+    layer.gain.assign(2.5)
+    outputs = np.asarray(layer(x))
+    np.testing.assert_allclose(outputs, reference.scale_norm(x, 2.5, 1e-2), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(outputs[1, 4], 0.0)
+    lengths = np.linalg.norm(outputs[0], axis=-1)
+    assert np.all(np.abs(lengths - 2.5) < 2.5 * 1e-2)  # the epsilon's share only
+    assert [w.path.split("/")[-1] for w in layer.weights] == ["gain"]
+    assert ScaleNorm.from_config(layer.get_config()).epsilon == 1e-2
+
+
+def test_scale_norm_in_bfloat16_keeps_a_float32_gain_and_its_gradient(rng, value_and_gradients):
+    x = (rng.normal(size=(4, 6, 32)) * 3 + 1).astype("float32")
+    layer = ScaleNorm(dtype="mixed_bfloat16")
+    layer.build(x.shape)
+    layer.gain.assign(3.0)
+
+    def loss(inputs):
+        return ops.sum(ops.cast(layer(inputs), "float32")), None
+
+    outputs = layer(ops.cast(x, "bfloat16"))
+    assert keras.backend.standardize_dtype(outputs.dtype) == "bfloat16"
+    rounded = np.asarray(ops.cast(ops.cast(x, "bfloat16"), "float32"))
+    np.testing.assert_allclose(ops.cast(outputs, "float32"),
+                               reference.scale_norm(rounded, 3.0, layer.epsilon), rtol=1e-2)
+    (gain_gradient,) = value_and_gradients(loss, [ops.cast(x, "bfloat16")], [layer.gain])[1][1:]
+    assert keras.backend.standardize_dtype(gain_gradient.dtype) == "float32"
+    # d/dg of sum(g x / |x|) is sum(x / |x|)
+    np.testing.assert_allclose(
+        gain_gradient, reference.scale_norm(rounded, 1.0, layer.epsilon).sum(), rtol=2e-2)
+
+
+def test_make_norm_names_the_two_types_and_refuses_a_third():
+    assert type(make_norm("layer", 1e-3, "norm")) is Normalize
+    norm = make_norm("scale", 1e-3, "norm")
+    assert (type(norm), norm.epsilon, norm.name) == (ScaleNorm, 1e-3, "norm")
+    with pytest.raises(ValueError, match="`norm_type` must be one of layer, scale, got 'rms'"):
+        make_norm("rms", 1e-3, "norm")
 
 
 # ---------------------------------------------------------------- Dropout
@@ -239,6 +287,20 @@ def test_embedding_attend_is_matmul_with_table(rng):
     x = rng.normal(size=(2, 3, 6)).astype("float32")
     np.testing.assert_allclose(layer.attend(x), x @ np.asarray(layer.embeddings).T,
                                rtol=1e-5, atol=1e-6)
+
+
+def test_embedding_with_unit_norm_reads_every_row_at_length_one(rng):
+    ids = padded_ids(rng, vocab=20)
+    layer = Embedding(20, 6, unit_norm=True)
+    outputs = np.asarray(layer(ids))  # (N, T, C)
+    table = np.asarray(layer.embeddings)
+    units = np.concatenate([table[:1], table[1:] / np.linalg.norm(table[1:], axis=-1,
+                                                                   keepdims=True)])
+    np.testing.assert_allclose(outputs, units[ids] * math.sqrt(6), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(outputs[ids == 0], 0.0)
+    x = rng.normal(size=(2, 3, 6)).astype("float32")
+    np.testing.assert_allclose(layer.attend(x), x @ units.T, rtol=1e-5, atol=1e-6)
+    assert Embedding.from_config(layer.get_config()).unit_norm is True
 
 
 def test_embedding_pad_row_stays_zero_after_optimizer_steps(value_and_gradients):
@@ -668,6 +730,20 @@ def test_feedforward_matches_numpy(rng, norm_position, activation):
     expected = ln(x + inner(x)) if norm_position == "post" else x + inner(ln(x))
     np.testing.assert_allclose(outputs, expected, atol=1e-5)
     assert layer.inner_dense.kernel.shape == (8, 16)
+
+
+@pytest.mark.parametrize("norm_position", ["post", "pre"])
+def test_feedforward_with_scale_norm_matches_numpy(rng, norm_position):
+    x = rng.normal(size=(2, 3, 8)).astype("float32")
+    layer = FeedForward((16, 8), norm_position=norm_position, norm_type="scale")
+    layer.build(x.shape)
+    layer.norm.gain.assign(1.7)
+    sn = lambda y: reference.scale_norm(y, 1.7, layer.epsilon)  # noqa: E731
+    inner = lambda y: reference.dense(  # noqa: E731
+        layer.outer_dense, reference.dense(layer.inner_dense, y, "relu"))
+    expected = sn(x + inner(x)) if norm_position == "post" else x + inner(sn(x))
+    np.testing.assert_allclose(layer(x), expected, atol=1e-5)
+    assert FeedForward.from_config(layer.get_config()).norm_type == "scale"
 
 
 def test_feedforward_dropout_only_in_training(rng):

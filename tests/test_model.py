@@ -8,7 +8,7 @@ import pytest
 
 from kyu_transformer import config
 from kyu_transformer.conventions import LAYER_NORM_EPSILON
-from kyu_transformer.layers import Embedding, Normalize
+from kyu_transformer.layers import Embedding, Normalize, ScaleNorm
 from kyu_transformer.model import Transformer
 
 SIZE = dict(vocab_size=60, d_model=16, d_ff=32, num_blocks=2, num_heads=2, maxlen1=20,
@@ -114,14 +114,38 @@ def test_future_targets_and_source_padding_do_not_leak(batch):
     np.testing.assert_allclose(model(longer), logits, atol=1e-5)
 
 
-@pytest.mark.parametrize("norm_position", ["post", "pre"])
-def test_save_and_load_identical_outputs(tmp_path, batch, norm_position):
-    model = Transformer(**SIZE, norm_position=norm_position, share_embeddings=False)
+@pytest.mark.parametrize("norm_position, norm_type, fix_norm", [
+    ("post", "layer", False), ("pre", "layer", False), ("pre", "scale", True)])
+def test_save_and_load_identical_outputs(tmp_path, batch, norm_position, norm_type, fix_norm):
+    model = Transformer(**SIZE, norm_position=norm_position, share_embeddings=False,
+                        norm_type=norm_type, fix_norm=fix_norm)
+    model.build()
+    for gain in (weight for weight in model.weights if weight.path.endswith("/gain")):
+        gain.assign(gain * 0.9)  # not the initial value, which a fresh layer would also have
     logits = model(batch)
     model.save(tmp_path / "model.keras")
     loaded = keras.models.load_model(tmp_path / "model.keras")
     np.testing.assert_array_equal(loaded(batch), logits)
-    assert loaded.get_config()["norm_position"] == norm_position
+    assert {key: loaded.get_config()[key] for key in ("norm_position", "norm_type", "fix_norm")} \
+        == {"norm_position": norm_position, "norm_type": norm_type, "fix_norm": fix_norm}
+
+
+def test_scale_norm_and_fix_norm_reach_every_norm_and_the_logits(batch):
+    """Pre-norm with ScaleNorm and FixNorm ("Transformers without Tears"): every norm is a
+    ScaleNorm, and the logits are the final gain times cosines against unit rows."""
+    model = Transformer(**SIZE, norm_position="pre", norm_type="scale", fix_norm=True)
+    model.build()
+    norms = [layer for layer in model._flatten_layers() if isinstance(layer, (Normalize,
+                                                                              ScaleNorm))]
+    assert len(norms) == 2 * SIZE["num_blocks"] + 3 * SIZE["num_blocks"] + 2
+    assert all(isinstance(norm, ScaleNorm) for norm in norms)
+    table = np.asarray(model.target_embedding.embeddings)
+    lengths = np.linalg.norm(table, axis=-1, keepdims=True)
+    units = np.divide(table, lengths, out=np.zeros_like(table), where=lengths > 0)
+    assert logits_project_onto(model, batch, units)
+    assert not logits_project_onto(model, batch, table)
+    gain = float(model.decoder_norm.gain)
+    assert np.abs(np.asarray(model(batch))).max() <= gain * (1 + 1e-5)  # |cos| <= 1
 
 
 def test_from_hparams_takes_every_model_argument():

@@ -2,7 +2,9 @@
 
 `convert` fills CTranslate2's `TransformerSpec` with the model's weights and what the spec does
 not assume (docs/export.md): our position tables (``maxlen1``/``maxlen2`` rows), embedding scale,
-norm position and epsilon, tied output layer. The front end appends the source's EOS, not
+norm position, type and epsilon, tied output layer. A `ScaleNorm` is CTranslate2's RMS norm
+with every gain ``g / sqrt(C)`` and epsilon ``epsilon / C`` (the same function); FixNorm's unit
+rows are written as the model reads them. The front end appends the source's EOS, not
 CTranslate2, whose own cut would keep it and drop a piece. The ctranslate2 package is optional.
 """
 
@@ -18,7 +20,7 @@ from kyu_transformer.safety.writes import staging_beside, write_text
 from kyu_transformer.decoding.search import NO_HYPOTHESIS_SCORE
 # Named apart: `length_penalty` is also CTranslate2's own option in this module.
 from kyu_transformer.decoding.scoring import length_penalty as gnmt_penalty
-from kyu_transformer.layers import sinusoid_table
+from kyu_transformer.layers import ScaleNorm, sinusoid_table, unit_rows
 from kyu_transformer.conventions import BOS_ID, EOS_ID, PAD_ID, QUANTIZATIONS, UNK_ID
 from kyu_transformer.decoding.translator import Engine
 
@@ -73,7 +75,7 @@ def unsupported_settings(model, hparams=None):
             problems.append(f"{layer.path}: `epsilon={layer.epsilon}` differs from the model's "
                             f"{model.epsilon}: CTranslate2 has one epsilon for every "
                             "normalization")
-        if layer.rms_scaling:
+        if getattr(layer, "rms_scaling", False):
             problems.append(f"{layer.path}: `rms_scaling=True`: CTranslate2's Transformer "
                             "normalizes with mean and variance")
     for name in ("source_embedding", "target_embedding"):
@@ -122,8 +124,12 @@ def _set_linear(spec, *denses):
             [_array(d.bias) if d.use_bias else np.zeros(d.units, np.float32) for d in denses])
 
 
-def _set_layer_norm(spec, layer):
-    width = layer.gamma.shape[0] if layer.scale else layer.beta.shape[0]
+def _set_layer_norm(spec, layer, width):
+    """Sets one CTranslate2 norm from our layer norm, or from a `ScaleNorm` of vectors `width`
+    wide (an RMS norm spec: see the module's docstring)."""
+    if isinstance(layer, ScaleNorm):
+        spec.gamma = np.full(width, _array(layer.gain).item() / np.sqrt(width), np.float32)
+        return
     spec.gamma = _array(layer.gamma) if layer.scale else np.ones(width, np.float32)
     spec.beta = _array(layer.beta) if layer.center else np.zeros(width, np.float32)
 
@@ -136,19 +142,21 @@ def _set_attention(spec, attention, self_attention):
         _set_linear(spec.linear[0], attention.query_dense)
         _set_linear(spec.linear[1], attention.key_dense, attention.value_dense)
     _set_linear(spec.linear[-1], attention.output_dense)
-    _set_layer_norm(spec.layer_norm, attention.norm)
+    _set_layer_norm(spec.layer_norm, attention.norm, attention.output_dense.units)
 
 
 def _set_feed_forward(spec, feed_forward):
     _set_linear(spec.linear_0, feed_forward.inner_dense)
     _set_linear(spec.linear_1, feed_forward.outer_dense)
-    _set_layer_norm(spec.layer_norm, feed_forward.norm)
+    _set_layer_norm(spec.layer_norm, feed_forward.norm, feed_forward.num_units[1])
 
 
 def _set_inputs(spec, embedding, positions, width):
     """Sets the embedding (as the model reads it) and position tables; returns the first."""
     table = _array(embedding.embeddings)
     table[PAD_ID] = 0.0  # as `Embedding.table()` reads it
+    if embedding.unit_norm:
+        table = keras.ops.convert_to_numpy(unit_rows(table))
     (spec.embeddings[0] if isinstance(spec.embeddings, list) else spec.embeddings).weight = table
     spec.scale_embeddings = True  # times sqrt(d_model), as ours
     spec.position_encodings.encodings = _position_table(positions, width)
@@ -173,10 +181,12 @@ def build_spec(model, hparams, subwords):
     activation = _activation_name(model.encoder_blocks[0].feed_forward.activation)
     spec = transformer_spec.TransformerSpec.from_config(
         model.num_blocks, model.num_heads, pre_norm=model.norm_position == "pre",
-        activation=getattr(common_spec.Activation, ACTIVATIONS[activation]))
+        activation=getattr(common_spec.Activation, ACTIVATIONS[activation]),
+        rms_norm=model.norm_type == "scale")
     _set_weights(spec, model)
     config = spec.config
-    config.layer_norm_epsilon = float(hparams.get("epsilon", model.epsilon))
+    epsilon = float(hparams.get("epsilon", model.epsilon))
+    config.layer_norm_epsilon = epsilon / model.d_model if model.norm_type == "scale" else epsilon
     config.unk_token = pieces[UNK_ID]
     config.bos_token = config.decoder_start_token = pieces[BOS_ID]
     config.eos_token = pieces[EOS_ID]
@@ -202,8 +212,8 @@ def _set_weights(spec, model):
             _set_attention(layer_spec.attention, block.cross_attention, self_attention=False)
         _set_feed_forward(layer_spec.ffn, block.feed_forward)
     if model.norm_position == "pre":
-        _set_layer_norm(encoder.layer_norm, model.encoder_norm)
-        _set_layer_norm(decoder.layer_norm, model.decoder_norm)
+        _set_layer_norm(encoder.layer_norm, model.encoder_norm, model.d_model)
+        _set_layer_norm(decoder.layer_norm, model.decoder_norm, model.d_model)
 
 
 def _vocabulary(subwords):
@@ -241,7 +251,8 @@ def convert(model, hparams, subwords, out_dir, quantization="float32"):
         os.mkdir(new)
         spec.save(new)
         settings = {"maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
-                    "norm_position": model.norm_position, "epsilon": spec.config.layer_norm_epsilon,
+                    "norm_position": model.norm_position, "norm_type": model.norm_type,
+                    "fix_norm": model.fix_norm, "epsilon": spec.config.layer_norm_epsilon,
                     "quantization": quantization}
         write_text(os.path.join(new, filenames.CTRANSLATE2_SETTINGS),
                    json.dumps(settings, indent=2, sort_keys=True) + "\n")
