@@ -294,8 +294,8 @@ def test_embedding_with_unit_norm_reads_every_row_at_length_one(rng):
     layer = Embedding(20, 6, unit_norm=True)
     outputs = np.asarray(layer(ids))  # (N, T, C)
     table = np.asarray(layer.embeddings)
-    units = np.concatenate([table[:1], table[1:] / np.linalg.norm(table[1:], axis=-1,
-                                                                   keepdims=True)])
+    lengths = np.linalg.norm(table[1:], axis=-1, keepdims=True)
+    units = np.concatenate([table[:1], table[1:] / lengths])  # the padding row stays zero
     np.testing.assert_allclose(outputs, units[ids] * math.sqrt(6), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(outputs[ids == 0], 0.0)
     x = rng.normal(size=(2, 3, 6)).astype("float32")
