@@ -77,7 +77,8 @@ def train_locked(args, held, argv):
         hparams, corpus, source = prepare_run(args, strategy, chief, held)
         trainer = make_trainer(hparams, corpus, strategy, args.deterministic, source)
         started = time.time()
-        result = trainer.fit(corpus.train_batches, hparams["steps_per_epoch"] or None)
+        result = trainer.fit(corpus.train_batches, hparams["steps_per_epoch"] or None,
+                             corpus.epochs_alike(hparams["num_epochs"]))
     except (TrainingError, WorkerDisagreement, CheckpointError) as error:
         raise SystemExit(f"error: {error}")
     except Exception as error:  # pylint: disable=broad-except  (re-raised unless the disk is full)

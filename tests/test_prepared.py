@@ -136,7 +136,8 @@ def test_the_subword_sample_is_every_pair_in_order_up_to_its_size_then_a_seeded_
 @pytest.mark.tensorflow_only("the Corpus builds tf.data batches")
 def test_bidirectional_epochs_train_every_pair_both_ways_then_one_way(tmp_path):
     """BiT: the first `bidirectional_epochs` epochs hold every pair and every pair reversed
-    (twice the batches), the later ones the pairs as given; the counting of FLOPs sees them."""
+    (twice the batches), the later ones the pairs as given; the counting of FLOPs and the
+    training's plan (the runs of epochs alike) see them."""
     from kyu_transformer.data.corpus import Corpus
 
     lines = []
@@ -149,6 +150,7 @@ def test_bidirectional_epochs_train_every_pair_both_ways_then_one_way(tmp_path):
     assert lists_of(back) == lists_of(targets) + lists_of(sources)
     both, one = len(corpus.train_batch_shapes(0)), len(corpus.train_batch_shapes(1))
     assert 1.8 * one < both < 2.2 * one
+    assert corpus.epochs_alike(3) == [(0, 1), (1, 2)] and corpus.epochs_alike(1) == [(0, 1)]
     assert ("both ways (BiT): the first epoch trains on every pair and every pair reversed "
             "(about twice the batches)") in lines
 

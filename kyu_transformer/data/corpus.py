@@ -96,6 +96,13 @@ class Corpus:
             return IdColumn.joined(sources, targets), IdColumn.joined(targets, sources)
         return sources, targets
 
+    def epochs_alike(self, num_epochs):
+        """Returns ``[(first epoch, count), ...]``: the runs of a training's `num_epochs` whose
+        batches are alike, those on the pairs both ways (`bidirectional_epochs`) apart."""
+        both_ways = min(self.hparams["bidirectional_epochs"], num_epochs)
+        return [(first, count) for first, count in ((0, both_ways),
+                                                    (both_ways, num_epochs - both_ways)) if count]
+
     def train_batches(self, epoch, skip=0, share=None):
         """Returns the global batches of `epoch` (a `tf.data.Dataset`) from batch `skip` on,
         shuffled with ``seed + epoch``; `share`: see `pipeline.BatchReader`."""

@@ -127,7 +127,7 @@ class Trainer:
         self.last_saved = self.checkpoints.save(self.global_step(), self.budget.used())
         return self.last_saved
 
-    def fit(self, make_epoch_batches, steps_per_epoch=None):
+    def fit(self, make_epoch_batches, steps_per_epoch=None, epochs_alike=None):
         """Trains until `num_epochs`, `max_minutes` or the end of the data; a signal stops it
         after an update with a checkpoint (`model.keras` and the plots left to a later run).
 
@@ -135,8 +135,9 @@ class Trainer:
         batches ``({"source", "target_in"}, target_out)``, the same for the same epoch, from
         batch `skip` on (a resumed run starts where it stopped), the rows of the replicas
         `share` (see `distribute_batches`; None: all) filled at least; `steps_per_epoch` caps
-        an epoch's updates; the plan counts the first `bidirectional_epochs` apart (their
-        batches hold every pair both ways, `Corpus.train_columns`). Returns a dict:
+        an epoch's updates; `epochs_alike`: ``[(first epoch, count), ...]``, the runs of epochs
+        whose batches are alike, which the plan counts apart (`Corpus.epochs_alike`; None: all
+        `num_epochs` alike). Returns a dict:
         ``resumed_from``, ``steps``, ``epochs``, ``stopped`` (``"done"``, ``"time"``,
         ``"SIGTERM"``...), ``last_loss`` (the mean loss of the last summary's updates),
         ``train_seconds`` (resumed runs included) and ``checkpoint`` (the last saved, on the
@@ -144,8 +145,10 @@ class Trainer:
         self._train_step.stop_requested.assign(0.0)
         with StopRequests() as self._stop_requests:
             resumed_from = self._resume()
-            self.plan = UpdatePlan.of_run(self._epoch_kinds(make_epoch_batches), steps_per_epoch,
-                                          self.global_step(), self.per_update)
+            kinds = [(make_epoch_batches(first), count)
+                     for first, count in epochs_alike or [(0, self.hparams["num_epochs"])]]
+            self.plan = UpdatePlan.of_run(kinds, steps_per_epoch, self.global_step(),
+                                          self.per_update)
             if self.chief and self.verbose:
                 print(self.plan.line(self.budget.minutes, self.schedule.decay_steps), flush=True)
             # A run killed after its budget was spent (and saved) trains no further.
@@ -160,14 +163,6 @@ class Trainer:
         return {"resumed_from": resumed_from, "steps": self.global_step(),
                 "epochs": int(self.epoch.numpy()), "stopped": stopped, "last_loss": self.last_loss,
                 "train_seconds": self.budget.used(), "checkpoint": self.last_saved}
-
-    def _epoch_kinds(self, make_epoch_batches):
-        """Returns ``(first epoch's batches, epochs alike)`` of the run's kinds of epoch: those
-        on the pairs both ways (`bidirectional_epochs`), then the others."""
-        epochs = self.hparams["num_epochs"]
-        both_ways = min(self.hparams.get("bidirectional_epochs", 0), epochs)
-        return [(make_epoch_batches(first), count)
-                for first, count in ((0, both_ways), (both_ways, epochs - both_ways)) if count]
 
     def _resume(self):
         """Restores the latest checkpoint, then opens the log and the clock; returns its path."""
