@@ -46,18 +46,19 @@ def recipe(value):
     return value
 
 
-def tree_at(revision, *paths):
+def tree_at(revision, *paths, flag="--baseline"):
     """A temporary folder with this repository's files (or `paths`) at git `revision`.
 
-    Removed when the process ends; stops with one line when git or the revision is missing.
+    Removed when the process ends; stops with one line naming `flag` (the script's flag that
+    gave `revision`) when git or the revision is missing.
     """
     try:
         archive = subprocess.run(["git", "-C", ROOT, "archive", revision, *paths],
                                  capture_output=True, check=False)
     except FileNotFoundError:
-        sys.exit(f"error: --baseline {revision}: needs git, which is not installed")
+        sys.exit(f"error: {flag} {revision}: needs git, which is not installed")
     if archive.returncode != 0:
-        sys.exit(f"error: --baseline {revision}: {archive.stderr.decode().strip()}")
+        sys.exit(f"error: {flag} {revision}: {archive.stderr.decode().strip()}")
     folder = tempfile.mkdtemp(prefix="baseline_")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)

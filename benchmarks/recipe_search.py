@@ -204,7 +204,7 @@ def main():
     if parsed.returncode != 0:
         sys.exit(f"error: --commit {args.commit}: not a revision of {ROOT}")
     commit = parsed.stdout.strip()
-    tree, logdir = tree_at(commit), os.path.join(args.runs_dir, args.name)
+    tree, logdir = tree_at(commit, flag="--commit"), os.path.join(args.runs_dir, args.name)
     record_path = os.path.join(logdir, "search.json")
     for number in (signal.SIGINT, signal.SIGTERM):
         signal.signal(number, functools.partial(on_signal, record_path))
