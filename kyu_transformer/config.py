@@ -60,7 +60,7 @@ SPEC = {
     "relu_dropout": (0.0, RUN, "dropout on the feed-forward nets' inner (ReLU) activations"),
     "word_dropout": (0.0, RUN, "dropout of whole token embeddings, source and target"),
     "norm_position": (NORM_POSITIONS[0], ARCHITECTURE,
-                      "layer norm after (post) or before (pre) each sub-layer"),
+                      "each normalization after (post) or before (pre) its sub-layer"),
     "norm_type": (NORM_TYPES[0], ARCHITECTURE,
                   "each normalization a layer norm (layer) or a ScaleNorm (scale: the vector "
                   "scaled to one learned length; with pre, 'Transformers without Tears')"),
@@ -69,7 +69,9 @@ SPEC = {
                  "state's length times cosines"),
     "sinusoid": (True, ARCHITECTURE, "sinusoid (true) or learned (false) positions"),
     "share_embeddings": (True, ARCHITECTURE, "one embedding table for source, target and output"),
-    "epsilon": (LAYER_NORM_EPSILON, ARCHITECTURE, "layer-norm epsilon"),
+    "epsilon": (LAYER_NORM_EPSILON, ARCHITECTURE,
+                "epsilon of every normalization (added to the variance of a layer norm, to the "
+                "squared length of a ScaleNorm)"),
     "fast_paths": (True, RESUMABLE,
                    "CPU fast paths (fast_paths.py, the loss's stated gradient, fused Adam, XLA "
                    "loss); false: Keras' own, the same function on any device"),

@@ -82,7 +82,8 @@ class ScaleNorm(keras.layers.Layer):
         self.supports_masking = True
 
     def build(self, input_shape):
-        # float32 even when read under a mixed policy, as layer norm's weights
+        # Read in float32 under a mixed policy too, as layer norm's weights: its product with
+        # the float32 statistics stays float32 until the output's cast.
         self.gain = self.add_weight(
             name="gain", shape=(), autocast=False,
             initializer=keras.initializers.Constant(math.sqrt(input_shape[-1])))

@@ -381,6 +381,10 @@ def test_untrained_models_convert_exactly(subwords, tmp_path, norm_position, sha
     theirs = [h[0] for h in ctranslate2_translations(out_dir, sources, beam_size=1,
                                                      length_margin=4)]
     assert [h.ids for h in theirs] == ours
+    with open(os.path.join(out_dir, filenames.CTRANSLATE2_SETTINGS), encoding="utf-8") as handle:
+        settings = json.load(handle)
+    assert (settings["norm_type"], settings["fix_norm"], settings["epsilon"]) == (
+        norm_type, fix_norm, 1e-2)  # the model's, whatever CTranslate2's config holds
     mine = _our_token_log_probs(model, sources, _full_outputs(theirs))
     assert max(float(np.max(np.abs(m - np.array(h.log_probs))))
                for m, h in zip(mine, theirs)) < 1e-5

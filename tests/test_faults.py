@@ -185,6 +185,8 @@ def test_a_run_with_every_regularizer_killed_within_an_accumulated_update_resume
     assert "subword regularization: alpha 0.5" in resumed.stdout
     assert "both ways (BiT): the first epoch trains" in resumed.stdout
     assert "done: 2 epochs, 24 steps" in resumed.stdout
+    saved = config.load(str(tmp_path / "log" / "hparams.json"))
+    assert (saved["norm_position"], saved["norm_type"], saved["fix_norm"]) == ("pre", "scale", True)
     straight_output = straight.communicate(timeout=600)[0]
     assert straight.returncode == 0, straight_output
     assert "plan: 2 epochs of about 12 updates, about 24 updates\n" in straight_output

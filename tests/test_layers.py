@@ -100,7 +100,8 @@ def test_scale_norm_matches_numpy_and_keeps_a_zero_vector_zero(rng):
     assert ScaleNorm.from_config(layer.get_config()).epsilon == 1e-2
 
 
-def test_scale_norm_in_bfloat16_keeps_a_float32_gain_and_its_gradient(rng, value_and_gradients):
+def test_scale_norm_in_bfloat16_computes_in_float32_and_trains_a_float32_gain(
+        rng, value_and_gradients):
     x = (rng.normal(size=(4, 6, 32)) * 3 + 1).astype("float32")
     layer = ScaleNorm(dtype="mixed_bfloat16")
     layer.build(x.shape)

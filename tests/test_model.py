@@ -132,7 +132,8 @@ def test_save_and_load_identical_outputs(tmp_path, batch, norm_position, norm_ty
 
 def test_scale_norm_and_fix_norm_reach_every_norm_and_the_logits(batch):
     """Pre-norm with ScaleNorm and FixNorm ("Transformers without Tears"): every norm is a
-    ScaleNorm, and the logits are the final gain times cosines against unit rows."""
+    ScaleNorm, and the logits are the final states times unit rows (the final gain times
+    cosines), not times the table as stored."""
     model = Transformer(**SIZE, norm_position="pre", norm_type="scale", fix_norm=True)
     model.build()
     norms = [layer for layer in model._flatten_layers() if isinstance(layer, (Normalize,
@@ -144,8 +145,6 @@ def test_scale_norm_and_fix_norm_reach_every_norm_and_the_logits(batch):
     units = np.divide(table, lengths, out=np.zeros_like(table), where=lengths > 0)
     assert logits_project_onto(model, batch, units)
     assert not logits_project_onto(model, batch, table)
-    gain = float(model.decoder_norm.gain)
-    assert np.abs(np.asarray(model(batch))).max() <= gain * (1 + 1e-5)  # |cos| <= 1
 
 
 def test_from_hparams_takes_every_model_argument():

@@ -6,12 +6,14 @@ import pytest
 
 from kyu_transformer.layers import (
     DecoderBlock, Dropout, Embedding, EncoderBlock, FeedForward, MultiHeadAttention, Normalize,
-    PositionalEncoding, ScaledDotProductAttention)
+    PositionalEncoding, ScaledDotProductAttention, ScaleNorm)
 from tests.test_fast_paths import switched
 
 LAYERS = [
     (Normalize(epsilon=1e-6), (2, 3, 8)),
+    (ScaleNorm(epsilon=1e-3), (2, 3, 8)),
     (Embedding(30, 8, embeddings_initializer="uniform"), "ids"),
+    (Embedding(30, 8, unit_norm=True), "ids"),
     (PositionalEncoding(12, num_units=8, style="concat"), "ids"),
     (PositionalEncoding(12, sinusoid=False), (2, 3, 8)),
     (MultiHeadAttention(num_heads=4, dropout_rate=0.1, causality=True, use_bias=False,
@@ -20,9 +22,11 @@ LAYERS = [
      (2, 3, 8)),
     (FeedForward((16, 8), dropout_rate=0.1, activation="gelu", norm_position="pre",
                  inner_dropout_rate=0.1), (2, 3, 8)),
+    (MultiHeadAttention(num_heads=2, output_projection=True, norm_type="scale"), (2, 3, 8)),
     (EncoderBlock(num_heads=2, d_ff=16, dropout_rate=0.1, norm_position="pre",
                   attention_dropout_rate=0.0, inner_dropout_rate=0.1), (2, 3, 8)),
     (DecoderBlock(num_heads=2, d_ff=16, dropout_rate=0.1), (2, 3, 8)),
+    (DecoderBlock(num_heads=2, d_ff=16, norm_position="pre", norm_type="scale"), (2, 3, 8)),
     (ScaledDotProductAttention(dropout_rate=0.1), None),
     (Dropout(0.2, seed=7), (2, 3, 8)),
 ]

@@ -77,7 +77,7 @@ def unsupported_settings(model, hparams=None):
                             "normalization")
         if getattr(layer, "rms_scaling", False):
             problems.append(f"{layer.path}: `rms_scaling=True`: CTranslate2's Transformer "
-                            "normalizes with mean and variance")
+                            "takes layer norms or RMS norms throughout, not a mixture")
     for name in ("source_embedding", "target_embedding"):
         embedding = getattr(model, name)
         if embedding.vocab_size != model.vocab_size or embedding.num_units != model.d_model:
@@ -252,7 +252,7 @@ def convert(model, hparams, subwords, out_dir, quantization="float32"):
         spec.save(new)
         settings = {"maxlen1": model.maxlen1, "maxlen2": model.maxlen2,
                     "norm_position": model.norm_position, "norm_type": model.norm_type,
-                    "fix_norm": model.fix_norm, "epsilon": spec.config.layer_norm_epsilon,
+                    "fix_norm": model.fix_norm, "epsilon": model.epsilon,  # the model's
                     "quantization": quantization}
         write_text(os.path.join(new, filenames.CTRANSLATE2_SETTINGS),
                    json.dumps(settings, indent=2, sort_keys=True) + "\n")
