@@ -90,7 +90,7 @@ def main(argv=None):
         except OSError as error:
             sys.exit(f"error: --json {args.json}: {error}")
     if counted.get("ratio", 0) > 1:
-        sys.exit(f"error: {args.hparams} would train on {counted['ratio']:.2f} times the FLOPs "
+        sys.exit(f"error: {args.hparams} would train on {counted['ratio']:.3f} times the FLOPs "
                  f"of --budget {args.budget}: fewer epochs or a smaller model")
 
 

@@ -237,8 +237,8 @@ def test_a_recipe_over_its_budget_is_refused_once_both_are_counted(tmp_path):
     assert written["candidate"]["updates"] == 60 and written["budget"]["updates"] == 30
     assert 1.5 < ratio < 2.5  # twice the updates, of like batches
     assert ratio == written["candidate"]["flops"] / written["budget"]["flops"]
-    assert refused.value.code == (  # a message: exit status 1
-        f"error: tiny,steps_per_epoch=60 would train on {ratio:.2f} times the FLOPs of --budget "
+    assert refused.value.code == (  # a message: exit status 1; the ratio as printed above it
+        f"error: tiny,steps_per_epoch=60 would train on {ratio:.3f} times the FLOPs of --budget "
         "tiny,steps_per_epoch=30: fewer epochs or a smaller model")
 
 
