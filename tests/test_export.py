@@ -449,6 +449,35 @@ def test_the_ids_signature_equals_translate_ids(varied, served, name, beam_size,
     np.testing.assert_allclose(result["scores"], scores, rtol=1e-6)
 
 
+@pytest.mark.slow
+def test_a_scale_norm_fix_norm_model_saves_the_translators_translations(varied, tmp_path,
+                                                                       monkeypatch):
+    """Pre-norm with ScaleNorm and FixNorm ("Transformers without Tears"), each gain its own,
+    in a SavedModel (its ids signature, written here): the outputs and scores of the
+    `Translator`, beam 4."""
+    from kyu_transformer.decoding.settings import SearchSettings
+    from kyu_transformer.model import Transformer
+
+    model = Transformer(varied["model"].vocab_size, d_model=32, d_ff=64, num_blocks=2,
+                        num_heads=4, maxlen1=24, maxlen2=28, norm_position="pre",
+                        norm_type="scale", fix_norm=True)
+    model.build()
+    gains = [weight for weight in model.weights if weight.path.endswith("/gain")]
+    for gain, value in zip(gains, np.random.default_rng(3).uniform(2.0, 8.0, len(gains))):
+        gain.assign(value)
+    settings = SearchSettings(beam_size=4, alpha=ALPHA)
+    monkeypatch.setattr(saved_model, "import_tensorflow_text", lambda: None)  # ids alone
+    saved_model.save(model, varied["subwords"].path, settings, str(tmp_path / "model"))
+    sources = varied["subwords"].encode(varied["val"][:40])
+    result = tf.saved_model.load(str(tmp_path / "model")).signatures[saved_model.IDS_SIGNATURE](
+        ids=tf.constant(_padded(sources)))
+    expected = Translator(model, settings).translate_ids(sources, n_best=1)
+    assert [_stripped(rows[0]) for rows in result["ids"].numpy()] == expected.outputs
+    best_scores = [scores[0] for scores in expected.scores]
+    np.testing.assert_allclose(result["scores"].numpy()[:, 0], best_scores, rtol=1e-5)
+    assert len(set(np.round(best_scores, 3))) > 20  # each sentence's own, every weight in it
+
+
 @needs_tensorflow_text
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["greedy", "beam"])
