@@ -450,8 +450,8 @@ def test_the_ids_signature_equals_translate_ids(varied, served, name, beam_size,
 
 
 @pytest.mark.slow
-def test_a_scale_norm_fix_norm_model_saves_the_translators_translations(varied, tmp_path,
-                                                                       monkeypatch):
+def test_a_scale_norm_fix_norm_model_saves_the_translators_translations(
+        varied, tmp_path, monkeypatch):
     """Pre-norm with ScaleNorm and FixNorm ("Transformers without Tears"), each gain its own,
     in a SavedModel (its ids signature, written here): the outputs and scores of the
     `Translator`, beam 4."""
