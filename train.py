@@ -242,8 +242,12 @@ def report(result, trainer, logdir, minutes, argv):
         print(f"stopped by {result['stopped']} after step {result['steps']}; saved {saved}. "
               f"Resume with: {resume}", flush=True)
         return STOPPED_BY_SIGNAL
-    print(f"{result['stopped']}: {result['epochs']} epochs, {result['steps']} steps in "
-          f"{minutes:.1f} min; last loss {result['last_loss']}; logdir {logdir}")
+    # A resumed run's minutes are this process's; the run's training time spans them all.
+    spent = f"{minutes:.1f} min" + (
+        f" ({result['train_seconds'] / 60:.1f} min of training in all, the earlier runs "
+        "included)" if result["resumed_from"] else "")
+    print(f"{result['stopped']}: {result['epochs']} epochs, {result['steps']} steps in {spent}; "
+          f"last loss {result['last_loss']}; logdir {logdir}")
     print(f"weights sha256: {weights_digest(trainer.model)}")
     return 0
 

@@ -132,6 +132,11 @@ def test_kills_signals_and_a_second_run_lose_nothing(tmp_path):
     assert f"resuming from {newest} at step {newest_step}, after" in finished.stdout
     assert "epoch 1/3" not in finished.stdout
     assert "done: 3 epochs, 180 steps" in finished.stdout
+    # its minutes are this process's; the run's in all start from those said at the resumption
+    earlier = re.search(r"at step \d+, after (\d+\.\d) min of training", finished.stdout)
+    done = re.search(r"180 steps in \d+\.\d min \((\d+\.\d) min of training in all, the "
+                     r"earlier runs included\)", finished.stdout)
+    assert earlier and done and float(done.group(1)) >= float(earlier.group(1)), finished.stdout
     straight = run_train(tmp_path / "straight", *flags, fresh=True)  # another hash seed
     assert digest(finished.stdout) == digest(straight.stdout) != []
     # the run says its plan at start, and its time once the pace is measured
