@@ -176,7 +176,7 @@ def measure(name, function, batches, repeats):
     return statistics.median(rates)
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data_dir", default=DEFAULT_DATA)
     parser.add_argument("--sentences", type=int, default=1000)
@@ -186,11 +186,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip_peer", action="store_true")
     parser.add_argument("--skip_recompute", action="store_true")
-    args = parser.parse_args()
-    if not args.skip_peer:
-        require("keras_hub")
-    require_data(args.data_dir)
+    return parser.parse_args()
 
+
+def flickr_batches(args):
+    """Returns the first --sentences of test_2016_flickr, encoded (EOS ended) with a subword
+    model of the training split, in batches of --batch_size."""
     train_sources, train_targets, _ = load_split(args.data_dir, "train")
     subwords = Subwords.train_or_load(tempfile.mkdtemp(), train_sources + train_targets,
                                       SHAPE["vocab_size"])
@@ -199,12 +200,16 @@ def main():
     batches = batches_of(encoded, args.batch_size)
     print(f"{len(encoded)} sentences of test_2016_flickr in {len(batches)} batches; random "
           f"weights; {args.max_length} tokens decoded per sentence", flush=True)
+    return batches
 
+
+def time_ours(batches, args):
+    """Returns the median sentences/s of our searches (cached greedy, recomputing greedy
+    unless --skip_recompute, cached beam 4) of a model with random weights."""
     keras.utils.set_random_seed(0)
     model = Transformer(**SHAPE, maxlen1=128, maxlen2=args.max_length, dropout_rate=0.0)
     model.build()
     length = args.max_length
-    results = {}
     methods = {
         "ours greedy, cache":
             lambda s: search(model, s, length, GreedySearch(alpha=0.0, scores=False)).ids[:, 0],
@@ -213,8 +218,17 @@ def main():
     }
     if args.skip_recompute:
         del methods["ours greedy, recompute"]
-    for name, method in methods.items():
-        results[name] = measure(name, tf.function(method), batches, args.repeats)
+    return {name: measure(name, tf.function(method), batches, args.repeats)
+            for name, method in methods.items()}
+
+
+def main():
+    args = parse_args()
+    if not args.skip_peer:
+        require("keras_hub")
+    require_data(args.data_dir)
+    batches = flickr_batches(args)
+    results = time_ours(batches, args)
     if not args.skip_peer:
         peer = KerasHubTranslator(args.max_length)
         for method in ("greedy", "beam4"):

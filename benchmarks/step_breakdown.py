@@ -48,18 +48,19 @@ def timed(function, arguments, steps, repeats):
     return statistics.median(runs)
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="float32")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--data_dir", default=DEFAULT_DATA)
     parser.add_argument("--trace", default=None)
-    args = parser.parse_args()
-    require_data(args.data_dir)
-    keras.config.set_dtype_policy(args.policy)
-    model = ours()
-    model.build()
+    return parser.parse_args()
+
+
+def time_the_parts(model, step, args):
+    """Prints the median time of each part of a step on the benchmark's batch: the encoder,
+    the forward pass, forward + loss + gradients, and the full `step`."""
     loss_terms = loss_terms_function(LabelSmoothedCrossEntropy(0.1))
     features, labels = batch()
 
@@ -78,9 +79,6 @@ def main():
             loss = loss_sum / tokens
         return tape.gradient(loss, model.trainable_variables)
 
-    # The full step, as train_throughput.py times it (the trainer's Adam and XLA loss).
-    step = make_step(model, jit_compile=False, optimizer_class=Adam, xla_loss=True)
-
     rows = [("encoder forward", timed(encoder, (features,), args.steps, args.repeats)),
             ("forward (logits)", timed(forward, (features,), args.steps, args.repeats)),
             ("forward + loss + gradients", timed(gradients, (features, labels), args.steps,
@@ -91,6 +89,10 @@ def main():
     for name, seconds in rows:
         print(f"  {name:28s} {seconds * 1000:7.1f} ms")
 
+
+def time_the_pipeline(step, args):
+    """Prints `step`'s rate on the `small` preset's Multi30k batches held in memory and read
+    from tf.data."""
     hparams = hp.parse("small", {"mixed_precision": "no"})
     corpus = Corpus(args.data_dir, os.path.join(ROOT, "log", ".breakdown"), hparams,
                     log=lambda line: None)
@@ -99,24 +101,37 @@ def main():
     # ahead), once per epoch: it is fetched before the clocks start, in both passes.
     held = [(f, l) for f, l in corpus.train_batches(0).take(count + 1)][1:]
     tokens = sum(int(tf.reduce_sum(tf.cast(l != 0, tf.int32))) for _, l in held)
-    for features_, labels_ in held:
-        step(features_, labels_)  # trace every shape before timing
+    for features, labels in held:
+        step(features, labels)  # trace every shape before timing
     started = time.perf_counter()
-    for features_, labels_ in held:
-        step(features_, labels_).numpy()
+    for features, labels in held:
+        step(features, labels).numpy()
     in_memory = time.perf_counter() - started
     iterator = iter(corpus.train_batches(0).take(count + 1))
     next(iterator)
     started = time.perf_counter()
-    for features_, labels_ in iterator:
-        step(features_, labels_).numpy()
+    for features, labels in iterator:
+        step(features, labels).numpy()
     piped = time.perf_counter() - started
     print(f"real Multi30k batches of the small preset ({count} steps, {tokens} target tokens):")
     print(f"  held in memory      {in_memory / count * 1000:7.1f} ms/step, "
           f"{tokens / in_memory:6.0f} target tokens/s")
     print(f"  from tf.data        {piped / count * 1000:7.1f} ms/step, "
           f"{tokens / piped:6.0f} target tokens/s")
+
+
+def main():
+    args = parse_args()
+    require_data(args.data_dir)
+    keras.config.set_dtype_policy(args.policy)
+    model = ours()
+    model.build()
+    # The full step, as train_throughput.py times it (the trainer's Adam and XLA loss).
+    step = make_step(model, jit_compile=False, optimizer_class=Adam, xla_loss=True)
+    time_the_parts(model, step, args)
+    time_the_pipeline(step, args)
     if args.trace:
+        features, labels = batch()
         tf.profiler.experimental.start(args.trace)
         for _ in range(5):
             step(features, labels).numpy()

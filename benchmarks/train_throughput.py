@@ -219,12 +219,9 @@ def parse_args():
     return parser.parse_args()
 
 
-def main():
-    args = parse_args()
-    SHAPE.update(args.shape)
-    if not args.skip_peer:
-        require("keras_hub")
-    features, labels = batch()
+def make_steps(args):
+    """Returns ``(steps, compute dtypes)``, by configuration name: the peer's (unless
+    --skip_peer), then ours and --baseline's in each of --variants."""
     steps_by_name = {}
     dtypes = {"keras-hub": "float32"}  # each configuration's compute dtype, for its peak
     if not args.skip_peer:
@@ -234,8 +231,7 @@ def main():
                                                keras.optimizers.Adam)
     packages = {"ours": CURRENT}
     if args.baseline:
-        baseline_label = f"at-{args.baseline}"
-        packages[baseline_label] = package_at(args.baseline)
+        packages[baseline_label(args)] = package_at(args.baseline)
     for variant in args.variants.split(","):
         dtype, _, compiler = variant.partition("-")
         for label, package in packages.items():
@@ -250,9 +246,18 @@ def main():
                 model, compiler == "xla", optimizer_class, xla_loss=not args.no_xla_loss,
                 package=package)
     keras.config.set_dtype_policy("float32")
-    rates = measure(steps_by_name, features, labels, args.steps, args.repeats)
-    results = {name: statistics.median(values) for name, values in rates.items()}
+    return steps_by_name, dtypes
 
+
+def baseline_label(args):
+    """The name of --baseline's configurations' package."""
+    return f"at-{args.baseline}"
+
+
+def report(args, rates, dtypes):
+    """Prints the shape, the peaks, each configuration's median rate and MFU, and the
+    ratios to the peer and (paired, repetition by repetition) to --baseline."""
+    results = {name: statistics.median(values) for name, values in rates.items()}
     flops = training_flops(SHAPE, BATCH, SOURCE_LEN, TARGET_LEN)
     peaks = {"float32": matmul_peak(tf.float32)}
     if "bfloat16" in dtypes.values():
@@ -274,11 +279,22 @@ def main():
             if name != "keras-hub":
                 print(f"ratio {name} / keras-hub: {rate / results['keras-hub']:.2f}x")
     if args.baseline:
+        label = baseline_label(args)
         for variant in args.variants.split(","):
             paired = [ours_rate / baseline_rate for ours_rate, baseline_rate
-                      in zip(rates[f"ours-{variant}"], rates[f"{baseline_label}-{variant}"])]
-            print(f"ratio ours-{variant} / {baseline_label}-{variant}: "
+                      in zip(rates[f"ours-{variant}"], rates[f"{label}-{variant}"])]
+            print(f"ratio ours-{variant} / {label}-{variant}: "
                   f"{statistics.median(paired):.3f}x (median over the repetitions)")
+
+
+def main():
+    args = parse_args()
+    SHAPE.update(args.shape)
+    if not args.skip_peer:
+        require("keras_hub")
+    features, labels = batch()
+    steps_by_name, dtypes = make_steps(args)
+    report(args, measure(steps_by_name, features, labels, args.steps, args.repeats), dtypes)
 
 
 if __name__ == "__main__":

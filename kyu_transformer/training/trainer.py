@@ -45,6 +45,21 @@ def weights_digest(model):
     return digest.hexdigest()
 
 
+def build_model_and_optimizer(hparams):
+    """Returns a run's built ``(model, schedule, optimizer)``, made in the current strategy's
+    scope: Adam as the paper sets it, its rate `NoamSchedule`'s, with loss scaling under fp16."""
+    model = Transformer.from_hparams(hparams, name="transformer")
+    model.build()
+    schedule = NoamSchedule(hparams["d_model"], hparams["warmup_steps"], hparams["lr"],
+                            hparams.get("decay_steps", 0))
+    optimizer = make_adam(schedule, fast_paths=hparams.get("fast_paths", True), beta_1=0.9,
+                          beta_2=0.98, epsilon=1e-9)
+    if hparams["mixed_precision"] == "fp16":
+        optimizer = LossScaleOptimizer(optimizer)
+    optimizer.build(model.trainable_variables)
+    return model, schedule, optimizer
+
+
 class TrainingError(RuntimeError):
     """Raised when training cannot go on (e.g. the loss is no longer finite)."""
 
@@ -70,16 +85,7 @@ class Trainer:
                              "(kyu_transformer.precision.resolve_precision)")
         set_precision(hparams["mixed_precision"])
         with self.strategy.scope():
-            self.model = Transformer.from_hparams(hparams, name="transformer")
-            self.model.build()
-            self.schedule = NoamSchedule(hparams["d_model"], hparams["warmup_steps"],
-                                         hparams["lr"], hparams.get("decay_steps", 0))
-            # Adam as the paper sets it, with loss scaling under fp16.
-            self.optimizer = make_adam(self.schedule, fast_paths=fast_paths, beta_1=0.9,
-                                       beta_2=0.98, epsilon=1e-9)
-            if hparams["mixed_precision"] == "fp16":
-                self.optimizer = LossScaleOptimizer(self.optimizer)
-            self.optimizer.build(self.model.trainable_variables)
+            self.model, self.schedule, self.optimizer = build_model_and_optimizer(hparams)
         self.checkpoints = RunCheckpoints(self.strategy, self.model, self.optimizer,
                                           checkpoint_dir(self.logdir), hparams["keep_checkpoints"],
                                           self.chief)
