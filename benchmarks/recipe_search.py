@@ -2,7 +2,8 @@
 
     python benchmarks/recipe_search.py --name NAME --hparams small,dropout_rate=0.3
         [--commit REV] [--runs_dir DIR] [--data_dir DIR] [--alphas 0.6 1.0 1.4 1.8]
-        [--average_last 8] [--mixed_precision no] [--budget small] [--test] [--eval_only]
+        [--beam_size 4] [--average_last 8] [--mixed_precision no] [--budget small] [--test]
+        [--eval_only]
 
 First the candidate's training compute is counted (`training_flops.py` of the same files, or
 of this checkout for a commit older than it: every batch its run trains on) beside
@@ -12,14 +13,15 @@ the repository's files at REV (default HEAD, `git archive`), so that work on the
 checkout does not touch a run of an hour. Training is `train.py --hparams H` into
 `DIR/NAME` (its wall time, its peak memory from `os.wait4`, and the precision it trained in,
 as hparams.json saved `auto`'s choice); a stopped candidate resumes
-when run again. Then `eval.py --split val --beam_size 4 --average_last N --alpha A` for each
+when run again. Then `eval.py --split val --beam_size B --average_last N --alpha A` for each
 alpha, and with `--test` test_2016_flickr once, at the alpha val chose, every one decoded in
 the same precision (float32 unless `--mixed_precision` says otherwise: eval.py's `auto` would
 measure the machine anew each time, and a busy machine can make it pick another precision for
-another alpha). Printed: one Markdown row for `benchmarks/RESULTS.md`; every figure goes to
-`DIR/NAME/search.json` as its part ends, a part stopped by a signal (train.py's minutes so far)
-too: SIGTERM to this process is passed on to train.py as SIGINT, which stops it after a
-checkpoint, as Ctrl-C does.
+another alpha). Scored again (`--eval_only`, with other decoding flags), val's figures
+replace the earlier ones and a test figure is dropped. Printed: one Markdown row for
+`benchmarks/RESULTS.md`; every figure goes to `DIR/NAME/search.json` as its part ends, a part
+stopped by a signal (train.py's minutes so far) too: SIGTERM to this process is passed on to
+train.py as SIGINT, which stops it after a checkpoint, as Ctrl-C does.
 """
 
 import argparse
@@ -123,10 +125,11 @@ def trained_in(logdir):
 
 
 def bleu(tree, args, logdir, split, alpha, record_path):
-    """BLEU of `eval.py` on `split` at `alpha` (beam 4, the last checkpoints averaged)."""
-    name = f"{split}-avg{args.average_last}-alpha{alpha}"
+    """BLEU of `eval.py` on `split` at `alpha` (--beam_size, the last checkpoints averaged)."""
+    name = f"{split}-beam{args.beam_size}-avg{args.average_last}-alpha{alpha}"
     command = [sys.executable, os.path.join(tree, "eval.py"), "--logdir", logdir, "--split",
-               split, "--data_dir", args.data_dir, "--beam_size", "4", "--alpha", str(alpha),
+               split, "--data_dir", args.data_dir, "--beam_size", str(args.beam_size),
+               "--alpha", str(alpha),
                "--average_last", str(args.average_last), "--name", name,
                "--mixed_precision", args.mixed_precision]
     log_path = os.path.join(args.runs_dir, f"{args.name}.eval.log")
@@ -183,7 +186,9 @@ def parse_args():
     parser.add_argument("--runs_dir", default=os.path.join(ROOT, "runs"))
     parser.add_argument("--data_dir", default=DEFAULT_DATA)
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.6, 1.0, 1.4, 1.8])
-    parser.add_argument("--average_last", type=int, default=8)
+    parser.add_argument("--beam_size", type=int, default=4, help="eval.py's beam, every figure")
+    parser.add_argument("--average_last", type=int, default=8,
+                        help="eval.py's checkpoints averaged, every figure")
     parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"],
                         help="eval.py's precision of decoding, the same for every figure")
     parser.add_argument("--budget", default="small", type=recipe,
@@ -213,13 +218,14 @@ def main():
         with open(record_path, encoding="utf-8") as handle:
             record = json.load(handle)
     record.update(name=args.name, hparams=args.hparams, commit=commit,
-                  decoded_in=args.mixed_precision,
+                  decoded_in=args.mixed_precision, beam_size=args.beam_size,
+                  average_last=args.average_last,
                   date=record.get("date") or datetime.date.today().isoformat())
     if not args.eval_only:
         count_flops(tree, args, record, record_path)
         train(tree, args, logdir, record, record_path)
-    # val scored again may choose another alpha, or decode in another precision: an earlier
-    # test figure would no longer be this record's
+    # val scored again may choose another alpha, or decode otherwise (precision, beam,
+    # checkpoints averaged): an earlier test figure would no longer be this record's
     record["val"] = {}
     record.pop("test", None)
     for alpha in args.alphas:
@@ -241,7 +247,8 @@ def row(record, args):
                if "flops_ratio" in record else "")  # a candidate counted before the count
     return (f"| {record['date']} | `{record['commit']}` | {args.name}: `{args.hparams}` | "
             f"{record.get('steps')}{counted} | {record.get('train_minutes')} min | {val} "
-            f"({record['alpha']}) | {record.get('test', '')} | {record.get('max_rss_gb')} GB |")
+            f"({record['alpha']}; beam {record['beam_size']}, the last {record['average_last']} "
+            f"averaged) | {record.get('test', '')} | {record.get('max_rss_gb')} GB |")
 
 
 if __name__ == "__main__":

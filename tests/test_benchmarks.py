@@ -205,22 +205,28 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
     for split, alpha, figure in [("val", "0.6", record["val"]["0.6"]),
                                  ("val", "1.4", record["val"]["1.4"]),
                                  ("test_2016_flickr", record["alpha"], record["test"])]:
-        written = json.loads((tmp_path / "c" / "eval" / f"{split}-avg2-alpha{float(alpha)}.json")
-                             .read_text())
+        written = json.loads(
+            (tmp_path / "c" / "eval" / f"{split}-beam4-avg2-alpha{float(alpha)}.json").read_text())
         assert written["bleu"] == pytest.approx(figure, abs=0.005)
         assert written["mixed_precision"] == "bf16"  # all alike, not auto's choice of the moment
+        assert (written["beam_size"], len(written["checkpoints"])) == (4, 2)
     assert record["val"][record["alpha"]] == max(record["val"].values())
     row = result.stdout.strip().splitlines()[-1]
     assert row.startswith(f"| {record['date']} | `{head}` | c: `tiny,") and " (" in row
     assert f"| 60 ({stopped['flops_ratio']} of {budget}'s FLOPs) |" in row
+    assert f"({record['alpha']}; beam 4, the last 2 averaged) |" in row
     assert "training FLOPs of" not in result.stdout  # resumed: counted once, at the start
-    # scored again in float32 without --test (at one alpha): the bfloat16 test figure does not stay
-    rescored = subprocess.run(recipe_search("--mixed_precision", "no", "--eval_only",
-                                            alphas=("1.4",)),
+    # scored again in float32 with beam 2, without --test (at one alpha): the bfloat16 beam-4
+    # test figure does not stay
+    rescored = subprocess.run(recipe_search("--mixed_precision", "no", "--beam_size", "2",
+                                            "--eval_only", alphas=("1.4",)),
                               capture_output=True, text=True, timeout=600, env=environment)
     assert rescored.returncode == 0, rescored.stderr[-3000:]
     record = json.loads((tmp_path / "c" / "search.json").read_text())
     assert record["decoded_in"] == "no" and "test" not in record and record["steps"] == 60
+    written = json.loads((tmp_path / "c" / "eval" / "val-beam2-avg2-alpha1.4.json").read_text())
+    assert record["beam_size"] == written["beam_size"] == 2
+    assert record["val"] == {"1.4": pytest.approx(written["bleu"], abs=0.005)}
 
 
 def test_a_recipe_over_its_budget_is_refused_once_both_are_counted(tmp_path):
