@@ -153,8 +153,8 @@ def test_bidirectional_epochs_train_every_pair_both_ways_then_one_way(tmp_path):
     assert corpus.epochs_alike(3) == [(0, 1), (1, 2)] and corpus.epochs_alike(1) == [(0, 1)]
     assert ("both ways (BiT): the first epoch trains on every pair and every pair reversed "
             "(about twice the batches)") in lines
-    # train.py's plan counts each run of epochs alike (a budget spent before the first update:
-    # the plan is said, nothing trained)
+    # train.py's plan counts each run of epochs alike (said before any update; a budget of
+    # 0.06 s stops the run at once, after one update at most)
     planned = programs.run("train.py", "--hparams", "tiny", "--bidirectional_epochs", "1",
                            "--num_epochs", "3", "--steps_per_epoch", "0", "--max_minutes",
                            "0.001", "--data_dir", MULTI30K, "--logdir", tmp_path / "run")
