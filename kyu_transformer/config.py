@@ -59,6 +59,10 @@ SPEC = {
     "attention_dropout": (-1.0, RUN, "dropout on the attention weights; -1: dropout_rate"),
     "relu_dropout": (0.0, RUN, "dropout on the feed-forward nets' inner (ReLU) activations"),
     "word_dropout": (0.0, RUN, "dropout of whole token embeddings, source and target"),
+    "layer_dropout": (0.0, RUN,
+                      "LayerDrop: in training, each encoder and decoder block dropped whole (its "
+                      "input passed on) with this probability, drawn per block and batch; the "
+                      "blocks are computed either way"),
     "norm_position": (NORM_POSITIONS[0], ARCHITECTURE,
                       "each normalization after (post) or before (pre) its sub-layer"),
     "norm_type": (NORM_TYPES[0], ARCHITECTURE,
@@ -131,7 +135,7 @@ POSITIVE = ("vocab_size", "maxlen1", "maxlen2", "batch_size", "d_model", "d_ff",
             "epsilon", "eval_batch_size", "accumulate_steps")
 NON_NEGATIVE = ("batch_tokens", "steps_per_epoch", "max_minutes", "checkpoint_every",
                 "eval_sentences", "seed", "subword_alpha", "decay_steps", "bidirectional_epochs")
-RATES = ("dropout_rate", "smoothing", "relu_dropout", "word_dropout")
+RATES = ("dropout_rate", "smoothing", "relu_dropout", "word_dropout", "layer_dropout")
 
 
 class HParamsError(ValueError):

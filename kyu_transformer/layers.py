@@ -789,6 +789,42 @@ class Dropout(keras.layers.Dropout):
         return keras.random.dropout(inputs, self.rate, noise_shape=self.noise_shape, seed=seeds)
 
 
+@keras.saving.register_keras_serializable(package="kyu_transformer")
+class LayerDrop(keras.layers.Layer):
+    """Drops a whole block in training (LayerDrop, Fan et al. 2019): with probability `rate`
+    the block's outputs are replaced by its inputs, one draw per call (per block and batch),
+    unscaled. The block is computed either way (a choice of values, which every backend can
+    differentiate and compile), so it regularizes without saving compute. Under
+    `tf.distribute` each replica draws its own (`replicas.replica_seeds`).
+
+    Args:
+      rate: Probability of dropping the block, in [0, 1); seed: of the draws, as Keras'.
+
+    Call arguments:
+      inputs: The block's inputs; outputs: its outputs, of the same shape and dtype.
+      training: Whether to drop (else the outputs, always).
+
+    Returns:
+      `outputs`, or `inputs` in place of them with probability `rate`.
+    """
+
+    def __init__(self, rate, seed=None, **kwargs):
+        super().__init__(**kwargs)
+        check_rates(rate=rate)
+        self.rate, self.seed = float(rate), seed
+        self.seed_generator = keras.random.SeedGenerator(seed)
+        self.supports_masking = True  # the same positions either way: the inputs' mask
+
+    def call(self, inputs, outputs, training=False):
+        if not training or self.rate == 0:
+            return outputs
+        draw = keras.random.uniform((), seed=replica_seeds(self.seed_generator))
+        return ops.where(draw >= self.rate, outputs, inputs)
+
+    def get_config(self):
+        return {**super().get_config(), "rate": self.rate, "seed": self.seed}
+
+
 def set_fast_paths(layer, on):
     """Sets whether `layer` and the layers inside it take the fast paths, as if they had been
     made while `fast_paths.set_enabled(on)` held, and returns `layer`.

@@ -10,7 +10,8 @@ from kyu_transformer.conventions import (
     LAYER_NORM_EPSILON, NORM_POSITIONS, NORM_TYPES, PAD_ID, check_choice, check_heads,
     check_rates)
 from kyu_transformer.layers import (
-    DecoderBlock, Dropout, Embedding, EncoderBlock, PositionalEncoding, make_norm, set_fast_paths)
+    DecoderBlock, Dropout, Embedding, EncoderBlock, LayerDrop, PositionalEncoding, make_norm,
+    set_fast_paths)
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -35,6 +36,8 @@ class Transformer(keras.Model):
       norm_type: ``"layer"`` (layer norm, the original) or ``"scale"`` (`ScaleNorm`), for every
         normalization.
       fix_norm: Every embedding row read at length 1 (`Embedding`'s `unit_norm`, FixNorm).
+      layer_dropout: In training, each encoder and decoder block dropped whole with this
+        probability (`LayerDrop`).
 
     Call arguments:
       inputs: ``{"source": ids (N, S), "target_in": ids (N, T)}``, the target shifted right
@@ -48,13 +51,14 @@ class Transformer(keras.Model):
                  maxlen1=100, maxlen2=100, dropout_rate=0.1, norm_position="post",
                  sinusoid=True, share_embeddings=True, epsilon=LAYER_NORM_EPSILON,
                  attention_dropout=None, relu_dropout=0.0, word_dropout=0.0, norm_type="layer",
-                 fix_norm=False, **kwargs):
+                 fix_norm=False, layer_dropout=0.0, **kwargs):
         super().__init__(**kwargs)
         check_choice("norm_position", norm_position, NORM_POSITIONS)
         check_choice("norm_type", norm_type, NORM_TYPES)
         attention_dropout = dropout_rate if attention_dropout is None else attention_dropout
         check_rates(dropout_rate=dropout_rate, attention_dropout=attention_dropout,
-                    relu_dropout=relu_dropout, word_dropout=word_dropout)
+                    relu_dropout=relu_dropout, word_dropout=word_dropout,
+                    layer_dropout=layer_dropout)
         check_heads(d_model, num_heads)
         self.vocab_size, self.d_model, self.d_ff = int(vocab_size), int(d_model), int(d_ff)
         self.num_blocks, self.num_heads = int(num_blocks), int(num_heads)
@@ -64,6 +68,7 @@ class Transformer(keras.Model):
         self.epsilon, self.word_dropout = float(epsilon), float(word_dropout)
         self.attention_dropout, self.relu_dropout = float(attention_dropout), float(relu_dropout)
         self.norm_type, self.fix_norm = norm_type, bool(fix_norm)
+        self.layer_dropout = float(layer_dropout)
 
         self.target_embedding = Embedding(vocab_size, d_model, unit_norm=fix_norm,
                                           name="target_embedding")
@@ -88,6 +93,9 @@ class Transformer(keras.Model):
         pre_norm = norm_position == "pre"
         self.encoder_norm = make_norm(norm_type, epsilon, "encoder_norm") if pre_norm else None
         self.decoder_norm = make_norm(norm_type, epsilon, "decoder_norm") if pre_norm else None
+        # Made last, and only when used: the other layers' seeds and a model without it as
+        # they were.
+        self.layer_drop = LayerDrop(layer_dropout, name="layer_drop") if layer_dropout else None
 
     @classmethod
     def from_hparams(cls, hparams, **kwargs):
@@ -117,7 +125,7 @@ class Transformer(keras.Model):
         x = self._embed(source, self.source_embedding, self.source_positions,
                         (self.source_word_dropout, self.source_dropout), training, table)
         for block in self.encoder_blocks:
-            x = block(x, mask=source_mask, training=training)
+            x = self._dropped(x, block(x, mask=source_mask, training=training), training)
         return _final_norm(self.encoder_norm, x), source_mask
 
     def decode(self, target_in, memory, source_mask, training=None,
@@ -185,10 +193,17 @@ class Transformer(keras.Model):
             if caches is not None:
                 *results, cache = results
                 grown.append(cache)
-            x, *attention = results
+            outputs, *attention = results
+            x = self._dropped(x, outputs, training)
             coverage = attention[-1] if attention else coverage
         logits = self.target_embedding.attend(_final_norm(self.decoder_norm, x), table=table)
         return logits, coverage, grown
+
+    def _dropped(self, inputs, outputs, training):
+        """A block's `outputs`, or in training with `layer_dropout` at times its `inputs`."""
+        if self.layer_drop is None:
+            return outputs
+        return self.layer_drop(inputs, outputs, training=training)
 
     def call(self, inputs, training=None):
         # A shared table is cast and masked once for its three uses, not each time.

@@ -165,15 +165,15 @@ def killed_at_first_checkpoint_and_resumed(tmp_path, flags):
 
 def test_a_run_with_every_regularizer_killed_within_an_accumulated_update_resumes_bit_identical(
         tmp_path):
-    """Attention, ReLU, word and residual dropout, sampled segmentations, the decaying
-    schedule and a first epoch on the pairs both ways (BiT), in a pre-norm model with ScaleNorm
-    and FixNorm, with `--accumulate_steps 2` (a step is an update of two batches; checkpoints
-    fall between updates): a run killed after a
-    checkpoint inside its first epoch retakes the update it was in, resumes into the same
-    segmentations, masks and rates, and ends as the uninterrupted run, bit for bit, and with the
-    same loss at every logged step (the steps retaken too); with residual dropout alone (no
-    other regularizer, the plain schedule, one direction, post-norm layer norms) the run ends
-    elsewhere: the comparison can fail. Steps, the cap and the plan count updates.
+    """Attention, ReLU, word and residual dropout, LayerDrop, sampled segmentations, the
+    decaying schedule and a first epoch on the pairs both ways (BiT), in a pre-norm model with
+    ScaleNorm and FixNorm, with `--accumulate_steps 2` (a step is an update of two batches;
+    checkpoints fall between updates): a run killed after a checkpoint inside its first epoch
+    retakes the update it was in, resumes into the same segmentations, masks, dropped blocks
+    and rates, and ends as the uninterrupted run, bit for bit, and with the same loss at every
+    logged step (the steps retaken too); with residual dropout alone (no other regularizer, the
+    plain schedule, one direction, post-norm layer norms) the run ends elsewhere: the
+    comparison can fail. Steps, the cap and the plan count updates.
     Exact on any device: both runs pass --deterministic (TensorFlow's deterministic ops) and
     compute on one machine's same device, TensorFloat-32 off or on in both."""
     flags = ["--num_epochs", "2", "--steps_per_epoch", "12", "--accumulate_steps", "2",
@@ -181,7 +181,7 @@ def test_a_run_with_every_regularizer_killed_within_an_accumulated_update_resume
     regularizers = ["--dropout_rate", "0.2", "--attention_dropout", "0.1", "--relu_dropout",
                     "0.2", "--word_dropout", "0.1", "--subword_alpha", "0.5", "--decay_steps",
                     "50", "--bidirectional_epochs", "1", "--norm_position", "pre",
-                    "--norm_type", "scale", "--fix_norm", "true"]
+                    "--norm_type", "scale", "--fix_norm", "true", "--layer_dropout", "0.2"]
     straight, resumed = killed_at_first_checkpoint_and_resumed(tmp_path, flags + regularizers)
     step = re.search(r"resuming from \S+ckpt-(\d+) at step (\d+),", resumed.stdout)
     assert step and step.group(1) == step.group(2), resumed.stdout
@@ -191,7 +191,8 @@ def test_a_run_with_every_regularizer_killed_within_an_accumulated_update_resume
     assert "both ways (BiT): the first epoch trains" in resumed.stdout
     assert "done: 2 epochs, 24 steps" in resumed.stdout
     saved = config.load(str(tmp_path / "log" / "hparams.json"))
-    assert (saved["norm_position"], saved["norm_type"], saved["fix_norm"]) == ("pre", "scale", True)
+    assert (saved["norm_position"], saved["norm_type"], saved["fix_norm"],
+            saved["layer_dropout"]) == ("pre", "scale", True, 0.2)
     straight_output = straight.communicate(timeout=600)[0]
     assert straight.returncode == 0, straight_output
     assert "plan: 2 epochs of about 12 updates, about 24 updates\n" in straight_output

@@ -11,7 +11,7 @@ import hparams as hp
 from kyu_transformer import config
 from kyu_transformer.data.subwords import SegmentationSampler, Subwords
 from kyu_transformer.data.text import load_split
-from kyu_transformer.layers import EncoderBlock, FeedForward
+from kyu_transformer.layers import EncoderBlock, FeedForward, LayerDrop
 from kyu_transformer.model import Transformer
 from kyu_transformer.training.schedule import NoamSchedule
 from tests import programs
@@ -95,6 +95,57 @@ def test_word_dropout_drops_whole_token_embeddings_at_its_rate(rng):
     assert not np.allclose(target, model.decode(source[:, :10], *model.encode(source)))
 
 
+def test_layer_drop_passes_a_whole_block_or_its_inputs_at_its_rate(rng):
+    """`LayerDrop` gives the block's outputs or, with probability `rate`, its inputs, whole;
+    outside training always the outputs."""
+    rate, draws = 0.3, 400
+    layer = LayerDrop(rate)
+    inputs = rng.normal(size=(2, 3, 4)).astype("float32")
+    outputs = inputs + 1.0
+    given = [np.asarray(layer(inputs, outputs, training=True)) for _ in range(draws)]
+    dropped = [np.array_equal(value, inputs) for value in given]
+    assert all(d or np.array_equal(value, outputs) for d, value in zip(dropped, given))
+    assert abs(np.mean(dropped) - rate) < five_sigma(rate, draws), np.mean(dropped)
+    np.testing.assert_array_equal(layer(inputs, outputs), outputs)
+    assert LayerDrop.from_config(layer.get_config()).rate == rate
+
+
+def test_layer_dropout_drops_whole_encoder_and_decoder_blocks_in_training(rng):
+    """With no other dropout, a training pass of the encoder gives what its blocks give with
+    some of them left out, each pattern in turn; the decoder's logits likewise vary between
+    the full stack's (not training) and the embeddings' alone (every block dropped)."""
+    model = Transformer(**{**SIZE, "num_blocks": 2, "dropout_rate": 0.0}, layer_dropout=0.5)
+    source = rng.integers(4, 60, size=(3, 9))
+    source[0, 6:] = 0
+    mask = source != 0
+    embedded = np.asarray(model.source_embedding(source) + model.source_positions(source))
+    first, second = model.encoder_blocks
+    patterns = {"both": second(first(embedded, mask=mask), mask=mask),
+                "first": first(embedded, mask=mask), "second": second(embedded, mask=mask),
+                "none": embedded}
+    np.testing.assert_allclose(model.encode(source)[0], patterns["both"], atol=1e-6)
+    seen = set()
+    for _ in range(40):
+        memory = np.asarray(model.encode(source, training=True)[0])
+        matched = [name for name, value in patterns.items()
+                   if np.allclose(memory, value, atol=1e-6)]
+        assert len(matched) == 1, matched
+        seen.update(matched)
+    assert seen == set(patterns)  # each of the four, at a rate of 0.5 (a miss: ~1e-4)
+    memory, source_mask = model.encode(source)
+    target = source[:, :5]
+    full = np.asarray(model.decode(target, memory, source_mask))
+    table = model.target_embedding.table()
+    bare = np.asarray(model.target_embedding.attend(
+        model.target_embedding(target, table=table) + model.target_positions(target),
+        table=table))
+    given = [np.asarray(model.decode(target, memory, source_mask, training=True))
+             for _ in range(40)]
+    assert any(np.allclose(value, full, atol=1e-5) for value in given)
+    assert any(np.allclose(value, bare, atol=1e-5) for value in given)
+    assert len({value.tobytes() for value in given}) == 4
+
+
 def dropout_rates(model):
     """Each dropout's rate by its place: attention weights, feed-forward inner, residual."""
     rates = {"attention": set(), "inner": set(), "residual": set()}
@@ -129,6 +180,11 @@ def test_dropout_rates_reach_their_places_and_default_to_the_earlier_model():
     assert dropout_rates(plain) == {"attention": {0.3}, "inner": {0.0}, "residual": {0.3}}
     assert plain.word_dropout == 0.0 and random_state_count(plain) == 10
     assert random_state_count(model) == 10 + 2 + 2  # two inner, two word dropouts
+    # LayerDrop: one random state more, made only when used
+    dropping = Transformer.from_config({**plain.get_config(), "layer_dropout": 0.1})
+    dropping.build()
+    assert dropping.layer_drop.rate == 0.1 and plain.layer_drop is None
+    assert random_state_count(dropping) == 10 + 1
     same = Transformer.from_hparams({**SIZE, "dropout_rate": 0.2, "attention_dropout": -1})
     assert same.attention_dropout == 0.2  # hparams' -1: the dropout rate
     with pytest.raises(ValueError, match=r"`relu_dropout` must be in \[0, 1\), got 1.0"):
@@ -137,20 +193,22 @@ def test_dropout_rates_reach_their_places_and_default_to_the_earlier_model():
 
 def test_hparams_reach_the_model_and_files_without_them_keep_todays_rates(tmp_path):
     hparams = hp.parse("tiny", {"dropout_rate": "0.3", "relu_dropout": "0.1",
-                                "attention_dropout": "0.0", "word_dropout": "0.1"})
+                                "attention_dropout": "0.0", "word_dropout": "0.1",
+                                "layer_dropout": "0.2"})
     model = Transformer.from_hparams(hparams)
     model.build()
     assert dropout_rates(model) == {"attention": {0.0}, "inner": {0.1}, "residual": {0.3}}
-    assert model.source_word_dropout.rate == 0.1
+    assert model.source_word_dropout.rate == 0.1 and model.layer_drop.rate == 0.2
     older = hp.parse("tiny", {"dropout_rate": "0.3"})
     for key in ("attention_dropout", "relu_dropout", "word_dropout", "subword_alpha",
-                "decay_steps"):
+                "decay_steps", "layer_dropout"):
         del older[key]
     path = tmp_path / "hparams.json"
     config.save(older, str(path))
     loaded = config.load(str(path))
     assert (loaded["attention_dropout"], loaded["relu_dropout"], loaded["word_dropout"],
-            loaded["subword_alpha"], loaded["decay_steps"]) == (-1.0, 0.0, 0.0, 0.0, 0)
+            loaded["subword_alpha"], loaded["decay_steps"], loaded["layer_dropout"]) == (
+        -1.0, 0.0, 0.0, 0.0, 0, 0.0)
     model = Transformer.from_hparams(loaded)
     model.build()
     assert dropout_rates(model) == {"attention": {0.3}, "inner": {0.0}, "residual": {0.3}}
@@ -162,6 +220,7 @@ def test_hparams_reach_the_model_and_files_without_them_keep_todays_rates(tmp_pa
     ({"attention_dropout": "-0.5"}, "`attention_dropout` must be in [0, 1) or -1"),
     ({"relu_dropout": "-0.1"}, "`relu_dropout` must be in [0, 1), got -0.1"),
     ({"word_dropout": "1"}, "`word_dropout` must be in [0, 1), got 1.0"),
+    ({"layer_dropout": "1"}, "`layer_dropout` must be in [0, 1), got 1.0"),
     ({"subword_alpha": "-1"}, "`subword_alpha` must be >= 0, got -1.0"),
     ({"subword_alpha": "0.5", "subword_model_type": "bpe"},
      "`subword_alpha` samples segmentations of a unigram model; `subword_model_type` is 'bpe'"),
