@@ -242,7 +242,7 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 sys.path.insert(0, sys.argv[1])
 from kyu_transformer import fast_paths
-from kyu_transformer.layers import Dropout
+from kyu_transformer.layers import Dropout, LayerDrop
 
 mirrored = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 x = tf.ones((8, 16, 32))
@@ -258,6 +258,16 @@ for name, fast, noise_shape in (("fast", True, None), ("plain", False, None),
         masks[f"{name}-{call}-alone"] = alone(x, training=True).numpy() != 0
         for replica, outputs in enumerate(mirrored.experimental_local_results(step())):
             masks[f"{name}-{call}-{replica}"] = outputs.numpy() != 0
+# LayerDrop: 40 calls, each a choice of the outputs (ones) or the inputs (zeros)
+zeros, ones = tf.zeros(()), tf.ones(())
+alone = LayerDrop(0.5, seed=5)
+with mirrored.scope():
+    replicated = LayerDrop(0.5, seed=5)
+step = tf.function(lambda: mirrored.run(lambda: replicated(zeros, ones, training=True)))
+kept = [[float(value) for value in mirrored.experimental_local_results(step())]
+        for _ in range(40)]
+masks["blocks-alone"] = [float(alone(zeros, ones, training=True)) == 1.0 for _ in range(40)]
+masks["blocks-0"], masks["blocks-1"] = (np.array(column) == 1.0 for column in zip(*kept))
 np.savez(sys.argv[2], **masks)
 """
 
@@ -266,8 +276,8 @@ np.savez(sys.argv[2], **masks)
 @pytest.mark.tensorflow_only("tf.distribute.MirroredStrategy")
 def test_replicas_draw_their_own_dropout_masks_and_the_first_draws_one_devices(tmp_path):
     """The same inputs on two replicas: each replica drops its own elements (fast paths on
-    and off, and word dropout's Keras path with a `noise_shape`), in each call anew; replica
-    0 drops what the same layer (seed) drops on one device."""
+    and off, and word dropout's Keras path with a `noise_shape`), in each call anew, and its
+    own blocks (LayerDrop); replica 0 drops what the same layer (seed) drops on one device."""
     output = programs.run("-c", REPLICAS_SCRIPT, programs.ROOT, tmp_path / "masks.npz",
                           timeout=300)
     assert output.returncode == 0, output.stderr[-3000:]
@@ -280,6 +290,10 @@ def test_replicas_draw_their_own_dropout_masks_and_the_first_draws_one_devices(t
             # half the elements differ between two independent masks of rate 0.5
             assert abs((first != second).mean() - 0.5) < 0.1, (name, call)
         assert not np.array_equal(masks[f"{name}-0-1"], masks[f"{name}-1-1"])
+    first, second = masks["blocks-0"], masks["blocks-1"]
+    np.testing.assert_array_equal(first, masks["blocks-alone"])
+    assert 8 <= first.sum() <= 32 and 8 <= second.sum() <= 32  # kept at about 0.5
+    assert 8 <= (first != second).sum() <= 32  # two draws, not one
 
 
 # One worker of two under MultiWorkerMirroredStrategy (the cluster in TF_CONFIG), one replica
