@@ -93,8 +93,9 @@ class Transformer(keras.Model):
         pre_norm = norm_position == "pre"
         self.encoder_norm = make_norm(norm_type, epsilon, "encoder_norm") if pre_norm else None
         self.decoder_norm = make_norm(norm_type, epsilon, "decoder_norm") if pre_norm else None
-        # Made last, and only when used: the other layers' seeds and a model without it as
-        # they were.
+        # Made only when used: a model without it has the layers and random draws it had. (On,
+        # as any dropout turned on, its seed is drawn before the blocks' weights and masks are:
+        # those start otherwise for the same seed.)
         self.layer_drop = LayerDrop(layer_dropout, name="layer_drop") if layer_dropout else None
 
     @classmethod
@@ -125,7 +126,8 @@ class Transformer(keras.Model):
         x = self._embed(source, self.source_embedding, self.source_positions,
                         (self.source_word_dropout, self.source_dropout), training, table)
         for block in self.encoder_blocks:
-            x = self._dropped(x, block(x, mask=source_mask, training=training), training)
+            x = _dropped(self.layer_drop, x, block(x, mask=source_mask, training=training),
+                         training)
         return _final_norm(self.encoder_norm, x), source_mask
 
     def decode(self, target_in, memory, source_mask, training=None,
@@ -194,16 +196,10 @@ class Transformer(keras.Model):
                 *results, cache = results
                 grown.append(cache)
             outputs, *attention = results
-            x = self._dropped(x, outputs, training)
+            x = _dropped(self.layer_drop, x, outputs, training)
             coverage = attention[-1] if attention else coverage
         logits = self.target_embedding.attend(_final_norm(self.decoder_norm, x), table=table)
         return logits, coverage, grown
-
-    def _dropped(self, inputs, outputs, training):
-        """A block's `outputs`, or in training with `layer_dropout` at times its `inputs`."""
-        if self.layer_drop is None:
-            return outputs
-        return self.layer_drop(inputs, outputs, training=training)
 
     def call(self, inputs, training=None):
         # A shared table is cast and masked once for its three uses, not each time.
@@ -215,6 +211,11 @@ class Transformer(keras.Model):
     def get_config(self):
         return {**super().get_config(),
                 **{name: getattr(self, name) for name in _argument_names(type(self))}}
+
+
+def _dropped(layer_drop, inputs, outputs, training):
+    """Returns a block's `outputs`, or with a `LayerDrop` (in training) at times its `inputs`."""
+    return outputs if layer_drop is None else layer_drop(inputs, outputs, training=training)
 
 
 def _final_norm(norm, x):

@@ -225,7 +225,9 @@ def test_a_recipe_candidate_is_trained_at_its_commit_and_alpha_is_chosen_on_val(
     record = json.loads((tmp_path / "c" / "search.json").read_text())
     assert record["decoded_in"] == "no" and "test" not in record and record["steps"] == 60
     written = json.loads((tmp_path / "c" / "eval" / "val-beam2-avg2-alpha1.4.json").read_text())
-    assert record["beam_size"] == written["beam_size"] == 2
+    assert record["beam_size"] == written["beam_size"] == 2 and record["average_last"] == 2
+    assert rescored.stdout.strip().splitlines()[-1].endswith(
+        "(1.4; beam 2, the last 2 averaged) |  | " f"{record['max_rss_gb']} GB |")
     assert record["val"] == {"1.4": pytest.approx(written["bleu"], abs=0.005)}
 
 
