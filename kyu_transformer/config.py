@@ -18,8 +18,8 @@ import json
 import os
 
 from kyu_transformer.conventions import (
-    LAYER_NORM_EPSILON, NORM_POSITIONS, NORM_TYPES, check_choice, check_decay, check_heads,
-    check_rates)
+    EMBEDDING_INITS, LAYER_NORM_EPSILON, NORM_POSITIONS, NORM_TYPES, check_choice, check_decay,
+    check_heads, check_rates)
 from kyu_transformer.precision import AUTO, PRECISION_POLICIES
 from kyu_transformer.safety.writes import write_text
 
@@ -71,6 +71,10 @@ SPEC = {
     "fix_norm": (False, ARCHITECTURE,
                  "FixNorm: every embedding row read at length 1, so the logits are the final "
                  "state's length times cosines"),
+    "embedding_init": (EMBEDDING_INITS[0], RUN,
+                       "how the embedding table starts: glorot (the original's Xavier uniform) "
+                       "or normal (standard deviation 1/sqrt(d_model), so that the scaled "
+                       "embeddings start as large as the sinusoids)"),
     "sinusoid": (True, ARCHITECTURE, "sinusoid (true) or learned (false) positions"),
     "share_embeddings": (True, ARCHITECTURE, "one embedding table for source, target and output"),
     "epsilon": (LAYER_NORM_EPSILON, ARCHITECTURE,
@@ -128,7 +132,7 @@ def keys_of(role):
 
 
 CHOICES = {"norm_position": NORM_POSITIONS, "norm_type": NORM_TYPES,
-           "mixed_precision": (*PRECISION_POLICIES, AUTO),
+           "embedding_init": EMBEDDING_INITS, "mixed_precision": (*PRECISION_POLICIES, AUTO),
            "subword_model_type": ("unigram", "bpe")}
 POSITIVE = ("vocab_size", "maxlen1", "maxlen2", "batch_size", "d_model", "d_ff", "num_blocks",
             "num_heads", "lr", "warmup_steps", "num_epochs", "keep_checkpoints", "log_every",

@@ -32,6 +32,12 @@ NORM_POSITIONS = ("post", "pre")
 # or ScaleNorm (Nguyen & Salazar 2019: the vector scaled to one learned length).
 NORM_TYPES = ("layer", "scale")
 
+# How an embedding table starts: Glorot uniform (the original's Xavier: a standard deviation of
+# sqrt(2 / (V + C)), so that once scaled by sqrt(C) the embeddings are smaller than the
+# sinusoids added to them, whose standard deviation is 0.71) or normal with standard deviation
+# 1 / sqrt(C) (tensor2tensor's and fairseq's: standard deviation 1 once scaled).
+EMBEDDING_INITS = ("glorot", "normal")
+
 # 1e-6 as OpenNMT-tf and tensor2tensor; the original's 1e-8 is zero in float16. Trained models
 # keep theirs (a TensorFlow 1 import: 1e-8).
 LAYER_NORM_EPSILON = 1e-6

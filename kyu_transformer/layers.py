@@ -19,8 +19,8 @@ from keras import ops
 
 from kyu_transformer import fast_paths as fast
 from kyu_transformer.conventions import (
-    LAYER_NORM_EPSILON, NORM_POSITIONS, NORM_TYPES, PAD_ID, check_choice, check_heads,
-    check_rates)
+    EMBEDDING_INITS, LAYER_NORM_EPSILON, NORM_POSITIONS, NORM_TYPES, PAD_ID, check_choice,
+    check_heads, check_rates)
 from kyu_transformer.replicas import replica_seeds
 
 ENCODING_STYLES = ("interleaved", "concat")
@@ -114,6 +114,16 @@ def unit_rows(table):
     rows = ops.cast(table, "float32")
     squared = ops.maximum(ops.sum(ops.square(rows), axis=-1, keepdims=True), 1e-24)  # (V, 1)
     return ops.cast(rows * ops.rsqrt(squared), table.dtype)
+
+
+def embedding_initializer(embedding_init, num_units):
+    """Returns a new initializer of the kind `embedding_init` names (`EMBEDDING_INITS`) for a
+    table `(V, num_units)`: Glorot uniform, or normal with standard deviation
+    ``1 / sqrt(num_units)``. A new one for each table, so that two tables draw apart."""
+    check_choice("embedding_init", embedding_init, EMBEDDING_INITS)
+    if embedding_init == "glorot":
+        return keras.initializers.GlorotUniform()
+    return keras.initializers.RandomNormal(stddev=1.0 / math.sqrt(num_units))
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")

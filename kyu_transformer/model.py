@@ -10,8 +10,8 @@ from kyu_transformer.conventions import (
     LAYER_NORM_EPSILON, NORM_POSITIONS, NORM_TYPES, PAD_ID, check_choice, check_heads,
     check_rates)
 from kyu_transformer.layers import (
-    DecoderBlock, Dropout, Embedding, EncoderBlock, LayerDrop, PositionalEncoding, make_norm,
-    set_fast_paths)
+    DecoderBlock, Dropout, Embedding, EncoderBlock, LayerDrop, PositionalEncoding,
+    embedding_initializer, make_norm, set_fast_paths)
 
 
 @keras.saving.register_keras_serializable(package="kyu_transformer")
@@ -38,6 +38,8 @@ class Transformer(keras.Model):
       fix_norm: Every embedding row read at length 1 (`Embedding`'s `unit_norm`, FixNorm).
       layer_dropout: In training, each encoder and decoder block dropped whole with this
         probability (`LayerDrop`).
+      embedding_init: How the embedding tables start: ``"glorot"`` (the original) or
+        ``"normal"`` (standard deviation ``1 / sqrt(d_model)``; `EMBEDDING_INITS`).
 
     Call arguments:
       inputs: ``{"source": ids (N, S), "target_in": ids (N, T)}``, the target shifted right
@@ -51,7 +53,7 @@ class Transformer(keras.Model):
                  maxlen1=100, maxlen2=100, dropout_rate=0.1, norm_position="post",
                  sinusoid=True, share_embeddings=True, epsilon=LAYER_NORM_EPSILON,
                  attention_dropout=None, relu_dropout=0.0, word_dropout=0.0, norm_type="layer",
-                 fix_norm=False, layer_dropout=0.0, **kwargs):
+                 fix_norm=False, layer_dropout=0.0, embedding_init="glorot", **kwargs):
         super().__init__(**kwargs)
         check_choice("norm_position", norm_position, NORM_POSITIONS)
         check_choice("norm_type", norm_type, NORM_TYPES)
@@ -68,13 +70,14 @@ class Transformer(keras.Model):
         self.epsilon, self.word_dropout = float(epsilon), float(word_dropout)
         self.attention_dropout, self.relu_dropout = float(attention_dropout), float(relu_dropout)
         self.norm_type, self.fix_norm = norm_type, bool(fix_norm)
-        self.layer_dropout = float(layer_dropout)
+        self.layer_dropout, self.embedding_init = float(layer_dropout), embedding_init
 
-        self.target_embedding = Embedding(vocab_size, d_model, unit_norm=fix_norm,
-                                          name="target_embedding")
-        self.source_embedding = (
-            self.target_embedding if share_embeddings
-            else Embedding(vocab_size, d_model, unit_norm=fix_norm, name="source_embedding"))
+        self.target_embedding = Embedding(
+            vocab_size, d_model, embedding_initializer(embedding_init, d_model),
+            unit_norm=fix_norm, name="target_embedding")
+        self.source_embedding = self.target_embedding if share_embeddings else Embedding(
+            vocab_size, d_model, embedding_initializer(embedding_init, d_model),
+            unit_norm=fix_norm, name="source_embedding")
         self.source_positions = PositionalEncoding(maxlen1, d_model, sinusoid=sinusoid,
                                                    name="source_positions")
         self.target_positions = PositionalEncoding(maxlen2, d_model, sinusoid=sinusoid,

@@ -147,6 +147,34 @@ def test_scale_norm_and_fix_norm_reach_every_norm_and_the_logits(batch):
     assert not logits_project_onto(model, batch, table)
 
 
+def test_embedding_init_normal_starts_each_table_at_unit_variance_once_scaled(batch):
+    """``embedding_init="normal"``: every row but padding drawn with standard deviation
+    1/sqrt(C), so that the looked-up (scaled) embeddings start at standard deviation 1, each
+    table its own draws; the default keeps Glorot uniform's smaller rows; saved and loaded."""
+    size = {**SIZE, "vocab_size": 2000, "d_model": 64, "num_heads": 4}
+    model = Transformer(**size, embedding_init="normal", share_embeddings=False)
+    model.build()
+    tables = [np.asarray(layer.embeddings) for layer in (model.source_embedding,
+                                                         model.target_embedding)]
+    for table in tables:
+        np.testing.assert_array_equal(table[0], 0.0)  # padding
+        assert abs(table[1:].std() / (1 / 8.0) - 1) < 0.02  # 1/sqrt(64), over 127,936 draws
+        assert abs(table[1:].mean()) < 0.002
+    assert not np.allclose(tables[0], tables[1])
+    ids = np.arange(1, 2000).reshape(1, -1)
+    assert abs(np.asarray(model.source_embedding(ids)).std() - 1.0) < 0.02
+    glorot = Transformer(**size)
+    glorot.build()
+    limit = np.sqrt(6.0 / (2000 + 64))  # Glorot uniform's bound: a std of limit/sqrt(3)
+    assert np.abs(np.asarray(glorot.target_embedding.embeddings)).max() <= limit
+    assert glorot.get_config()["embedding_init"] == "glorot"
+    restored = Transformer.from_config(model.get_config())
+    assert restored.embedding_init == "normal"
+    with pytest.raises(ValueError, match="`embedding_init` must be one of glorot, normal, "
+                                         "got 'uniform'"):
+        Transformer(**SIZE, embedding_init="uniform")
+
+
 def test_from_hparams_takes_every_model_argument():
     model = Transformer.from_hparams({**config.DEFAULTS, **SIZE, "fast_paths": False,
                                       "epsilon": 1e-5})

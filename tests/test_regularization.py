@@ -230,6 +230,8 @@ def test_hparams_reach_the_model_and_files_without_them_keep_todays_rates(tmp_pa
      "`subword_alpha` samples segmentations of a unigram model; `subword_model_type` is 'bpe'"),
     ({"decay_steps": "40"}, "`decay_steps` (40) must be 0 or more than `warmup_steps` (40)"),
     ({"decay_steps": "-5"}, "`decay_steps` must be >= 0, got -5"),
+    ({"embedding_init": "uniform"}, "`embedding_init` must be one of glorot, normal, got "
+                                    "'uniform'"),
 ])
 def test_bad_settings_are_refused(overrides, message):
     with pytest.raises(config.HParamsError) as error:
