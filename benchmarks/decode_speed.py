@@ -22,7 +22,6 @@ Prints each repetition, medians and the ratios. Needs `pip install -e .[bench]`.
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -33,8 +32,6 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from keras import ops  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 from prerequisites import DEFAULT_DATA, require, require_data  # noqa: E402
 
 from kyu_transformer.conventions import (  # noqa: E402

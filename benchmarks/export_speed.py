@@ -29,9 +29,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from prerequisites import DEFAULT_DATA, require, require_data  # noqa: E402
+from prerequisites import DEFAULT_DATA, ROOT, require, require_data  # noqa: E402
 
 
 def export(logdir, out, *flags):

@@ -42,10 +42,8 @@ os.environ["KERAS_BACKEND"] = "jax"
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from prerequisites import require  # noqa: E402  (first: it puts the checkout on sys.path)
 import hparams as hparams_module  # noqa: E402
-from prerequisites import require  # noqa: E402
 from train_comparison import keras_hub_model, training_flops  # noqa: E402
 
 from kyu_transformer.config import HParamsError  # noqa: E402

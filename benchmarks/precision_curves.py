@@ -16,9 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from prerequisites import DEFAULT_DATA, require_data  # noqa: E402
+from prerequisites import DEFAULT_DATA, ROOT, require_data  # noqa: E402
 
 from kyu_transformer.training.plots import plt, read_history  # noqa: E402
 

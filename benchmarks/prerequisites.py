@@ -1,6 +1,7 @@
 """What the benchmarks need beyond the package: the peers they compare with, the corpus, an
 earlier revision's tree, a recipe flag's check (`recipe`); and the order they time things in
-(`in_turns`)."""
+(`in_turns`). Imported, it puts this checkout first on `sys.path`, so that a benchmark run as
+``python benchmarks/NAME.py`` measures this checkout's package, installed or not."""
 
 import argparse
 import atexit
@@ -12,6 +13,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 # The full Multi30k: next to the checkout on this project's machines, else where
 # `python train.py` downloads it.
 SHARED_DATA = os.path.join(ROOT, "..", "shared", "data", "multi30k")

@@ -14,7 +14,6 @@ it in TensorBoard's profile tab) for the op-by-op view.
 import argparse
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -22,10 +21,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from prerequisites import DEFAULT_DATA, require_data  # noqa: E402
+from prerequisites import DEFAULT_DATA, ROOT, require_data  # noqa: E402
 from train_throughput import BATCH, TARGET_LEN, batch, make_step, ours  # noqa: E402
 
 import hparams as hp  # noqa: E402

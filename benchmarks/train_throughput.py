@@ -40,8 +40,6 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 from prerequisites import in_turns, require, tree_at  # noqa: E402
 from train_comparison import keras_hub_model, training_flops  # noqa: E402
 

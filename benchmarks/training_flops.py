@@ -21,7 +21,6 @@ import sys
 from prerequisites import DEFAULT_DATA, ROOT, recipe, require_data
 from train_comparison import training_flops
 
-sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hparams as hp  # noqa: E402

@@ -26,6 +26,15 @@ WITH_FOLDER_ON_PATH = ("import os, runpy, sys; folder, script = sys.argv[1:3]; "
                        "runpy.run_path(script, run_name='__main__')")
 
 
+def test_a_benchmark_imports_its_own_checkouts_package_installed_or_not(tmp_path):
+    """``python benchmarks/recipe_search.py`` from another folder, with no site-packages at all
+    (``-S``: no installed package to fall back on): it imports the package of its checkout."""
+    script = os.path.join(ROOT, "benchmarks", "recipe_search.py")
+    result = subprocess.run([sys.executable, "-S", script, "--help"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "--commit" in result.stdout, result.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["train_throughput.py", "decode_speed.py"])
 def test_benchmark_without_its_extra_names_the_extra(tmp_path, script):
