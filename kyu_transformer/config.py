@@ -73,8 +73,7 @@ SPEC = {
                  "state's length times cosines"),
     "embedding_init": (EMBEDDING_INITS[0], RUN,
                        "how the embedding table starts: glorot (the original's Xavier uniform) "
-                       "or normal (standard deviation 1/sqrt(d_model), so that the scaled "
-                       "embeddings start as large as the sinusoids)"),
+                       "or normal (standard deviation 1/sqrt(d_model))"),
     "sinusoid": (True, ARCHITECTURE, "sinusoid (true) or learned (false) positions"),
     "share_embeddings": (True, ARCHITECTURE, "one embedding table for source, target and output"),
     "epsilon": (LAYER_NORM_EPSILON, ARCHITECTURE,

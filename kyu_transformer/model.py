@@ -71,7 +71,6 @@ class Transformer(keras.Model):
         self.attention_dropout, self.relu_dropout = float(attention_dropout), float(relu_dropout)
         self.norm_type, self.fix_norm = norm_type, bool(fix_norm)
         self.layer_dropout, self.embedding_init = float(layer_dropout), embedding_init
-
         self.target_embedding = Embedding(
             vocab_size, d_model, embedding_initializer(embedding_init, d_model),
             unit_norm=fix_norm, name="target_embedding")
@@ -84,8 +83,7 @@ class Transformer(keras.Model):
                                                    name="target_positions")
         self.source_word_dropout = Dropout(self.word_dropout, noise_shape=(None, None, 1))
         self.target_word_dropout = Dropout(self.word_dropout, noise_shape=(None, None, 1))
-        self.source_dropout = Dropout(dropout_rate)
-        self.target_dropout = Dropout(dropout_rate)
+        self.source_dropout, self.target_dropout = Dropout(dropout_rate), Dropout(dropout_rate)
         args = dict(num_heads=num_heads, d_ff=d_ff, dropout_rate=dropout_rate,
                     norm_position=norm_position, epsilon=epsilon,
                     attention_dropout_rate=self.attention_dropout,

@@ -198,24 +198,26 @@ def test_dropout_rates_reach_their_places_and_default_to_the_earlier_model():
 def test_hparams_reach_the_model_and_files_without_them_keep_todays_rates(tmp_path):
     hparams = hp.parse("tiny", {"dropout_rate": "0.3", "relu_dropout": "0.1",
                                 "attention_dropout": "0.0", "word_dropout": "0.1",
-                                "layer_dropout": "0.2"})
+                                "layer_dropout": "0.2", "embedding_init": "normal"})
     model = Transformer.from_hparams(hparams)
     model.build()
     assert dropout_rates(model) == {"attention": {0.0}, "inner": {0.1}, "residual": {0.3}}
     assert model.source_word_dropout.rate == 0.1 and model.layer_drop.rate == 0.2
+    assert model.embedding_init == "normal"
     older = hp.parse("tiny", {"dropout_rate": "0.3"})
     for key in ("attention_dropout", "relu_dropout", "word_dropout", "subword_alpha",
-                "decay_steps", "layer_dropout"):
+                "decay_steps", "layer_dropout", "embedding_init"):
         del older[key]
     path = tmp_path / "hparams.json"
     config.save(older, str(path))
     loaded = config.load(str(path))
     assert (loaded["attention_dropout"], loaded["relu_dropout"], loaded["word_dropout"],
-            loaded["subword_alpha"], loaded["decay_steps"], loaded["layer_dropout"]) == (
-        -1.0, 0.0, 0.0, 0.0, 0, 0.0)
+            loaded["subword_alpha"], loaded["decay_steps"], loaded["layer_dropout"],
+            loaded["embedding_init"]) == (-1.0, 0.0, 0.0, 0.0, 0, 0.0, "glorot")
     model = Transformer.from_hparams(loaded)
     model.build()
     assert dropout_rates(model) == {"attention": {0.3}, "inner": {0.0}, "residual": {0.3}}
+    assert model.embedding_init == "glorot"
 
 
 @pytest.mark.parametrize("overrides,message", [
