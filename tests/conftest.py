@@ -10,6 +10,13 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # included: float32 products keep float32's mantissa instead of TensorFloat-32's 10 bits, so
 # that float32 tolerances hold on a GPU. Nothing reads it on a machine without an NVIDIA GPU.
 os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+# XLA (JAX's every op, TensorFlow's `jit_compile` and XLA loss) compiles the suite's tiny
+# models without LLVM's optimization passes, in this process and the programs it starts: the
+# same computation in code that runs slower, compiled in less processor time, which kernels
+# this small never repay. Name another level in XLA_FLAGS to test with it.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
 # pytest-xdist's workers share the machine's cores: each worker, and every program it starts,
 # splits a TensorFlow op over its share of them only. Split over more threads than there are
 # free cores, an op's threads wait for cores the other worker's ops hold (TensorFlow's pool
