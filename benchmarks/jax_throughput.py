@@ -111,8 +111,8 @@ def synthetic_data(vocab_size, rows, length):
 def build_model(name, hparams):
     """Our Transformer of `hparams`, or keras-hub's model of the same shape and dropout."""
     if name == "ours":
-        # Unbuilt: `fit` builds it from the first batch's shapes abstractly, where `build()`
-        # would run the model on dummy ids op by op, each op compiled by XLA on its own.
+        # Unbuilt: `fit` calls its `build()` inside `jax.eval_shape`, traced without running an
+        # op; called here, it would run op by op, each op compiled by XLA on its own.
         return Transformer.from_hparams(hparams)
     return keras_hub_model({key: hparams[key] for key in SHAPE_KEYS},
                            max(hparams["maxlen1"], hparams["maxlen2"]), hparams["dropout_rate"])

@@ -12,8 +12,9 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 # XLA (JAX's every op, TensorFlow's `jit_compile` and XLA loss) compiles the suite's tiny
 # models without LLVM's optimization passes, in this process and the programs it starts: the
-# same computation in code that runs slower, compiled in less processor time, which kernels
-# this small never repay. Name another level in XLA_FLAGS to test with it.
+# same computation in code that runs slower, compiled in less processor time, which the
+# suite's tiny kernels did not repay on the CPUs measured (docs/testing.md). Name another
+# level in XLA_FLAGS to test with it.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = " ".join(
         filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
