@@ -3,6 +3,8 @@ import re
 from setuptools import find_packages, setup
 
 SERVE = ["tensorflow-text>=2.21,<2.22", "ctranslate2>=4"]
+# The peer the speed benchmarks compare with.
+BENCH = ["keras-hub"]
 
 setup(
     name="kyu_transformer",
@@ -26,9 +28,9 @@ setup(
         # Serving exports (export.py): tensorflow-text's ops are built for one
         # TensorFlow minor version, the one installed here (2.21).
         "serve": SERVE,
-        # The tests cover the exports too, run the layers on JAX, and run on two
-        # processes at once (pytest-xdist).
-        "test": ["pytest", "pytest-xdist", "jax", *SERVE],
-        "bench": ["keras-hub"],
+        # The tests cover the exports and the benchmarks' comparison with their peer
+        # too, run the layers on JAX, and run on two processes at once (pytest-xdist).
+        "test": ["pytest", "pytest-xdist", "jax", *SERVE, *BENCH],
+        "bench": BENCH,
     },
 )
