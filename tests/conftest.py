@@ -152,24 +152,7 @@ SLOW_FIXTURES = {"trained", "trained_logdir", "trained_tiny_logdir", "varied",
                  "varied_tiny_logdir"}
 
 
-# The modules that take longest, longest first (each trains models, starts several programs or
-# compiles with XLA): pytest-xdist hands whole modules to the workers in the order of `items`
-# (`--no-loadscope-reorder` in pytest.ini; its own order, by number of tests, put these few-test
-# modules last), so these start first and the short modules fill the end of the run, where
-# otherwise one worker ran a long module alone while the other had finished.
-LONGEST_MODULES = ["test_benchmarks.py", "test_faults.py", "test_updates.py",
-                   "test_multi_worker.py", "test_decoding.py", "test_training.py",
-                   "test_export.py", "test_translation_model.py", "test_ctranslate2.py",
-                   "test_loss_scale.py"]
-
-
-def _scheduled_first(item):
-    name = item.path.name
-    return LONGEST_MODULES.index(name) if name in LONGEST_MODULES else len(LONGEST_MODULES)
-
-
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=_scheduled_first)  # stable: each module's tests keep their order
     for item in items:
         if SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
