@@ -578,6 +578,7 @@ def test_fully_masked_row_is_finite(rng, value_and_gradients, policy):
     weights = np.asarray(keras.ops.cast(weights, "float32"))
     assert np.all(np.isfinite(outputs)) and np.all(np.isfinite(weights))
     assert np.all(weights[[0, 2]] == 0.0)
+
     # the gradients stay finite too (a NaN hidden behind `where` still poisons them)
     def total(queries):
         outputs, _, _ = layer(queries, keys * 50, key_mask=key_mask)
