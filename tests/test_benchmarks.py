@@ -323,7 +323,7 @@ def _matrix_product_flops(batch, source, target, shape):
     return 3 * sum(2 * m * k * n for m, k, n in products)
 
 
-def test_the_jax_benchmark_knows_the_peaks_of_gpus_by_name(monkeypatch):
+def test_the_jax_benchmark_knows_gpu_peaks_and_refuses_a_length_over_the_tables(monkeypatch):
     """`jax_throughput.device_peaks`: a GPU's dense peaks by its JAX `device_kind` (the first
     pattern that matches, so that an H100 PCIe is not taken for an SXM, nor an L40S for an L4);
     none for a CPU or an unknown device; `--peak_tflops` over any. A `--length` the model cannot
