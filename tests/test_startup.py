@@ -135,7 +135,7 @@ def test_the_programs_let_gpu_memory_grow_first_and_name_their_devices(tmp_path)
     recorded = json.loads((logdir / "eval" / "a.json").read_text())
     assert recorded["device"] == TWO_A100.removeprefix("devices: ")
     exported = programs.run("-c", FAKE_GPU_PROGRAM, "export.py", "--logdir", logdir, "--out",
-                            tmp_path / "exported")
+                            tmp_path / "exported.keras", "--format", "keras")
     assert "exit 0" in exported.stdout, exported.stdout + exported.stderr[-3000:]
     lines = exported.stdout.splitlines()
     assert lines[0] == TWO_A100 and lines[-1] == GROWN
