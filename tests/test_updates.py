@@ -59,15 +59,10 @@ def test_trainer_fast_paths_switch_trains_the_same_steps(tmp_path):
 def micro_batches():
     """Five batches of unlike rows, lengths and padding (the one-row batch leaves one of two
     replicas an empty slice)."""
-    return batches_of(((6, 9, 8), (3, 12, 6), (5, 7, 10), (4, 8, 8), (1, 6, 5)), seed=3)
-
-
-def batches_of(shapes, seed):
-    """A batch for each `(rows, source length, target length)` of `shapes`, its first source row
-    and last target row ending in padding."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(3)
     batches = []
-    for rows, source_length, target_length in shapes:
+    for rows, source_length, target_length in ((6, 9, 8), (3, 12, 6), (5, 7, 10), (4, 8, 8),
+                                               (1, 6, 5)):
         source = rng.integers(4, 400, size=(rows, source_length)).astype("int32")
         source[0, -3:] = 0
         target = rng.integers(4, 400, size=(rows, target_length)).astype("int32")
@@ -199,9 +194,8 @@ def test_jit_compile_on_two_replicas_trains_as_the_plain_step(tmp_path):
     meanwhile), two batches an update: each replica's gradients compiled with XLA (the iterator
     read outside them) make the plain step's updates on one device, the last update of one
     batch, its one row leaving a replica empty slices; the end of the data and a stop request
-    still reach the loop.
-    XLA's kernels round otherwise than oneDNN's: equal within the rounding Adam magnifies.
-    Assumes a CPU: the plain run takes the GPU where one is seen."""
+    still reach the loop. XLA's kernels round otherwise than oneDNN's: equal within the
+    rounding Adam magnifies. Assumes a CPU: the plain run takes the GPU where one is seen."""
     mirrored = programs.start("-c", JIT_SCRIPT, ROOT, tmp_path)
     taken, losses, weights, stops = train_to_the_end(jit_batches(), tmp_path / "plain",
                                                      accumulate_steps=2)
