@@ -2,6 +2,7 @@
 
     python benchmarks/train_throughput.py [--repeats 3] [--steps 20] [--variants fp32,bf16]
                                           [--baseline REV] [--shape d_model=512,num_blocks=6]
+                                          [--peak_tflops F32 HALF]
 
 Both models: d_model 256, d_ff 1024, 3 encoder + 3 decoder blocks, 4 heads,
 vocabulary 8000 (`--shape` changes any of these), trained on the same fixed
@@ -21,7 +22,8 @@ as the package stood at git revision REV (say, the commit before a change)
 trains in the same process and turns, so that a change is measured against
 the same peer timings rather than across processes. Prints each repetition,
 the medians, their ratios, and the model FLOP utilisation against a
-matrix-multiply peak measured in the same run.
+matrix-multiply peak measured in the same run (or the peaks `--peak_tflops` gives: a
+datasheet's, or none measured where the figures' MFU does not matter).
 """
 
 import argparse
@@ -154,6 +156,15 @@ def matmul_peak(dtype, size=2048, repeats=20):
     return 2 * size ** 3 * repeats / min(timings)
 
 
+def matmul_peaks(given, dtypes):
+    """Returns ``({dtype: FLOP/s}, source)`` for float32 and, where a configuration computes in
+    it, bfloat16: `given` (``--peak_tflops``, in TFLOP/s), else measured by `matmul_peak`."""
+    wanted = ["float32"] + (["bfloat16"] if "bfloat16" in dtypes else [])
+    if given:
+        return {dtype: given[index] * 1e12 for index, dtype in enumerate(wanted)}, "given"
+    return {dtype: matmul_peak(getattr(tf, dtype)) for dtype in wanted}, "measured"
+
+
 def measure(steps_by_name, features, labels, steps, repeats, warmup=3):
     """Target tokens/s of each step function, per repetition, timed in turns.
 
@@ -214,6 +225,9 @@ def parse_args():
                              "same process and turns (configurations named at-REV-fp32, ...)")
     parser.add_argument("--shape", type=shape_flag, default=SHAPE, metavar="KEY=N,...",
                         help=f"both models' shape, changed from {SHAPE}")
+    parser.add_argument("--peak_tflops", type=float, nargs=2, metavar=("F32", "HALF"),
+                        help="the device's dense peaks in TFLOP/s, of float32 products and of "
+                             "bfloat16 ones, for the MFU, instead of the peaks measured")
     return parser.parse_args()
 
 
@@ -257,13 +271,11 @@ def report(args, rates, dtypes):
     ratios to the peer and (paired, repetition by repetition) to --baseline."""
     results = {name: statistics.median(values) for name, values in rates.items()}
     flops = training_flops(SHAPE, BATCH, SOURCE_LEN, TARGET_LEN)
-    peaks = {"float32": matmul_peak(tf.float32)}
-    if "bfloat16" in dtypes.values():
-        peaks["bfloat16"] = matmul_peak(tf.bfloat16)
+    peaks, source = matmul_peaks(args.peak_tflops, set(dtypes.values()))
     print(f"\nshape: {SHAPE}, batch {BATCH} x {SOURCE_LEN}/{TARGET_LEN} tokens, "
           f"{flops / 1e9:.1f} GFLOP per training step")
     for dtype, peak in peaks.items():
-        print(f"measured {dtype} matmul peak: {peak / 1e9:.0f} GFLOP/s")
+        print(f"{source} {dtype} matmul peak: {peak / 1e9:.0f} GFLOP/s")
     chosen, reason = choose_precision(SHAPE)
     configuration = {"bf16": "ours-bf16", "no": "ours-fp32"}.get(chosen, "not measured here")
     print(f"mixed_precision auto picks {chosen} here ({reason}): {configuration}")

@@ -106,8 +106,18 @@ def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
     _skip_unless_git_checkout()
     result = programs.run("benchmarks/train_throughput.py", "--skip_peer", "--baseline", "HEAD",
                           "--variants", "fp32", "--repeats", "2", "--steps", "1", "--shape",
-                          "vocab_size=300,d_model=32,d_ff=64,num_blocks=1")
+                          "vocab_size=300,d_model=32,d_ff=64,num_blocks=1",
+                          "--peak_tflops", "0.001", "0.002")
     assert result.returncode == 0, result.stderr[-3000:]
+    # the MFU against the float32 peak given, 1 GFLOP/s (none measured: a float32 configuration
+    # alone), so the MFU in % is a hundred times the GFLOP/s printed (rounded to 1 GFLOP/s)
+    assert "given float32 matmul peak: 1 GFLOP/s\n" in result.stdout
+    assert result.stdout.count("matmul peak") == 1
+    rates = re.findall(r"^(\S+) +median +\d+ target tokens/s, +(\d+) GFLOP/s, MFU (\d+)%$",
+                       result.stdout, re.MULTILINE)
+    assert [name for name, _, _ in rates] == ["ours-fp32", "at-HEAD-fp32"], result.stdout
+    for _, gflops, mfu in rates:
+        assert int(gflops) >= 2 and abs(int(mfu) / 100 - int(gflops)) <= 0.51, result.stdout
     timed = [line.split()[0] for line in result.stdout.splitlines() if " repeat " in line]
     assert timed == ["ours-fp32", "at-HEAD-fp32", "at-HEAD-fp32", "ours-fp32"]
     assert "ratio ours-fp32 / at-HEAD-fp32: " in result.stdout

@@ -10,50 +10,6 @@ from kyu_transformer.training.schedule import NoamSchedule
 from kyu_transformer.training.trainer import Trainer
 from tests import programs
 from tests.programs import ROOT
-from tests.test_training import tiny
-
-
-def fixed_batches(epoch):
-    """Three global batches (with padding), the same for every epoch."""
-    rng = np.random.default_rng(0)
-    rows = []
-    for size in (8, 7, 5):
-        source = rng.integers(4, 400, size=(size, 9)).astype("int32")
-        source[0, 6:] = 0
-        target = rng.integers(4, 400, size=(size, 8)).astype("int32")
-        target[-1, 3:] = 0
-        rows.append(({"source": source, "target_in": target}, np.roll(target, -1, axis=1)))
-    return tf.data.Dataset.from_generator(lambda: iter(rows), output_signature=(
-        {"source": tf.TensorSpec((None, None), tf.int32),
-         "target_in": tf.TensorSpec((None, None), tf.int32)},
-        tf.TensorSpec((None, None), tf.int32)))
-
-
-def test_trainer_fast_paths_switch_trains_the_same_steps(tmp_path):
-    """Fused Adam, stated loss gradient and XLA loss (on) against Keras' Adam,
-    autodiff and no XLA (off): the same losses, step by step."""
-    import keras
-
-    from kyu_transformer.training.optimizer import Adam
-
-    losses = {}
-    for fast_paths in (True, False):
-        keras.utils.set_random_seed(7)
-        hparams = tiny(tmp_path / str(fast_paths), dropout_rate=0.0, fast_paths=fast_paths)
-        trainer = Trainer(hparams, verbose=False)
-        assert isinstance(trainer.optimizer, Adam) == fast_paths
-        assert isinstance(trainer.optimizer, keras.optimizers.Adam)
-        assert trainer.loss_fn.fast_paths == fast_paths
-        assert getattr(trainer.model, "fast_paths", fast_paths) == fast_paths
-        losses[fast_paths] = []
-        for _ in range(2):
-            iterator = iter(trainer.distribute(lambda share: fixed_batches(0)))
-            for _ in range(3):
-                trainer._train_step(iterator)
-                loss_sum, _, tokens = trainer._train_step.take_sums()
-                losses[fast_paths].append(loss_sum / tokens)
-    assert losses[True][-1] < losses[True][0]  # it trains
-    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
 
 
 def micro_batches():
@@ -142,6 +98,40 @@ def adam_rounding_tolerance(updates):
     hparams = hp.parse("tiny", {})
     schedule = NoamSchedule(hparams["d_model"], hparams["warmup_steps"], hparams["lr"])
     return 0.01 * sum(float(schedule(step)) for step in range(updates))
+
+
+@pytest.fixture(scope="module")
+def joined_runs(tmp_path_factory):
+    """`micro_batches` joined two by two, one batch an update, with the fast paths on and off:
+    ``{fast_paths: (trainer, its initial weights, the run as `step_to_the_end` gives it)}``."""
+    runs = {}
+    for fast_paths in (True, False):
+        trainer = tiny_trainer(tmp_path_factory.mktemp(f"joined-{fast_paths}"),
+                               fast_paths=fast_paths)
+        initial = {weight.path: weight.numpy() for weight in trainer.model.weights}
+        runs[fast_paths] = trainer, initial, step_to_the_end(trainer, unions(micro_batches(), 2))
+    return runs
+
+
+def test_trainer_fast_paths_switch_trains_the_same_steps(joined_runs):
+    """Fused Adam, stated loss gradient and XLA loss (on) against Keras' Adam, autodiff and no
+    XLA (off): the same losses update by update and the same weights after them."""
+    import keras
+
+    from kyu_transformer.training.optimizer import Adam
+
+    for fast_paths, (trainer, _, _) in joined_runs.items():
+        assert isinstance(trainer.optimizer, Adam) == fast_paths
+        assert isinstance(trainer.optimizer, keras.optimizers.Adam)
+        assert trainer.loss_fn.fast_paths == fast_paths
+        assert getattr(trainer.model, "fast_paths", fast_paths) == fast_paths
+    (_, initial, on), (_, _, off) = joined_runs[True], joined_runs[False]
+    assert on[0] == off[0] == [1, 1, 1, 0]
+    np.testing.assert_allclose(on[1], off[1], rtol=1e-5)
+    tolerance = adam_rounding_tolerance(updates=3)
+    assert_same_weights(on[2], off[2], tolerance)
+    # it trains: the updates moved the weights far beyond the tolerance
+    assert max(np.abs(on[2][name] - initial[name]).max() for name in initial) > 10 * tolerance
 
 
 ACCUMULATION_SCRIPT = r"""
@@ -249,7 +239,7 @@ def test_jit_compile_on_one_device_makes_the_plain_steps_updates(one_device_jit,
 
 @pytest.mark.slow
 @pytest.mark.cpu_exact
-def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
+def test_accumulated_updates_equal_updates_on_the_joined_batches(joined_runs, tmp_path):
     """`accumulate_steps` 2: each update is the one of its two batches joined (the last, of
     the one batch left), with the fused Adam and with Keras' (`fast_paths` off), on one device
     and under `MirroredStrategy` on two logical CPUs (in a process of its own, run meanwhile;
@@ -266,8 +256,7 @@ def test_accumulated_updates_equal_updates_on_the_joined_batches(tmp_path):
             batches, tmp_path / f"accumulated-{fast_paths}", fast_paths=fast_paths,
             accumulate_steps=2)
         assert taken == [2, 2, 1, 0] and stops == 1.0
-        joined_taken, *joined[fast_paths], _ = train_to_the_end(
-            unions(batches, 2), tmp_path / f"joined-{fast_paths}", fast_paths=fast_paths)
+        joined_taken, *joined[fast_paths], _ = joined_runs[fast_paths][2]
         assert joined_taken == [1, 1, 1, 0]
         np.testing.assert_allclose(losses, joined[fast_paths][0], rtol=1e-5)
         assert_same_weights(weights, joined[fast_paths][1], tolerance)
