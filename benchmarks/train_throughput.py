@@ -226,9 +226,14 @@ def parse_args():
     parser.add_argument("--shape", type=shape_flag, default=SHAPE, metavar="KEY=N,...",
                         help=f"both models' shape, changed from {SHAPE}")
     parser.add_argument("--peak_tflops", type=float, nargs=2, metavar=("F32", "HALF"),
-                        help="the device's dense peaks in TFLOP/s, of float32 products and of "
-                             "bfloat16 ones, for the MFU, instead of the peaks measured")
-    return parser.parse_args()
+                        help="the device's dense peaks in TFLOP/s, of float32 products (TF32 "
+                             "where used) and of bfloat16 ones, for the MFU, instead of the "
+                             "peaks measured")
+    args = parser.parse_args()
+    if args.peak_tflops and min(args.peak_tflops) <= 0:
+        parser.error("--peak_tflops: expected two peaks over 0, not {} and {}".format(
+            *args.peak_tflops))
+    return args
 
 
 def make_steps(args):

@@ -252,6 +252,7 @@ def test_another_corpus_in_the_same_logdir_is_refused(tmp_path):
     lines[0] = b"A changed sentence.\n"
     with gzip.open(data_dir / "train.en.gz", "wb") as handle:
         handle.writelines(lines)
+
     def written():  # the run's files (the lock is each run's own)
         return {path: path.read_bytes() for path in logdir.rglob("*")
                 if path.is_file() and path.name != filenames.LOCK}
