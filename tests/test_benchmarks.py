@@ -97,6 +97,9 @@ def test_a_baseline_revision_trains_beside_the_current_package(monkeypatch):
     assert losses[1] == losses[0]
     with pytest.raises(SystemExit, match="--baseline no-such-revision: "):
         bench.package_at("no-such-revision")
+    # the peak measured where none is given (on matrices small enough for a test): the FLOPs of
+    # its chain over its fastest call
+    assert 1e8 < bench.matmul_peak(bench.tf.float32, size=128, repeats=4) < 1e15
 
 
 @pytest.mark.slow
@@ -110,15 +113,20 @@ def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
                           "--peak_tflops", "0.001", "1000")
     assert result.returncode == 0, result.stderr[-3000:]
     # the MFU against the float32 peak given, 1 GFLOP/s (none measured: a float32 configuration
-    # alone), so the MFU in % is a hundred times the GFLOP/s printed (rounded to 1 GFLOP/s);
-    # against a measured peak, or the 16-bit one given, it would be a few % or 0
+    # alone): each median rate's FLOP/s over it; a measured peak or the 16-bit one would be
+    # hundreds of times more
     assert "given float32 matmul peak: 1 GFLOP/s\n" in result.stdout
     assert result.stdout.count("matmul peak") == 1
-    rates = re.findall(r"^(\S+) +median +\d+ target tokens/s, +(\d+) GFLOP/s, MFU (\d+)%$",
+    bench = _benchmark_module("train_throughput")
+    flops = bench.training_flops(dict(vocab_size=300, d_model=32, d_ff=64, num_blocks=1,
+                                      num_heads=4), bench.BATCH, bench.SOURCE_LEN,
+                                 bench.TARGET_LEN)
+    rates = re.findall(r"^(\S+) +median +(\d+) target tokens/s, +\d+ GFLOP/s, MFU (\d+)%$",
                        result.stdout, re.MULTILINE)
     assert [name for name, _, _ in rates] == ["ours-fp32", "at-HEAD-fp32"], result.stdout
-    for _, gflops, mfu in rates:
-        assert int(gflops) >= 1 and abs(int(mfu) / 100 - int(gflops)) <= 0.51, result.stdout
+    for _, rate, mfu in rates:
+        percent = int(rate) / (bench.BATCH * bench.TARGET_LEN) * flops / 1e9 * 100
+        assert abs(int(mfu) - percent) <= 0.51 + 1e-3 * percent, (rate, mfu, percent)
     timed = [line.split()[0] for line in result.stdout.splitlines() if " repeat " in line]
     assert timed == ["ours-fp32", "at-HEAD-fp32", "at-HEAD-fp32", "ours-fp32"]
     assert "ratio ours-fp32 / at-HEAD-fp32: " in result.stdout
