@@ -50,6 +50,10 @@ def test_benchmark_without_its_extra_names_the_extra(tmp_path, script):
         'pip install -e ".[bench]" (or --skip_peer)')
 
 
+# `train_throughput.py --shape` of the tests: a model far smaller than the benchmark's.
+SMALL_SHAPE = "vocab_size=300,d_model=32,d_ff=64,num_blocks=1"
+
+
 def _skip_unless_git_checkout():
     if shutil.which("git") is None or subprocess.run(
             ["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
@@ -72,7 +76,7 @@ def test_a_baseline_revision_trains_beside_the_current_package(monkeypatch):
     bench = _benchmark_module("train_throughput")
     import keras
 
-    for key, value in dict(vocab_size=300, d_model=32, d_ff=64, num_blocks=1).items():
+    for key, value in bench.shape_flag(SMALL_SHAPE).items():
         monkeypatch.setitem(bench.SHAPE, key, value)
 
     import kyu_transformer.model
@@ -109,8 +113,7 @@ def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
     _skip_unless_git_checkout()
     result = programs.run("benchmarks/train_throughput.py", "--skip_peer", "--baseline", "HEAD",
                           "--variants", "fp32", "--repeats", "2", "--steps", "1", "--shape",
-                          "vocab_size=300,d_model=32,d_ff=64,num_blocks=1",
-                          "--peak_tflops", "0.001", "1000")
+                          SMALL_SHAPE, "--peak_tflops", "0.001", "1000")
     assert result.returncode == 0, result.stderr[-3000:]
     # the MFU against the float32 peak given, 1 GFLOP/s (none measured: a float32 configuration
     # alone): each median rate's FLOP/s over it; a measured peak or the 16-bit one would be
@@ -118,8 +121,7 @@ def test_the_baseline_comparison_runs_in_turns_and_prints_its_paired_ratio():
     assert "given float32 matmul peak: 1 GFLOP/s\n" in result.stdout
     assert result.stdout.count("matmul peak") == 1
     bench = _benchmark_module("train_throughput")
-    flops = bench.training_flops(dict(vocab_size=300, d_model=32, d_ff=64, num_blocks=1,
-                                      num_heads=4), bench.BATCH, bench.SOURCE_LEN,
+    flops = bench.training_flops(bench.shape_flag(SMALL_SHAPE), bench.BATCH, bench.SOURCE_LEN,
                                  bench.TARGET_LEN)
     rates = re.findall(r"^(\S+) +median +(\d+) target tokens/s, +\d+ GFLOP/s, MFU (\d+)%$",
                        result.stdout, re.MULTILINE)
