@@ -114,8 +114,9 @@ def joined_runs(tmp_path_factory):
 
 
 def test_trainer_fast_paths_switch_trains_the_same_steps(joined_runs):
-    """Fused Adam, stated loss gradient and XLA loss (on) against Keras' Adam, autodiff and no
-    XLA (off): the same losses update by update and the same weights after them."""
+    """Fused Adam and the stated loss gradient (on) against Keras' Adam and autodiff (off):
+    the same losses update by update and the same weights after them (the XLA loss, which
+    `fast_paths` also gates, is off in `tiny`)."""
     import keras
 
     from kyu_transformer.training.optimizer import Adam
