@@ -11,13 +11,16 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # that float32 tolerances hold on a GPU. Nothing reads it on a machine without an NVIDIA GPU.
 os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 # XLA (JAX's every op, TensorFlow's `jit_compile` and XLA loss) compiles the suite's tiny
-# models without LLVM's optimization passes, in this process and the programs it starts: the
-# same computation in code that runs slower, compiled in less processor time, which the
-# suite's tiny kernels did not repay on the CPUs measured (docs/testing.md). Name another
-# level in XLA_FLAGS to test with it.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = " ".join(
-        filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+# models in less processor time, in this process and the programs it starts: without LLVM's
+# optimization passes, and each fusion by XLA's elemental emitters instead of the MLIR
+# pipeline the CPU backend runs for every fusion apart (a training step has about a thousand).
+# The same computation in code that runs slower, which the suite's tiny kernels did not repay
+# on the CPUs measured (docs/testing.md). Name a flag in XLA_FLAGS to test with its other value.
+_FAST_COMPILING_XLA = {"--xla_backend_optimization_level": "0",
+                       "--xla_cpu_use_fusion_emitters": "false"}
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS")] + [
+    f"{flag}={value}" for flag, value in _FAST_COMPILING_XLA.items()
+    if flag not in os.environ.get("XLA_FLAGS", "")]))
 # pytest-xdist's workers share the machine's cores: each worker, and every program it starts,
 # splits a TensorFlow op over its share of them only. Split over more threads than there are
 # free cores, an op's threads wait for cores the other worker's ops hold (TensorFlow's pool
