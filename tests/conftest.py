@@ -16,11 +16,38 @@ os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 # pipeline the CPU backend runs for every fusion apart (a training step has about a thousand).
 # The same computation in code that runs slower, which the suite's tiny kernels did not repay
 # on the CPUs measured (docs/testing.md). Name a flag in XLA_FLAGS to test with its other value.
-_FAST_COMPILING_XLA = {"--xla_backend_optimization_level": "0",
-                       "--xla_cpu_use_fusion_emitters": "false"}
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS")] + [
-    f"{flag}={value}" for flag, value in _FAST_COMPILING_XLA.items()
-    if flag not in os.environ.get("XLA_FLAGS", "")]))
+# XLA ends a process on a flag it does not know: the emitters' only with the releases of
+# TensorFlow and jaxlib it was measured with, or later.
+EMITTERS_FLAG_SINCE = {"tensorflow": "2.21", "jaxlib": "0.10.2"}
+
+
+def fast_compiling_xla_flags(xla_flags, installed):
+    """Returns `xla_flags` (XLA_FLAGS, or None) with the fast-compiling flags it does not name;
+    `installed(name)`: the version of that distribution, or None."""
+    from packaging.version import Version
+
+    flags = {"--xla_backend_optimization_level": "0"}
+    versions = {name: installed(name) for name in EMITTERS_FLAG_SINCE}
+    if versions["tensorflow"] and all(
+            version is None or Version(version) >= Version(EMITTERS_FLAG_SINCE[name])
+            for name, version in versions.items()):
+        flags["--xla_cpu_use_fusion_emitters"] = "false"
+    return " ".join(filter(None, [xla_flags] + [
+        f"{flag}={value}" for flag, value in flags.items() if flag not in (xla_flags or "")]))
+
+
+def installed_version(name):
+    """The installed version of distribution `name`, or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+os.environ["XLA_FLAGS"] = fast_compiling_xla_flags(os.environ.get("XLA_FLAGS"),
+                                                   installed_version)
 # pytest-xdist's workers share the machine's cores: each worker, and every program it starts,
 # splits a TensorFlow op over its share of them only. Split over more threads than there are
 # free cores, an op's threads wait for cores the other worker's ops hold (TensorFlow's pool

@@ -1,6 +1,7 @@
 """What the tests assume of exactness: where the backend sees a GPU (a faked device list here)
 the tests marked `cpu_exact` skip, unless KYU_EXACT_ON_GPU=1; TensorFloat-32 is off; a test
-marked `op_determinism` runs with TensorFlow's deterministic ops."""
+marked `op_determinism` runs with TensorFlow's deterministic ops; XLA compiles with the
+flags its release knows."""
 
 import os
 
@@ -108,6 +109,24 @@ def test_the_tests_and_their_programs_compute_without_tensor_float_32():
         import jax
 
         assert jax.config.jax_default_matmul_precision == "highest"
+
+
+def test_xla_compiles_fast_with_the_flags_its_release_knows():
+    """The fast-compiling flags reach the programs (XLA_FLAGS); the emitters' flag only with
+    TensorFlow and jaxlib (where installed) of the releases that know it; a flag XLA_FLAGS
+    names already is left as it is."""
+    assert "--xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]
+    known = {"tensorflow": "2.21.0", "jaxlib": "0.10.2"}
+    both = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    assert conftest.fast_compiling_xla_flags(None, known.get) == both
+    assert conftest.fast_compiling_xla_flags(None, {"tensorflow": "2.22.1"}.get) == both
+    for older in ({**known, "tensorflow": "2.20.0"}, {**known, "jaxlib": "0.9.0"},
+                  {"jaxlib": "0.10.2"}):  # TensorFlow under another distribution's name
+        assert conftest.fast_compiling_xla_flags(None, older.get) == (
+            "--xla_backend_optimization_level=0")
+    assert conftest.fast_compiling_xla_flags(
+        "--xla_dump_to=d --xla_cpu_use_fusion_emitters=true", known.get) == (
+        "--xla_dump_to=d --xla_cpu_use_fusion_emitters=true --xla_backend_optimization_level=0")
 
 
 @pytest.mark.tensorflow_only("TensorFlow's op determinism")
