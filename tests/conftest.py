@@ -16,24 +16,31 @@ os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 # pipeline the CPU backend runs for every fusion apart (a training step has about a thousand).
 # The same computation in code that runs slower, which the suite's tiny kernels did not repay
 # on the CPUs measured (docs/testing.md). Name a flag in XLA_FLAGS to test with its other value.
-# XLA ends a process on a flag it does not know: the emitters' only with the releases of
-# TensorFlow and jaxlib it was measured with, or later.
-EMITTERS_FLAG_SINCE = {"tensorflow": "2.21", "jaxlib": "0.10.2"}
+# XLA ends a process on a flag it does not know: the emitters' flag only with the releases of
+# TensorFlow and jaxlib it was measured with (a later one may have dropped it: measure, then
+# widen the range).
+EMITTERS_FLAG_RELEASES = {"tensorflow": ("2.21", "2.22"), "jaxlib": ("0.10.2", "0.11")}
 
 
 def fast_compiling_xla_flags(xla_flags, installed):
     """Returns `xla_flags` (XLA_FLAGS, or None) with the fast-compiling flags it does not name;
     `installed(name)`: the version of that distribution, or None."""
-    from packaging.version import Version
-
     flags = {"--xla_backend_optimization_level": "0"}
-    versions = {name: installed(name) for name in EMITTERS_FLAG_SINCE}
-    if versions["tensorflow"] and all(
-            version is None or Version(version) >= Version(EMITTERS_FLAG_SINCE[name])
-            for name, version in versions.items()):
+    if installed("tensorflow") and all(_within(installed(name), *releases) for name, releases
+                                       in EMITTERS_FLAG_RELEASES.items()):
         flags["--xla_cpu_use_fusion_emitters"] = "false"
     return " ".join(filter(None, [xla_flags] + [
         f"{flag}={value}" for flag, value in flags.items() if flag not in (xla_flags or "")]))
+
+
+def _within(version, first, end):
+    """Whether `version` (None: not installed) is from `first` up to, not including, `end`."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return version is None or Version(first) <= Version(version) < Version(end)
+    except InvalidVersion:
+        return False
 
 
 def installed_version(name):

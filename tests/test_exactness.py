@@ -112,20 +112,25 @@ def test_the_tests_and_their_programs_compute_without_tensor_float_32():
 
 
 def test_xla_compiles_fast_with_the_flags_its_release_knows():
-    """The fast-compiling flags reach the programs (XLA_FLAGS); the emitters' flag only with
-    TensorFlow and jaxlib (where installed) of the releases that know it; a flag XLA_FLAGS
-    names already is left as it is."""
-    assert "--xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]
-    known = {"tensorflow": "2.21.0", "jaxlib": "0.10.2"}
+    """The fast-compiling flags reach the programs (XLA_FLAGS), unless XLA_FLAGS named them;
+    the emitters' flag only with the TensorFlow and jaxlib (where installed) releases measured
+    with it; a flag XLA_FLAGS names already is left as it is."""
+    ours = conftest.fast_compiling_xla_flags(None, conftest.installed_version).split()
+    assert "--xla_backend_optimization_level=0" in ours
+    for flag in ours:
+        assert flag.split("=")[0] in os.environ["XLA_FLAGS"]
+    measured = {"tensorflow": "2.21.0", "jaxlib": "0.10.2"}
     both = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-    assert conftest.fast_compiling_xla_flags(None, known.get) == both
-    assert conftest.fast_compiling_xla_flags(None, {"tensorflow": "2.22.1"}.get) == both
-    for older in ({**known, "tensorflow": "2.20.0"}, {**known, "jaxlib": "0.9.0"},
+    for known in (measured, {"tensorflow": "2.21.3"}, {**measured, "jaxlib": "0.10.9"}):
+        assert conftest.fast_compiling_xla_flags(None, known.get) == both, known
+    for other in ({**measured, "tensorflow": "2.20.0"}, {**measured, "tensorflow": "2.22.0"},
+                  {**measured, "tensorflow": "2.21.0rc1"}, {**measured, "jaxlib": "0.10.1"},
+                  {**measured, "jaxlib": "0.11.0"}, {**measured, "tensorflow": "2.21-custom"},
                   {"jaxlib": "0.10.2"}):  # TensorFlow under another distribution's name
-        assert conftest.fast_compiling_xla_flags(None, older.get) == (
-            "--xla_backend_optimization_level=0")
+        assert conftest.fast_compiling_xla_flags(None, other.get) == (
+            "--xla_backend_optimization_level=0"), other
     assert conftest.fast_compiling_xla_flags(
-        "--xla_dump_to=d --xla_cpu_use_fusion_emitters=true", known.get) == (
+        "--xla_dump_to=d --xla_cpu_use_fusion_emitters=true", measured.get) == (
         "--xla_dump_to=d --xla_cpu_use_fusion_emitters=true --xla_backend_optimization_level=0")
 
 
