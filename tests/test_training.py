@@ -128,10 +128,15 @@ def test_replica_slices_cut_each_global_batch_in_order():
 @pytest.mark.slow
 def test_tiny_preset_loss_falls_on_multi30k(tmp_path, multi30k_tiny):
     # with the loss compiled by XLA, as the small and base recipes train
+    # The host reads the updates' sums (loss, hits, tokens) at log steps only, and at the end
+    # of the data; an update's one read is its small tensor of counts.
     hparams = tiny(tmp_path, num_epochs=1, log_every=5, xla_loss=True)
     trainer = Trainer(hparams, verbose=False)
+    reads, take_sums = [], trainer._train_step.take_sums
+    trainer._train_step.take_sums = lambda: reads.append(trainer.global_step()) or take_sums()
     result = trainer.fit(multi30k_tiny.train_batches, steps_per_epoch=40)
     assert result["steps"] == 40 and result["stopped"] == "done"
+    assert reads == [5, 10, 15, 20, 25, 30, 35, 40, 40]
     with open(os.path.join(hparams["logdir"], "history.jsonl"), encoding="utf-8") as handle:
         losses = [r["loss"] for r in map(json.loads, handle) if r["kind"] == "train"]
     assert len(losses) == 8
