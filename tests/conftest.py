@@ -17,9 +17,9 @@ os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 # The same computation in code that runs slower, which the suite's tiny kernels did not repay
 # on the CPUs measured (docs/testing.md). Name a flag in XLA_FLAGS to test with its other value.
 # XLA ends a process on a flag it does not know: the emitters' flag only with the releases of
-# TensorFlow and jaxlib it was measured with (a later one may have dropped it: measure, then
-# widen the range).
-EMITTERS_FLAG_RELEASES = {"tensorflow": ("2.21", "2.22"), "jaxlib": ("0.10.2", "0.11")}
+# TensorFlow and jaxlib it was measured with (2.21.0, 0.10.2) and their patch releases, none of
+# the next one's pre-releases (a later release may have dropped it: measure, then widen).
+EMITTERS_FLAG_RELEASES = {"tensorflow": ("2.21", "2.22.dev0"), "jaxlib": ("0.10.2", "0.11.dev0")}
 
 
 def fast_compiling_xla_flags(xla_flags, installed):

@@ -125,7 +125,9 @@ def test_xla_compiles_fast_with_the_flags_its_release_knows():
         assert conftest.fast_compiling_xla_flags(None, known.get) == both, known
     for other in ({**measured, "tensorflow": "2.20.0"}, {**measured, "tensorflow": "2.22.0"},
                   {**measured, "tensorflow": "2.21.0rc1"}, {**measured, "jaxlib": "0.10.1"},
-                  {**measured, "jaxlib": "0.11.0"}, {**measured, "tensorflow": "2.21-custom"},
+                  {**measured, "jaxlib": "0.11.0"}, {**measured, "tensorflow": "2.22.0rc0"},
+                  {**measured, "jaxlib": "0.11.0.dev20260101"},
+                  {**measured, "tensorflow": "2.21-custom"},
                   {"jaxlib": "0.10.2"}):  # TensorFlow under another distribution's name
         assert conftest.fast_compiling_xla_flags(None, other.get) == (
             "--xla_backend_optimization_level=0"), other
