@@ -10,7 +10,7 @@ from kyu_transformer import config
 
 def test_presets_and_overrides_in_order():
     resolved = hp.parse("small,lr=3,batch_size=64", {"warmup_steps": "200"})
-    assert (resolved["d_model"], resolved["num_blocks"]) == (256, 3)
+    assert (resolved["d_model"], resolved["num_blocks"]) == (128, 4)
     assert resolved["lr"] == 3.0 and isinstance(resolved["lr"], float)
     assert resolved["batch_size"] == 64 and resolved["warmup_steps"] == 200
     assert hp.parse("")["d_model"] == config.DEFAULTS["d_model"]

@@ -2,7 +2,7 @@
 best or named checkpoint, or an average, as eval.py chooses), a `.keras` file (export.py --format
 keras), a SavedModel or a CTranslate2 model into one `TextTranslator`.
 
-    translator = load_translator("log/small", average_last=8, beam_size=4, alpha=1.0)
+    translator = load_translator("log/small", average_last=8, beam_size=4, alpha=1.4)
     translator.translate(["Zwei Hunde spielen im Schnee."])
 """
 
